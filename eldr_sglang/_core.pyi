@@ -1,0 +1,167 @@
+"""Type stubs for the Rust hot path (`eldr_sglang._core`, built from rust/python).
+
+Shapes: L = layers in the count input (MoE layers of the trace, or hidden layers of
+SGLang output where dense layers carry weight 0), E = experts per layer, K = decode
+workers, D = (number of selected layers) * E = signature dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+FORMAT_VERSION: int
+POLICIES: tuple[str, ...]
+
+class CentroidFileError(ValueError):
+    """A centroid file is truncated, corrupt, of another version or mismatched."""
+
+class NoSignature(ValueError):
+    """No usable signature: `reason` is one of 'empty', 'non_finite', 'negative',
+    'out_of_range', 'shape'."""
+
+    reason: str
+
+class SignatureSpec:
+    """Layer weights and IDF: everything needed to turn counts into a signature."""
+
+    def __init__(
+        self,
+        layer_weights: npt.NDArray[np.float32],  # [L]; 0 masks a layer (dense or unselected)
+        idf: npt.NDArray[np.float32],  # [L, E]
+    ) -> None: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def selected_layers(self) -> list[int]: ...
+    def from_dense(self, counts: npt.NDArray[np.uint16 | np.uint32 | np.float32 | np.int64]) -> npt.NDArray[np.float32]:
+        """[L, E] counts -> unit signature [D]. Raises NoSignature."""
+    def from_sparse(self, index: npt.NDArray[np.int64 | np.int32 | np.uint32], counts: npt.NDArray[np.float32 | np.uint32 | np.uint16]) -> npt.NDArray[np.float32]:
+        """Flat indices l*E+e with their counts -> unit signature [D]. Raises NoSignature."""
+    def from_topk(self, ids: npt.NDArray[np.int32 | np.int64 | np.uint8 | np.uint16]) -> npt.NDArray[np.float32]:
+        """Top-k ids [T, L, k] -> unit signature [D]. Raises NoSignature."""
+    def batch_from_topk(
+        self, ids: npt.NDArray[np.integer], offsets: npt.NDArray[np.int64], prefix_len: npt.NDArray[np.int64] | None = None
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_]]:
+        """Signatures of many requests at once (GIL released).
+
+        ids [T, L, k]; request r is rows offsets[r]:offsets[r]+prefix_len[r] (whole
+        request when prefix_len is None). Returns ([R, D] signatures, [R] valid mask);
+        rows without a usable signature are zero and valid=False."""
+
+def count_topk(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
+    """Top-k ids [T, L, k] -> counts [L, E]. Raises ValueError on out-of-range ids."""
+
+class CentroidSet:
+    """A validated, mmapped centroid file (read-only)."""
+
+    @staticmethod
+    def open(path: str) -> CentroidSet: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def tau(self) -> float: ...
+    @property
+    def worker_names(self) -> list[str]: ...
+    @property
+    def provenance_json(self) -> str: ...
+    @property
+    def checksum(self) -> int: ...
+    def layer_weights(self) -> npt.NDArray[np.float32]: ...
+    def idf(self) -> npt.NDArray[np.float32]: ...  # [L, E]
+    def centroids(self) -> npt.NDArray[np.float32]: ...  # [K, D], unit rows
+    def spec(self) -> SignatureSpec: ...
+
+def write_centroids(
+    path: str,
+    centroids: npt.NDArray[np.float32],  # [K, D]; rows are L2-normalized on write
+    layer_weights: npt.NDArray[np.float32],  # [L]
+    idf: npt.NDArray[np.float32],  # [L, E]
+    tau: float = 0.1,
+    worker_names: Sequence[str] | None = None,
+    provenance_json: str = "{}",
+) -> None:
+    """Validate and write a centroid file atomically (temp file + rename)."""
+
+class Decision:
+    worker: int
+    reason: str  # 'band', 'no_signature:<why>', 'no_centroids', 'policy', 'no_healthy_worker'
+    distances: list[float] | None
+    band: list[int] | None
+    d_star: float | None
+    tau: float | None
+    loads: list[int]
+
+class Lease:
+    """One in-flight request on one worker; released exactly once."""
+
+    @property
+    def worker(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def released(self) -> bool: ...
+    def release(self) -> bool:
+        """Release the slot; True the first time, False after."""
+    def __enter__(self) -> Lease: ...
+    def __exit__(self, *exc: object) -> Literal[False]: ...
+
+class Router:
+    """Band router + baseline policies + queue tracker + hot-reloadable centroids."""
+
+    def __init__(
+        self,
+        policy: str = "eldr",
+        num_workers: int | None = None,
+        centroids: str | None = None,
+        tau: float | None = None,
+        seed: int = 0,
+        reload_interval_ms: int = 250,
+        load_report_ttl_ms: int = 2000,
+    ) -> None: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def tau(self) -> float: ...
+    @tau.setter
+    def tau(self, value: float) -> None: ...
+    def route_dense(self, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
+    def route_sparse(self, index: npt.NDArray, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
+    def route_topk(self, ids: npt.NDArray, explain: bool = False) -> int | Decision: ...
+    def route_signature(self, signature: npt.NDArray[np.float32] | None, explain: bool = False) -> int | Decision: ...
+    def route_batch(self, signatures: npt.NDArray[np.float32], valid: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+        """Route rows one after another without acquiring (simulator helper)."""
+    def acquire(self, worker: int, tokens: int = 0) -> Lease: ...
+    def loads(self) -> list[int]: ...
+    def tokens(self) -> list[int]: ...
+    def report_load(self, worker: int, running: int, tokens: int = 0) -> None: ...
+    def set_healthy(self, worker: int, healthy: bool) -> None: ...
+    def healthy(self) -> list[bool]: ...
+    def reload(self) -> bool:
+        """Reload the centroid file now. Raises CentroidFileError, keeping the old set."""
+    def maybe_reload(self) -> bool:
+        """Reload if the file changed (checked at most every reload_interval_ms)."""
+    @property
+    def centroid_generation(self) -> int: ...
+    @property
+    def last_reload_error(self) -> str | None: ...
+    def centroid_set(self) -> CentroidSet | None: ...
