@@ -1,0 +1,209 @@
+"""ELDR trace format, version 1 (NumPy .npz): reading, validating, writing.
+
+| array        | dtype, shape     | meaning                                          |
+|--------------|------------------|--------------------------------------------------|
+| expert_ids   | integer [T, L, k]| top-k expert ids of every token at every MoE layer|
+| req_offsets  | int64 [R+1]      | request r is rows req_offsets[r]:req_offsets[r+1] |
+| prefill_len  | int32 [R]        | first prefill_len[r] rows of r are its prompt     |
+| domain       | str [R]          | optional label, for evaluation only               |
+| subdomain    | str [R]          | optional finer label                              |
+| arrival_s    | float64 [R]      | optional arrival times                            |
+| meta_json    | str scalar       | format, version, model, num_layers, num_experts, top_k, ... |
+
+Labels (`domain`, `subdomain`) are for scoring only: no routing or fitting code may read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TRACE_FORMAT = "eldr-trace"
+TRACE_VERSION = 1
+
+
+class TraceError(ValueError):
+    """A trace file is missing, malformed or inconsistent; the message names the problem."""
+
+
+@dataclass
+class Trace:
+    expert_ids: np.ndarray  # [T, L, k] integer
+    req_offsets: np.ndarray  # int64 [R+1]
+    prefill_len: np.ndarray  # int32 [R]
+    meta: dict = field(default_factory=dict)
+    domain: np.ndarray | None = None
+    subdomain: np.ndarray | None = None
+    arrival_s: np.ndarray | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.req_offsets.shape[0] - 1)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.expert_ids.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.expert_ids.shape[2])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.meta["num_experts"])
+
+    @property
+    def model(self) -> str:
+        return str(self.meta.get("model", "unknown"))
+
+    def request_len(self) -> np.ndarray:
+        return np.diff(self.req_offsets)
+
+    def decode_len(self) -> np.ndarray:
+        return self.request_len() - self.prefill_len.astype(np.int64)
+
+    def prefill_ids(self, r: int) -> np.ndarray:
+        """[prefill_len, L, k] top-k ids of request r's prompt."""
+        s = int(self.req_offsets[r])
+        return self.expert_ids[s : s + int(self.prefill_len[r])]
+
+    def decode_ids(self, r: int) -> np.ndarray:
+        """[decode_len, L, k] top-k ids of request r's generated tokens, in order."""
+        s = int(self.req_offsets[r]) + int(self.prefill_len[r])
+        return self.expert_ids[s : int(self.req_offsets[r + 1])]
+
+    def subset(self, requests: np.ndarray) -> "Trace":
+        """A new trace holding the given requests, in the given order."""
+        requests = np.asarray(requests, dtype=np.int64)
+        lens = self.request_len()[requests]
+        offsets = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        rows = np.concatenate(
+            [np.arange(self.req_offsets[r], self.req_offsets[r + 1]) for r in requests]
+        ) if len(requests) else np.zeros(0, dtype=np.int64)
+        pick = lambda a: None if a is None else a[requests]  # noqa: E731
+        return Trace(
+            expert_ids=self.expert_ids[rows],
+            req_offsets=offsets,
+            prefill_len=self.prefill_len[requests],
+            meta=dict(self.meta),
+            domain=pick(self.domain),
+            subdomain=pick(self.subdomain),
+            arrival_s=pick(self.arrival_s),
+        )
+
+    def validate(self) -> None:
+        """Raise TraceError naming the first inconsistency."""
+        ids = self.expert_ids
+        if ids.ndim != 3:
+            raise TraceError(f"expert_ids must be [T, L, k], got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TraceError(f"expert_ids must be integers, got dtype {ids.dtype}")
+        for key in ("num_layers", "num_experts", "top_k"):
+            if key not in self.meta:
+                raise TraceError(f"meta_json lacks {key!r}")
+        if int(self.meta["num_layers"]) != ids.shape[1]:
+            raise TraceError(
+                f"layer mismatch: meta_json says num_layers={self.meta['num_layers']}, "
+                f"expert_ids has {ids.shape[1]} layers"
+            )
+        if int(self.meta["top_k"]) != ids.shape[2]:
+            raise TraceError(
+                f"top-k mismatch: meta_json says top_k={self.meta['top_k']}, expert_ids has k={ids.shape[2]}"
+            )
+        off = self.req_offsets
+        if off.ndim != 1 or off.shape[0] < 1:
+            raise TraceError("req_offsets must be a 1-D array of R+1 offsets")
+        if self.num_requests == 0:
+            raise TraceError("empty trace: it holds no requests")
+        if off[0] != 0 or off[-1] != ids.shape[0] or np.any(np.diff(off) < 0):
+            raise TraceError(
+                f"req_offsets must rise from 0 to T={ids.shape[0]}, got {off[0]}..{off[-1]}"
+            )
+        if self.prefill_len.shape != (self.num_requests,):
+            raise TraceError(
+                f"prefill_len has shape {self.prefill_len.shape}, expected ({self.num_requests},)"
+            )
+        if np.any(self.prefill_len < 0) or np.any(self.prefill_len > np.diff(off)):
+            raise TraceError("prefill_len must lie between 0 and each request's token count")
+        E = int(self.meta["num_experts"])
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= E:
+                raise TraceError(f"expert ids out of range: found {lo}..{hi}, num_experts={E}")
+        for name in ("domain", "subdomain", "arrival_s"):
+            a = getattr(self, name)
+            if a is not None and a.shape != (self.num_requests,):
+                raise TraceError(f"{name} has shape {a.shape}, expected ({self.num_requests},)")
+        if self.arrival_s is not None and not np.all(np.isfinite(self.arrival_s)):
+            raise TraceError("arrival_s holds NaN or infinite values")
+
+
+def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
+    """Read an ELDR v1 trace (.npz). Raises TraceError with a clear message."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(f"trace file not found: {path}")
+    try:
+        z = np.load(path, allow_pickle=False)
+    except Exception as exc:  # zipfile/npy errors come in many types
+        raise TraceError(f"{path}: not a readable .npz trace ({exc})") from None
+    with z:
+        missing = [k for k in ("expert_ids", "req_offsets", "prefill_len", "meta_json") if k not in z.files]
+        if missing:
+            raise TraceError(f"{path}: not an ELDR trace, missing arrays {missing}")
+        try:
+            meta = json.loads(str(z["meta_json"]))
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}: meta_json is not valid JSON ({exc})") from None
+        if meta.get("format", TRACE_FORMAT) != TRACE_FORMAT:
+            raise TraceError(f"{path}: format {meta.get('format')!r} is not {TRACE_FORMAT!r}")
+        if int(meta.get("version", TRACE_VERSION)) != TRACE_VERSION:
+            raise TraceError(f"{path}: trace version {meta.get('version')} is not supported (only {TRACE_VERSION})")
+        opt = lambda k: z[k] if k in z.files else None  # noqa: E731
+        trace = Trace(
+            expert_ids=z["expert_ids"],
+            req_offsets=z["req_offsets"].astype(np.int64, copy=False),
+            prefill_len=z["prefill_len"].astype(np.int32, copy=False),
+            meta=meta,
+            domain=opt("domain"),
+            subdomain=opt("subdomain"),
+            arrival_s=None if opt("arrival_s") is None else z["arrival_s"].astype(np.float64, copy=False),
+        )
+    if validate:
+        try:
+            trace.validate()
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
+    return trace
+
+
+def save_trace(trace: Trace, path: str | os.PathLike) -> None:
+    """Validate, then write atomically: nothing is left behind on failure."""
+    trace.validate()
+    meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **trace.meta}
+    meta["format"], meta["version"] = TRACE_FORMAT, TRACE_VERSION
+    arrays = {
+        "expert_ids": trace.expert_ids,
+        "req_offsets": trace.req_offsets.astype(np.int64),
+        "prefill_len": trace.prefill_len.astype(np.int32),
+        "meta_json": np.array(json.dumps(meta)),
+    }
+    for name in ("domain", "subdomain", "arrival_s"):
+        if getattr(trace, name) is not None:
+            arrays[name] = getattr(trace, name)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
