@@ -20,6 +20,7 @@ _CORE_NAMES = {
     "SignatureSpec",
     "__version__",
     "count_topk",
+    "distinct_per_layer",
     "write_centroids",
 }
 

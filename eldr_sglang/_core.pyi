@@ -56,6 +56,9 @@ class SignatureSpec:
         request when prefix_len is None). Returns ([R, D] signatures, [R] valid mask);
         rows without a usable signature are zero and valid=False."""
 
+def distinct_per_layer(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
+    """Top-k ids [N, L, k] of the tokens of one decode step -> distinct experts per layer [L]."""
+
 def count_topk(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
     """Top-k ids [T, L, k] -> counts [L, E]. Raises ValueError on out-of-range ids."""
 
