@@ -1,0 +1,496 @@
+"""Exact balanced assignment and Hungarian-balanced spherical K-means that scale.
+
+The paper's assignment step runs the Hungarian algorithm on the K centroids, each
+replicated N/K times: O(N^3). The same optimum is the solution of a transportation
+problem with K sinks, which has only K dual prices. We solve it in two stages:
+
+1. **Prices** (fast, not trusted for optimality). Gauss-Seidel dual coordinate ascent:
+   for each cluster k in turn, set its price p_k so that exactly n_k points have k as
+   their cheapest reduced cost ``c_ik - p_k``. When every cluster hits its size at once,
+   the argmin assignment is optimal for those sizes (complementary slackness).
+2. **Exact finish** (the certificate). From any feasible balanced assignment, cancel
+   negative cycles on the (K+1)-node cluster graph: edge a->b has weight
+   ``min_{i in a} c_ib - c_ia`` (moving the best point of a to b), and a slack node S
+   with 0-weight edges b->S (b holds floor(N/K) and may grow) and S->a (a holds
+   ceil(N/K) and may shrink) expresses the freedom of which clusters take the extra
+   points. Bellman-Ford on K+1 nodes finds a cycle; cancelling it keeps the sizes
+   feasible and lowers the cost. "No negative cycle" is the optimality condition of the
+   min-cost flow, so the loop ends with a proof of optimality (up to a float tolerance).
+
+Cost convention: ``C[i, k] = -<s_i, mu_k>``; with unit vectors ``||s_i - mu_k||^2 =
+2 + 2 C[i, k]``, so minimising sum C minimises the K-means objective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+import scipy.sparse as sp
+
+_DEBUG = False
+
+
+def balanced_sizes(n: int, k: int) -> tuple[int, int]:
+    """(q, r): every cluster holds q or q+1 points and exactly r clusters hold q+1."""
+    if k < 1:
+        raise ValueError(f"the number of clusters must be >= 1, got {k}")
+    if n < k:
+        raise ValueError(f"cannot split {n} points into {k} non-empty balanced clusters (K > N)")
+    return n // k, n % k
+
+
+def is_balanced(assign: np.ndarray, k: int) -> bool:
+    sizes = np.bincount(assign, minlength=k)
+    q, r = balanced_sizes(len(assign), k)
+    return bool(sizes.min() >= q and sizes.max() <= q + (1 if r else 0) and sizes.sum() == len(assign))
+
+
+@dataclasses.dataclass
+class AssignInfo:
+    objective: float  # sum of C[i, assign[i]]
+    sweeps: int  # price sweeps
+    price_converged: bool  # prices alone reached the target sizes
+    repaired: int  # points moved by the greedy repair
+    cycles: int  # negative cycles cancelled
+    optimal: bool  # no negative cycle left (optimality certificate)
+    seconds: float
+
+
+# ---------------------------------------------------------------------------
+# Stage 1: prices by Gauss-Seidel coordinate ascent on the dual
+# ---------------------------------------------------------------------------
+
+
+def _top2(CT: np.ndarray, p: np.ndarray, cols: np.ndarray | None = None):
+    """Best and second-best reduced cost (C - p) per point; CT is [K, N]."""
+    V = CT if cols is None else CT[:, cols]
+    V = V - p[:, None]
+    j1 = np.argmin(V, axis=0)
+    ar = np.arange(V.shape[1])
+    m1 = V[j1, ar]
+    V[j1, ar] = np.inf
+    j2 = np.argmin(V, axis=0)
+    m2 = V[j2, ar]
+    return j1, m1, j2, m2
+
+
+def _gauss_seidel_prices(CT, target, p, max_sweeps, deadline):
+    K, N = CT.shape
+    j1, m1, j2, m2 = _top2(CT, p)
+    sizes = np.bincount(j1, minlength=K)
+    sweeps = 0
+    err = int(np.abs(sizes - target).sum())
+    while sweeps < max_sweeps and err:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        sweeps += 1
+        for k in range(K):
+            if sizes[k] == target[k]:
+                continue
+            ck = CT[k]
+            other = np.where(j1 == k, m2, m1)  # min over j != k of c_ij - p_j
+            t = ck - other  # point i prefers k iff p_k > t_i
+            n = int(target[k])
+            if n == 0:
+                newp = float(t.min()) - 1.0
+            elif n >= N:
+                newp = float(t.max()) + 1.0
+            else:
+                part = np.partition(t, (n - 1, n))
+                lo, hi = float(part[n - 1]), float(part[n])
+                if not hi > lo:  # exact tie: no price separates them; leave for the finish
+                    continue
+                newp = 0.5 * (lo + hi)
+            p[k] = newp
+            vk = ck - newp
+            # update the top-2 structure for column k
+            was1 = j1 == k
+            was2 = j2 == k
+            recompute = (was1 & (vk > m2)) | (was2 & (vk > m2))
+            keep1 = was1 & ~recompute
+            m1[keep1] = vk[keep1]
+            w2 = was2 & ~recompute
+            # k was second: it may now be best
+            up = w2 & (vk < m1)
+            j2[up], m2[up] = j1[up], m1[up]
+            j1[up], m1[up] = k, vk[up]
+            stay2 = w2 & ~up
+            m2[stay2] = vk[stay2]
+            other_pts = ~(was1 | was2)
+            b1 = other_pts & (vk < m1)
+            j2[b1], m2[b1] = j1[b1], m1[b1]
+            j1[b1], m1[b1] = k, vk[b1]
+            b2 = other_pts & ~b1 & (vk < m2)
+            j2[b2], m2[b2] = k, vk[b2]
+            idx = np.flatnonzero(recompute)
+            if idx.size:
+                a1, a2, a3, a4 = _top2(CT, p, idx)
+                j1[idx], m1[idx], j2[idx], m2[idx] = a1, a2, a3, a4
+            sizes = np.bincount(j1, minlength=K)
+        new_err = int(np.abs(sizes - target).sum())
+        if _DEBUG:
+            print("sweep", sweeps, new_err, time.perf_counter())
+        # the tail of coordinate ascent crawls (near-ties between clusters); once a sweep
+        # removes less than a quarter of the imbalance, the repair + exact finish is cheaper
+        stalled = new_err > 0.75 * err
+        err = new_err
+        if stalled:
+            break
+    return j1, p, sweeps, bool(np.array_equal(sizes, target))
+
+
+def _greedy_repair(CT, assign, target):
+    """Move points from over-full to under-full clusters, cheapest moves first."""
+    K = CT.shape[0]
+    sizes = np.bincount(assign, minlength=K)
+    moved = 0
+    while True:
+        excess = sizes - target
+        if not np.any(excess > 0):
+            return assign, moved
+        over = np.flatnonzero(excess > 0)
+        under = np.flatnonzero(excess < 0)
+        pts = np.flatnonzero(np.isin(assign, over))
+        cur = CT[assign[pts], pts]
+        sub = CT[np.ix_(under, pts)] - cur[None, :]
+        bi = np.argmin(sub, axis=0)
+        delta = sub[bi, np.arange(pts.size)]
+        order = np.argsort(delta, kind="stable")
+        need = {int(a): int(excess[a]) for a in over}
+        room = {int(b): int(-excess[b]) for b in under}
+        for o in order:
+            i = int(pts[o])
+            a = int(assign[i])
+            b = int(under[bi[o]])
+            if need[a] > 0 and room[b] > 0:
+                assign[i] = b
+                need[a] -= 1
+                room[b] -= 1
+                sizes[a] -= 1
+                sizes[b] += 1
+                moved += 1
+                if room[b] == 0:
+                    break  # best targets change: recompute with the remaining under-full clusters
+            if not any(need.values()):
+                break
+
+
+# ---------------------------------------------------------------------------
+# Stage 2: exact finish by negative-cycle cancelling on K+1 nodes
+# ---------------------------------------------------------------------------
+
+
+class _ClusterGraph:
+    def __init__(self, CT: np.ndarray, assign: np.ndarray):
+        self.CT = CT
+        self.K = CT.shape[0]
+        self.assign = assign
+        order = np.argsort(assign, kind="stable")
+        bounds = np.searchsorted(assign[order], np.arange(self.K + 1))
+        self.members = [order[bounds[a] : bounds[a + 1]].copy() for a in range(self.K)]
+        self.W = np.full((self.K, self.K), np.inf)
+        self.Widx = np.full((self.K, self.K), -1, dtype=np.int64)
+        for a in range(self.K):
+            self._row(a)
+
+    def _row(self, a: int) -> None:
+        m = self.members[a]
+        if m.size == 0:
+            self.W[a] = np.inf
+            self.Widx[a] = -1
+        else:
+            sub = self.CT[:, m] - self.CT[a, m][None, :]
+            am = np.argmin(sub, axis=1)
+            self.W[a] = sub[np.arange(self.K), am]
+            self.Widx[a] = m[am]
+        self.W[a, a] = np.inf
+
+    def move(self, i: int, a: int, b: int) -> None:
+        self.assign[i] = b
+        ma = self.members[a]
+        self.members[a] = ma[ma != i]
+        self.members[b] = np.append(self.members[b], i)
+
+
+def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> list[int] | None:
+    """Bellman-Ford from a virtual source on a small dense graph; returns a cycle or None."""
+    n = Wfull.shape[0]
+    dist = np.zeros(n)
+    pred = np.full(n, -1, dtype=np.int64)
+    ar = np.arange(n)
+    last = -1
+    for _ in range(n + 1):
+        cand = dist[:, None] + Wfull
+        u = np.argmin(cand, axis=0)
+        nd = cand[u, ar]
+        imp = nd < dist - tol
+        if not imp.any():
+            return None
+        dist[imp] = nd[imp]
+        pred[imp] = u[imp]
+        last = int(np.flatnonzero(imp)[0])
+    # a node improved in the (n+1)-th round: walk back n steps to land on the cycle
+    v = last
+    for _ in range(n):
+        v = int(pred[v])
+    cycle = [v]
+    u = int(pred[v])
+    while u != v:
+        cycle.append(u)
+        u = int(pred[u])
+        if len(cycle) > n:
+            return None
+    cycle.reverse()  # cycle[j] -> cycle[j+1] are edges
+    return cycle
+
+
+def _cancel_cycles(CT, assign, q, r, tol, max_cycles):
+    K = CT.shape[0]
+    g = _ClusterGraph(CT, assign)
+    sizes = np.bincount(assign, minlength=K)
+    cycles = 0
+    S = K
+    while cycles < max_cycles:
+        Wf = np.full((K + 1, K + 1), np.inf)
+        Wf[:K, :K] = g.W
+        if r:
+            Wf[np.flatnonzero(sizes == q), S] = 0.0  # may gain a point
+            Wf[S, np.flatnonzero(sizes == q + 1)] = 0.0  # may lose a point
+        cyc = _find_negative_cycle(Wf, tol)
+        if cyc is None:
+            return assign, cycles, True
+        edges = list(zip(cyc, cyc[1:] + cyc[:1]))
+        weight = sum(Wf[u, v] for u, v in edges)
+        if not weight < -tol:
+            return assign, cycles, True  # only float noise left
+        touched = set()
+        for u, v in edges:
+            if u == S or v == S:
+                continue
+            i = int(g.Widx[u, v])
+            g.move(i, u, v)
+            sizes[u] -= 1
+            sizes[v] += 1
+            touched.update((u, v))
+        for a in touched:
+            g._row(a)
+        cycles += 1
+    return assign, cycles, False
+
+
+# ---------------------------------------------------------------------------
+# Public: exact balanced assignment
+# ---------------------------------------------------------------------------
+
+
+def balanced_assign(
+    C: np.ndarray,
+    prices: np.ndarray | None = None,
+    *,
+    transposed: bool = False,
+    max_sweeps: int = 200,
+    max_cycles: int = 1_000_000,
+    tol: float | None = None,
+    price_seconds: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, AssignInfo]:
+    """Exact minimum-cost balanced assignment.
+
+    C: [N, K] costs (or [K, N] with ``transposed=True``). Returns (assign [N] int64,
+    prices [K] for warm starts, info). Every cluster gets floor(N/K) or ceil(N/K)
+    points and sum C[i, assign[i]] is minimal (``info.optimal`` certifies it).
+    """
+    t0 = time.perf_counter()
+    CT = np.ascontiguousarray(C if transposed else np.asarray(C).T, dtype=np.float64)
+    K, N = CT.shape
+    q, r = balanced_sizes(N, K)
+    if not np.all(np.isfinite(CT)):
+        raise ValueError("cost matrix holds NaN or infinite values")
+    if tol is None:
+        tol = 1e-12 * max(1.0, float(np.abs(CT).max()))
+    p = np.zeros(K) if prices is None else np.array(prices, dtype=np.float64, copy=True)
+    if K == 1:
+        assign = np.zeros(N, dtype=np.int64)
+        return assign, p, AssignInfo(float(CT.sum()), 0, True, 0, 0, True, time.perf_counter() - t0)
+    # which clusters take the r extra points: the r most demanded at the current prices
+    demand = np.bincount(np.argmin(CT - p[:, None], axis=0), minlength=K)
+    target = np.full(K, q, dtype=np.int64)
+    if r:
+        target[np.argsort(-demand, kind="stable")[:r]] += 1
+    deadline = None if price_seconds is None else t0 + price_seconds
+    assign, p, sweeps, conv = _gauss_seidel_prices(CT, target, p, max_sweeps, deadline)
+    assign = assign.astype(np.int64)
+    repaired = 0
+    if not conv:
+        assign, repaired = _greedy_repair(CT, assign, target)
+    assign, cycles, optimal = _cancel_cycles(CT, assign, q, r, tol, max_cycles)
+    obj = float(CT[assign, np.arange(N)].sum())
+    return assign, p, AssignInfo(obj, sweeps, conv, repaired, cycles, optimal, time.perf_counter() - t0)
+
+
+def hungarian_balanced(C: np.ndarray) -> tuple[np.ndarray, float]:
+    """Reference: the paper's Hungarian step on replicated centroid columns (O(N^3)).
+
+    Handles N not divisible by K exactly: each cluster gets q mandatory columns and one
+    optional column; K - r dummy rows (cost 0 on optional, forbidden on mandatory
+    columns) use up the optional columns that must stay empty.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    C = np.asarray(C, dtype=np.float64)
+    N, K = C.shape
+    q, r = balanced_sizes(N, K)
+    big = 1e6 * (1.0 + np.abs(C).max())
+    cols_mand = np.repeat(np.arange(K), q)
+    cols = np.concatenate([cols_mand, np.arange(K)])  # [Kq + K]
+    M = np.zeros((N + K - r, K * q + K))
+    M[:N] = C[:, cols]
+    M[N:, : K * q] = big
+    rows, cidx = linear_sum_assignment(M)
+    real = rows < N
+    assign = np.empty(N, dtype=np.int64)
+    assign[rows[real]] = cols[cidx[real]]
+    return assign, float(C[np.arange(N), assign].sum())
+
+
+# ---------------------------------------------------------------------------
+# Spherical K-means (balanced or plain) with k-means++ and seeded restarts
+# ---------------------------------------------------------------------------
+
+
+def _normalize_rows(M: np.ndarray) -> np.ndarray:
+    n = np.linalg.norm(M, axis=1, keepdims=True)
+    n[n == 0] = 1.0
+    return (M / n).astype(np.float32)
+
+
+def _dots(X, M: np.ndarray) -> np.ndarray:
+    """[K, N] float64 inner products <mu_k, s_i>."""
+    if sp.issparse(X):
+        return np.asarray((X @ M.T).T, dtype=np.float64)
+    return np.asarray(M @ X.T, dtype=np.float64)
+
+
+def _cluster_sums(X, assign: np.ndarray, K: int) -> np.ndarray:
+    N = assign.shape[0]
+    onehot = sp.csr_matrix((np.ones(N, dtype=np.float32), (assign, np.arange(N))), shape=(K, N))
+    out = onehot @ X
+    return np.asarray(out.toarray() if sp.issparse(out) else out, dtype=np.float64)
+
+
+def kmeanspp(X, K: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding under cosine distance (d = 2 - 2 cos = squared distance)."""
+    N = X.shape[0]
+    first = int(rng.integers(N))
+    rows = [first]
+    row = X[first]
+    c = np.asarray(row.toarray() if sp.issparse(row) else row, dtype=np.float32).reshape(1, -1)
+    d2 = np.maximum(2.0 - 2.0 * _dots(X, c)[0], 0.0)
+    for _ in range(1, K):
+        tot = d2.sum()
+        if tot <= 0:
+            nxt = int(rng.integers(N))
+        else:
+            nxt = int(np.searchsorted(np.cumsum(d2), rng.random() * tot, side="right"))
+            nxt = min(nxt, N - 1)
+        rows.append(nxt)
+        row = X[nxt]
+        c = np.asarray(row.toarray() if sp.issparse(row) else row, dtype=np.float32).reshape(1, -1)
+        d2 = np.minimum(d2, np.maximum(2.0 - 2.0 * _dots(X, c)[0], 0.0))
+    M = X[rows]
+    M = np.asarray(M.toarray() if sp.issparse(M) else M, dtype=np.float64)
+    return _normalize_rows(M)
+
+
+@dataclasses.dataclass
+class KMeansResult:
+    centroids: np.ndarray  # [K, D] float32 unit rows
+    assignment: np.ndarray  # [N] int64
+    objective: float  # sum ||s_i - mu_c(i)||^2 = sum (2 - 2 cos)
+    iterations: int
+    restart: int  # index of the winning restart
+    restart_objectives: list[float]
+    balanced: bool
+    optimal_assignment: bool  # last balanced assignment carried an optimality certificate
+    seconds: float
+    assign_seconds: float
+    history: list[dict]
+
+
+def spherical_kmeans(
+    X,
+    K: int,
+    *,
+    seed: int = 0,
+    n_init: int = 3,
+    max_iter: int = 50,
+    balanced: bool = True,
+    rtol: float = 1e-7,
+    progress: Callable[[str], None] | None = None,
+) -> KMeansResult:
+    """Spherical K-means on unit rows X ([N, D] ndarray or scipy.sparse CSR).
+
+    ``balanced=True`` uses the exact balanced assignment (sizes floor/ceil N/K);
+    ``balanced=False`` is plain spherical K-means (for comparison). Restart r seeds its
+    generator with (seed, r): results are deterministic for a seed.
+    """
+    t0 = time.perf_counter()
+    N = X.shape[0]
+    balanced_sizes(N, K)
+    if sp.issparse(X):
+        X = X.tocsr().astype(np.float32)
+    else:
+        X = np.ascontiguousarray(X, dtype=np.float32)
+    best: KMeansResult | None = None
+    objs: list[float] = []
+    assign_s = 0.0
+    history: list[dict] = []
+    for rs in range(n_init):
+        rng = np.random.default_rng([int(seed), rs])
+        M = kmeanspp(X, K, rng)
+        prices = None
+        assign = None
+        obj = np.inf
+        opt = True
+        it = 0
+        for it in range(1, max_iter + 1):
+            CT = -_dots(X, M)
+            if balanced:
+                ta = time.perf_counter()
+                new, prices, info = balanced_assign(CT, prices, transposed=True)
+                assign_s += time.perf_counter() - ta
+                opt = info.optimal
+                history.append({"restart": rs, "iter": it, **dataclasses.asdict(info)})
+            else:
+                new = np.argmin(CT, axis=0).astype(np.int64)
+            new_obj = float(2.0 * N + 2.0 * CT[new, np.arange(N)].sum())
+            changed = assign is None or not np.array_equal(new, assign)
+            assign = new
+            sums = _cluster_sums(X, assign, K)
+            empty = ~np.any(sums != 0, axis=1)
+            if empty.any():  # plain K-means only: reseed an empty cluster at the worst point
+                far = np.argsort(CT[assign, np.arange(N)])[::-1]
+                for j, k in enumerate(np.flatnonzero(empty)):
+                    row = X[far[j]]
+                    sums[k] = np.asarray(row.toarray() if sp.issparse(row) else row).ravel()
+            M = _normalize_rows(sums)
+            if progress:
+                progress(f"restart {rs + 1}/{n_init} iter {it} objective {new_obj:.6f}")
+            if not changed or (np.isfinite(obj) and obj - new_obj <= rtol * abs(new_obj)):
+                obj = new_obj
+                break
+            obj = new_obj
+        # final objective with the final centroids and the final assignment
+        CT = -_dots(X, M)
+        obj = float(2.0 * N + 2.0 * CT[assign, np.arange(N)].sum())
+        objs.append(obj)
+        if best is None or obj < best.objective - 1e-12 * abs(obj):
+            best = KMeansResult(M, assign.copy(), obj, it, rs, objs, balanced, opt, 0.0, 0.0, history)
+    assert best is not None
+    best.restart_objectives = objs
+    best.seconds = time.perf_counter() - t0
+    best.assign_seconds = assign_s
+    best.history = history
+    return best

@@ -1,0 +1,126 @@
+"""Exact balanced assignment against the paper's Hungarian step, and balanced K-means."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from eldr_sglang.offline.balanced_kmeans import (
+    balanced_assign,
+    balanced_sizes,
+    hungarian_balanced,
+    is_balanced,
+    spherical_kmeans,
+)
+
+
+def _unit_rows(rng, n, d, k_latent=4, sparse_pow=3.0):
+    Z = rng.random((k_latent, d)) ** sparse_pow
+    X = Z[rng.integers(k_latent, size=n)] + 0.5 * rng.random((n, d)) ** sparse_pow
+    return (X / np.linalg.norm(X, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _cost(rng, kind, n, k):
+    if kind == "uniform":
+        return rng.random((n, k))
+    if kind == "ties":  # many exact ties: the price stage cannot separate them
+        return np.round(rng.random((n, k)) * 3) / 3
+    X = _unit_rows(rng, n, 24)
+    M = X[rng.choice(n, k, replace=False)]
+    return -(X.astype(np.float64) @ M.T.astype(np.float64))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "ties", "cosine"])
+def test_matches_hungarian_on_random_instances(kind):
+    checked = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(1, 400))
+        k = int(rng.integers(1, min(n, 16) + 1))
+        C = _cost(rng, kind, n, k)
+        assign, _, info = balanced_assign(C)
+        _, h_obj = hungarian_balanced(C)
+        assert is_balanced(assign, k), (seed, np.bincount(assign, minlength=k))
+        assert info.optimal
+        assert abs(info.objective - h_obj) <= 1e-9 * max(1.0, abs(h_obj)), (seed, n, k, info.objective, h_obj)
+        assert abs(C[np.arange(n), assign].sum() - info.objective) <= 1e-9 * max(1.0, abs(h_obj))
+        checked += 1
+    assert checked == 40
+
+
+def test_matches_hungarian_at_2000_points_not_divisible():
+    rng = np.random.default_rng(7)
+    n, k = 2000, 7  # 2000 = 7 * 285 + 5
+    C = _cost(rng, "cosine", n, k)
+    assign, _, info = balanced_assign(C)
+    _, h_obj = hungarian_balanced(C)
+    sizes = np.bincount(assign, minlength=k)
+    assert sorted(sizes.tolist()) == [285] * 2 + [286] * 5
+    assert abs(info.objective - h_obj) <= 1e-9 * abs(h_obj)
+
+
+def test_hungarian_reference_itself_is_balanced():
+    # guards the reference: replicated columns alone (ceil copies) would allow a floor-1 cluster
+    rng = np.random.default_rng(3)
+    C = rng.random((10, 3))
+    C[:, 2] += 10.0  # everyone hates cluster 2; it must still get 3 points
+    a, _ = hungarian_balanced(C)
+    assert sorted(np.bincount(a, minlength=3).tolist()) == [3, 3, 4]
+
+
+def test_extra_points_go_where_they_are_cheapest():
+    # N = 5, K = 2: one cluster takes 3 points. All points prefer cluster 1 by a lot.
+    C = np.array([[1.0, 0.0]] * 5)
+    a, _, info = balanced_assign(C)
+    assert np.bincount(a, minlength=2).tolist() == [2, 3]
+    assert info.objective == pytest.approx(2.0)
+
+
+def test_warm_start_prices_give_same_optimum():
+    rng = np.random.default_rng(11)
+    C = _cost(rng, "cosine", 900, 9)
+    a0, p, info0 = balanced_assign(C)
+    C2 = C + 1e-3 * rng.random(C.shape)
+    _, _, warm = balanced_assign(C2, p)
+    _, _, cold = balanced_assign(C2)
+    assert warm.objective == pytest.approx(cold.objective, rel=1e-12, abs=1e-12)
+
+
+def test_sizes_and_bad_inputs():
+    assert balanced_sizes(10, 3) == (3, 1)
+    assert balanced_sizes(9, 3) == (3, 0)
+    with pytest.raises(ValueError, match="K > N"):
+        balanced_sizes(3, 4)
+    with pytest.raises(ValueError, match="NaN"):
+        balanced_assign(np.array([[0.0, np.nan], [1.0, 0.0]]))
+
+
+def test_kmeans_is_balanced_and_deterministic():
+    rng = np.random.default_rng(5)
+    X = _unit_rows(rng, 1003, 40, k_latent=3)
+    r1 = spherical_kmeans(X, 6, seed=1, n_init=2)
+    r2 = spherical_kmeans(X, 6, seed=1, n_init=2)
+    assert np.array_equal(r1.assignment, r2.assignment)
+    assert np.array_equal(r1.centroids, r2.centroids)
+    sizes = np.bincount(r1.assignment, minlength=6)
+    assert sizes.min() == 167 and sizes.max() == 168
+    assert np.allclose(np.linalg.norm(r1.centroids, axis=1), 1.0, atol=1e-5)
+    # objective is what it claims: sum ||s - mu||^2
+    d = X - r1.centroids[r1.assignment]
+    assert r1.objective == pytest.approx(float((d.astype(np.float64) ** 2).sum()), rel=1e-5)
+    assert r1.optimal_assignment
+    # another seed is another (deterministic) run
+    r3 = spherical_kmeans(X, 6, seed=2, n_init=2)
+    assert r3.restart_objectives != r1.restart_objectives
+
+
+def test_kmeans_sparse_equals_dense():
+    rng = np.random.default_rng(9)
+    X = _unit_rows(rng, 300, 64, sparse_pow=8.0)
+    X[X < 0.05] = 0
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    a = spherical_kmeans(X, 4, seed=3, n_init=1)
+    b = spherical_kmeans(sp.csr_matrix(X), 4, seed=3, n_init=1)
+    assert np.array_equal(a.assignment, b.assignment)
+    assert a.objective == pytest.approx(b.objective, rel=1e-5)
