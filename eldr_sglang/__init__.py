@@ -15,6 +15,7 @@ _CORE_NAMES = {
     "CentroidSet",
     "Decision",
     "Lease",
+    "NoHealthyWorker",
     "NoSignature",
     "Router",
     "SignatureSpec",

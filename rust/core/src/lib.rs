@@ -1,0 +1,28 @@
+//! eldr-core: the hot path of expert-locality-aware decode routing (ELDR).
+//!
+//! * [`signature`]: counts of expert use during prefill -> unit signature (IDF and layer weights).
+//! * [`centroid_file`]: the versioned, checksummed `.eldr` centroid file (writer + mmapped reader).
+//! * [`store`]: hot-reloadable centroids behind an atomic pointer swap.
+//! * [`queue`]: lock-free per-worker in-flight tracking with exactly-once release.
+//! * [`policies`]: one small trait, one file per routing policy, and a factory.
+//! * [`router`]: ties them together: signature -> distances -> policy -> decision.
+//! * [`experts`]: top-k id counting helpers shared by the offline pipeline and the simulator.
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("the .eldr centroid file is little-endian and is mmapped in place");
+
+pub mod centroid_file;
+pub mod experts;
+pub mod policies;
+pub mod queue;
+pub mod rng;
+pub mod router;
+pub mod signature;
+pub mod store;
+
+pub use centroid_file::{CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
+pub use policies::{make_policy, Decision, Policy, Reason, RouteContext, POLICY_NAMES};
+pub use queue::{LoadGuard, QueueTracker};
+pub use router::{RouteError, Router, SignatureInput};
+pub use signature::{CountValue, NoSignature, SignatureSpec, SparseSignature};
+pub use store::CentroidStore;

@@ -1,0 +1,107 @@
+//! Routing policies: one small trait, one file per policy, and a factory.
+//!
+//! A policy is a pure choice over a [`RouteContext`] (loads, health, and for ELDR the
+//! signature-to-centroid distances, which the router computes). That keeps policies
+//! testable on constructed cases and shared verbatim by the router service and simulator.
+
+mod eldr;
+mod power_of_two;
+mod random;
+mod round_robin;
+mod shortest_queue;
+
+pub use eldr::Eldr;
+pub use power_of_two::PowerOfTwo;
+pub use random::Random;
+pub use round_robin::RoundRobin;
+pub use shortest_queue::ShortestQueue;
+
+use crate::signature::NoSignature;
+
+pub const POLICY_NAMES: [&str; 5] = ["eldr", "random", "round_robin", "shortest_queue", "power_of_two"];
+
+/// Why a worker was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// ELDR: shortest queue inside the locality band.
+    Band,
+    /// ELDR fallback: no usable signature.
+    NoSignature(NoSignature),
+    /// ELDR fallback: no centroid file loaded.
+    NoCentroids,
+    /// A baseline policy's own rule.
+    Policy,
+}
+
+impl Reason {
+    pub fn label(&self) -> String {
+        match self {
+            Reason::Band => "band".into(),
+            Reason::NoSignature(w) => format!("no_signature:{w}"),
+            Reason::NoCentroids => "no_centroids".into(),
+            Reason::Policy => "policy".into(),
+        }
+    }
+}
+
+/// Everything a policy may look at. `distances` is `Some` only when ELDR has a usable
+/// signature and centroids; otherwise `fallback` says why.
+pub struct RouteContext<'a> {
+    pub loads: &'a [i64],
+    pub healthy: &'a [bool],
+    pub distances: Option<&'a [f64]>,
+    pub fallback: Reason,
+    pub tau: f64,
+    /// Fill in the band (costs an allocation); off on the hot path.
+    pub explain: bool,
+}
+
+/// A routing decision; `worker` is None only when no worker is healthy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub worker: Option<usize>,
+    pub reason: Reason,
+    pub d_star: Option<f64>,
+    pub band: Option<Vec<usize>>,
+}
+
+impl Decision {
+    pub fn by_policy(worker: Option<usize>) -> Self {
+        Decision { worker, reason: Reason::Policy, d_star: None, band: None }
+    }
+}
+
+pub trait Policy: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Whether the router should compute signature distances for this policy.
+    fn uses_signature(&self) -> bool {
+        false
+    }
+    fn choose(&self, ctx: &RouteContext) -> Decision;
+}
+
+/// Build a policy by name. `seed` drives the random ones.
+pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, String> {
+    Ok(match name {
+        "eldr" => Box::new(Eldr),
+        "random" => Box::new(Random::new(seed)),
+        "round_robin" => Box::new(RoundRobin::default()),
+        "shortest_queue" => Box::new(ShortestQueue),
+        "power_of_two" => Box::new(PowerOfTwo::new(seed)),
+        other => return Err(format!("unknown policy {other:?}; choose one of {}", POLICY_NAMES.join(", "))),
+    })
+}
+
+/// Healthy worker with the fewest in-flight requests; ties to the lower index.
+pub(crate) fn shortest_healthy(loads: &[i64], healthy: &[bool]) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    for w in 0..loads.len() {
+        if healthy[w] && best.is_none_or(|b| loads[w] < loads[b]) {
+            best = Some(w);
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,202 @@
+//! The router: signature -> distances to the current centroids -> policy -> decision, with
+//! loads from the queue tracker. Shared by the PD router service and the simulator.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use thiserror::Error;
+
+use crate::centroid_file::{CentroidFileError, CentroidSet};
+use crate::policies::{make_policy, Decision, Policy, Reason, RouteContext};
+use crate::queue::QueueTracker;
+use crate::signature::{NoSignature, SignatureSpec, SparseSignature};
+use crate::store::CentroidStore;
+
+pub const DEFAULT_TAU: f64 = 0.1;
+
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum RouteError {
+    #[error("no healthy decode worker")]
+    NoHealthyWorker,
+}
+
+/// What the caller knows about the request's signature.
+pub enum SignatureInput<'a> {
+    /// No signature (it did not arrive, or was unusable for this reason).
+    Missing(NoSignature),
+    /// A signature already in the centroids' D-dim space (normalized here again).
+    Dense(&'a [f32]),
+    /// Raw counts, turned into a signature with the spec of the snapshot this route uses.
+    Counts(&'a dyn Fn(&SignatureSpec) -> Result<SparseSignature, NoSignature>),
+}
+
+/// A decision plus what it was made from.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    pub decision: Decision,
+    pub distances: Option<Vec<f64>>,
+    pub loads: Vec<i64>,
+    pub tau: f64,
+    /// Generation of the centroid snapshot used (0 without centroids).
+    pub generation: u64,
+}
+
+pub struct Router {
+    policy: Box<dyn Policy>,
+    tracker: Arc<QueueTracker>,
+    store: Option<CentroidStore>,
+    tau_bits: AtomicU64,
+    auto_reload: bool,
+}
+
+impl Router {
+    /// `num_workers` may be omitted when a centroid file gives K; if both are given they must
+    /// agree. `tau` defaults to the file's, else 0.1.
+    pub fn new(
+        policy: &str,
+        num_workers: Option<usize>,
+        centroids: Option<&Path>,
+        tau: Option<f64>,
+        seed: u64,
+        reload_interval_ms: u64,
+        load_report_ttl_ms: u64,
+    ) -> Result<Self, String> {
+        let policy = make_policy(policy, seed)?;
+        let store = match centroids {
+            Some(p) => Some(CentroidStore::open(p, num_workers, reload_interval_ms).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let k = match (num_workers, &store) {
+            (Some(k), _) => k,
+            (None, Some(s)) => s.snapshot().num_workers(),
+            (None, None) => return Err("give num_workers or a centroid file".into()),
+        };
+        if k == 0 {
+            return Err("num_workers must be at least 1".into());
+        }
+        let tau = tau.or_else(|| store.as_ref().map(|s| s.snapshot().tau() as f64)).unwrap_or(DEFAULT_TAU);
+        check_tau(tau)?;
+        Ok(Router {
+            policy,
+            tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
+            store,
+            tau_bits: AtomicU64::new(tau.to_bits()),
+            auto_reload: reload_interval_ms > 0,
+        })
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+    pub fn num_workers(&self) -> usize {
+        self.tracker.num_workers()
+    }
+    pub fn tracker(&self) -> &Arc<QueueTracker> {
+        &self.tracker
+    }
+    pub fn store(&self) -> Option<&CentroidStore> {
+        self.store.as_ref()
+    }
+    pub fn tau(&self) -> f64 {
+        f64::from_bits(self.tau_bits.load(Ordering::Relaxed))
+    }
+    pub fn set_tau(&self, tau: f64) -> Result<(), String> {
+        check_tau(tau)?;
+        self.tau_bits.store(tau.to_bits(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn reload(&self) -> Result<bool, CentroidFileError> {
+        match &self.store {
+            Some(s) => s.reload().map(|_| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Choose a decode worker. Does not acquire: the caller acquires the chosen worker.
+    pub fn route(&self, input: SignatureInput<'_>, explain: bool) -> Result<Routed, RouteError> {
+        let mut loads = Vec::with_capacity(self.num_workers());
+        let mut healthy = Vec::with_capacity(self.num_workers());
+        self.tracker.loads_into(&mut loads);
+        self.tracker.healthy_into(&mut healthy);
+        let tau = self.tau();
+        let mut distances = None;
+        let mut fallback = Reason::NoCentroids;
+        let mut generation = 0;
+        if self.policy.uses_signature() {
+            if let Some(store) = &self.store {
+                if self.auto_reload {
+                    let _ = store.maybe_reload(); // errors are kept in store.last_error()
+                }
+                let snap = store.snapshot();
+                generation = store.generation();
+                match distances_to(&snap, input) {
+                    Ok(d) => distances = Some(d),
+                    Err(why) => fallback = Reason::NoSignature(why),
+                }
+            }
+        }
+        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, explain };
+        let decision = self.policy.choose(&ctx);
+        if decision.worker.is_none() {
+            return Err(RouteError::NoHealthyWorker);
+        }
+        Ok(Routed { decision, distances, loads, tau, generation })
+    }
+}
+
+fn check_tau(tau: f64) -> Result<(), String> {
+    if tau.is_finite() && tau >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("tau must be finite and >= 0, got {tau}"))
+    }
+}
+
+/// `d_k = 1 - cos(s, mu_k)` for every centroid of `set` (centroid rows are unit vectors).
+pub fn distances_to(set: &CentroidSet, input: SignatureInput<'_>) -> Result<Vec<f64>, NoSignature> {
+    let k = set.num_workers();
+    let m = set.centroids_t();
+    let mut dots = vec![0f64; k];
+    match input {
+        SignatureInput::Missing(why) => return Err(why),
+        SignatureInput::Counts(f) => {
+            let sig = f(set.spec())?;
+            for (&j, &v) in sig.index.iter().zip(&sig.value) {
+                let row = &m[j as usize * k..(j as usize + 1) * k];
+                for (acc, &c) in dots.iter_mut().zip(row) {
+                    *acc += v * c as f64;
+                }
+            }
+        }
+        SignatureInput::Dense(s) => {
+            if s.len() != set.dim() {
+                return Err(NoSignature::Shape);
+            }
+            let mut n2 = 0f64;
+            for (j, &v) in s.iter().enumerate() {
+                if v == 0.0 {
+                    continue;
+                }
+                if !v.is_finite() {
+                    return Err(NoSignature::NonFinite);
+                }
+                if v < 0.0 {
+                    return Err(NoSignature::Negative);
+                }
+                let v = v as f64;
+                n2 += v * v;
+                for (acc, &c) in dots.iter_mut().zip(&m[j * k..(j + 1) * k]) {
+                    *acc += v * c as f64;
+                }
+            }
+            if !(n2 > 0.0) {
+                return Err(NoSignature::Empty);
+            }
+            let inv = 1.0 / n2.sqrt();
+            dots.iter_mut().for_each(|d| *d *= inv);
+        }
+    }
+    Ok(dots.into_iter().map(|d| 1.0 - d).collect())
+}

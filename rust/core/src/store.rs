@@ -1,0 +1,148 @@
+//! Hot-reloadable centroids behind an atomic pointer swap (arc-swap).
+//!
+//! A route loads the current `Arc<CentroidSet>` once and finishes on that snapshot even if a
+//! reload swaps in a new one meanwhile. A reload validates the new file completely first; a
+//! bad file is rejected, the old set keeps serving, and the error is kept for reporting.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime};
+
+use arc_swap::ArcSwap;
+
+use crate::centroid_file::{CentroidFileError, CentroidSet};
+
+/// Identity of the file on disk; a rename-replace changes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileId {
+    modified: Option<SystemTime>,
+    len: u64,
+    #[cfg(unix)]
+    ino: u64,
+}
+
+fn file_id(path: &Path) -> Option<FileId> {
+    let m = std::fs::metadata(path).ok()?;
+    Some(FileId {
+        modified: m.modified().ok(),
+        len: m.len(),
+        #[cfg(unix)]
+        ino: std::os::unix::fs::MetadataExt::ino(&m),
+    })
+}
+
+pub struct CentroidStore {
+    path: PathBuf,
+    current: ArcSwap<CentroidSet>,
+    loaded_id: Mutex<Option<FileId>>,
+    /// (K, L, E) every later file must keep: the workers and the prefill count shape are fixed.
+    shape: (usize, usize, usize),
+    generation: AtomicU64,
+    interval_ms: u64,
+    epoch: Instant,
+    next_check_ms: AtomicU64,
+    last_error: Mutex<Option<String>>,
+}
+
+impl CentroidStore {
+    /// Load the file; `expect_workers` (if given) must equal its K.
+    pub fn open(path: impl AsRef<Path>, expect_workers: Option<usize>, interval_ms: u64) -> Result<Self, CentroidFileError> {
+        let path = path.as_ref().to_path_buf();
+        let id = file_id(&path);
+        let set = CentroidSet::open(&path)?;
+        if let Some(k) = expect_workers {
+            if set.num_workers() != k {
+                return Err(CentroidFileError::Mismatch {
+                    path: path.display().to_string(),
+                    msg: format!("K mismatch: the file has {} centroids, the router has {k} decode workers", set.num_workers()),
+                });
+            }
+        }
+        let shape = (set.num_workers(), set.num_layers(), set.num_experts());
+        Ok(CentroidStore {
+            path,
+            current: ArcSwap::from_pointee(set),
+            loaded_id: Mutex::new(id),
+            shape,
+            generation: AtomicU64::new(1),
+            interval_ms,
+            epoch: Instant::now(),
+            next_check_ms: AtomicU64::new(interval_ms),
+            last_error: Mutex::new(None),
+        })
+    }
+
+    /// The snapshot a route should use from start to finish.
+    #[inline]
+    pub fn snapshot(&self) -> Arc<CentroidSet> {
+        self.current.load_full()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Increases by one on every successful swap.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap().clone()
+    }
+
+    /// Reload now. On error the old set stays and the error is recorded and returned.
+    pub fn reload(&self) -> Result<(), CentroidFileError> {
+        let mut loaded = self.loaded_id.lock().unwrap();
+        let id = file_id(&self.path);
+        let result = CentroidSet::open(&self.path).and_then(|set| {
+            let got = (set.num_workers(), set.num_layers(), set.num_experts());
+            if got != self.shape {
+                return Err(CentroidFileError::Mismatch {
+                    path: self.path.display().to_string(),
+                    msg: format!(
+                        "the new file has K={}, L={}, E={}; the router serves K={}, L={}, E={}",
+                        got.0, got.1, got.2, self.shape.0, self.shape.1, self.shape.2
+                    ),
+                });
+            }
+            Ok(set)
+        });
+        // Remember this file version either way, so a bad file is reported once, not re-read
+        // on every check; the next replacement triggers a new attempt.
+        *loaded = id;
+        match result {
+            Ok(set) => {
+                self.current.store(Arc::new(set));
+                self.generation.fetch_add(1, Ordering::AcqRel);
+                *self.last_error.lock().unwrap() = None;
+                Ok(())
+            }
+            Err(e) => {
+                *self.last_error.lock().unwrap() = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// Reload if the file was replaced, checking the disk at most every `interval_ms`.
+    /// Cheap when not due: one clock read and one atomic load.
+    pub fn maybe_reload(&self) -> Result<bool, CentroidFileError> {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        let due = self.next_check_ms.load(Ordering::Relaxed);
+        if now < due || self.next_check_ms.compare_exchange(due, now + self.interval_ms, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            return Ok(false);
+        }
+        self.reload_if_changed()
+    }
+
+    /// Reload if the file on disk differs from the one loaded (no rate limit).
+    pub fn reload_if_changed(&self) -> Result<bool, CentroidFileError> {
+        let id = file_id(&self.path);
+        if id.is_none() || *self.loaded_id.lock().unwrap() == id {
+            return Ok(false);
+        }
+        self.reload().map(|_| true)
+    }
+}

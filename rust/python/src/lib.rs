@@ -1,0 +1,636 @@
+//! PyO3 bindings: the `eldr_sglang._core` extension module. A thin layer over eldr-core:
+//! numpy arrays are read in place (any of the common integer/float dtypes, no copy when
+//! C-contiguous), errors become typed Python exceptions, and batch work releases the GIL.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use eldr_core::experts::{self, ExpertId};
+use eldr_core::router::Routed;
+use eldr_core::{CentroidSet, CentroidWriter, CountValue, LoadGuard, NoSignature, RouteError, SignatureInput, SignatureSpec, SparseSignature};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+create_exception!(_core, CentroidFileError, PyValueError, "A centroid file is truncated, corrupt, of another version or mismatched.");
+create_exception!(_core, NoSignatureError, PyValueError, "No usable signature; `reason` says why.");
+create_exception!(_core, NoHealthyWorker, PyRuntimeError, "Every decode worker is marked unhealthy.");
+
+fn no_sig(py: Python<'_>, why: NoSignature) -> PyErr {
+    let err = NoSignatureError::new_err(format!("no usable signature: {why}"));
+    let _ = err.value(py).setattr("reason", why.as_str());
+    err
+}
+
+fn file_err(e: eldr_core::CentroidFileError) -> PyErr {
+    CentroidFileError::new_err(e.to_string())
+}
+
+/// A contiguous view of a numpy array (copied only when the input is not C-contiguous).
+struct View<'py, T: Element> {
+    arr: PyReadonlyArrayDyn<'py, T>,
+    owned: Option<Vec<T>>,
+}
+
+impl<'py, T: Element + Copy> View<'py, T> {
+    fn new(arr: PyReadonlyArrayDyn<'py, T>) -> Self {
+        let owned = if arr.as_slice().is_ok() { None } else { Some(arr.as_array().iter().copied().collect()) };
+        View { arr, owned }
+    }
+    fn slice(&self) -> &[T] {
+        match &self.owned {
+            Some(v) => v,
+            None => self.arr.as_slice().unwrap(),
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        self.arr.shape()
+    }
+}
+
+/// Call `$f::<T>(View<T>, args...)` for the first dtype in the list that `$obj` has.
+macro_rules! dispatch {
+    ($obj:expr, $what:expr, $f:ident, [$($t:ty),*] $(, $arg:expr)*) => {{
+        let obj = $obj;
+        let names = stringify!($($t),*);
+        dispatch!(@try obj, $what, names, $f, [$($t),*], ($($arg),*))
+    }};
+    (@try $obj:ident, $what:expr, $names:ident, $f:ident, [$t0:ty $(, $t:ty)*], $args:tt) => {
+        if let Ok(a) = $obj.extract::<PyReadonlyArrayDyn<$t0>>() {
+            dispatch!(@call $f, $t0, a, $args)
+        } else {
+            dispatch!(@try $obj, $what, $names, $f, [$($t),*], $args)
+        }
+    };
+    (@try $obj:ident, $what:expr, $names:ident, $f:ident, [], $args:tt) => {
+        Err(PyTypeError::new_err(format!(
+            "{}: unsupported input {}; pass a numpy array of one of: {}",
+            $what,
+            $obj.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| $obj.get_type().to_string()),
+            $names
+        )))
+    };
+    (@call $f:ident, $t:ty, $a:ident, ($($arg:expr),*)) => {
+        $f::<$t>(View::new($a) $(, $arg)*)
+    };
+}
+
+// ---------------------------------------------------------------- signatures
+
+fn dense_sig<T: Element + CountValue>(v: View<'_, T>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+    if v.shape().len() != 2 && v.shape().len() != 1 {
+        return Ok(Err(NoSignature::Shape));
+    }
+    Ok(spec.from_dense(v.slice()))
+}
+
+fn topk_sig<T: Element + ExpertId>(v: View<'_, T>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+    let sh = v.shape();
+    if sh.len() != 3 || sh[1] != spec.num_layers() {
+        return Ok(Err(NoSignature::Shape));
+    }
+    Ok(spec.from_topk(v.slice(), sh[2]))
+}
+
+fn sparse_vals<I: Element + CountValue>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+    dispatch!(counts, "counts", sparse_sig, [f32, u32, u16, i64, i32, f64], &idx, spec)
+}
+
+fn sparse_sig<T: Element + CountValue>(counts: View<'_, T>, idx: &View<'_, impl Element + CountValue>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+    Ok(spec.from_sparse(idx.slice(), counts.slice()))
+}
+
+fn sparse_sig_any(index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+    dispatch!(index, "index", sparse_vals, [i64, i32, u32, u16], counts, spec)
+}
+
+fn dense_sig_any(counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+    dispatch!(counts, "counts", dense_sig, [u16, u32, f32, i64, i32, f64, u8], spec)
+}
+
+fn topk_sig_any(ids: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+    dispatch!(ids, "ids", topk_sig, [i32, i64, i16, u8, u16, u32], spec)
+}
+
+/// Layer weights and IDF: turns raw expert counts into a unit signature.
+#[pyclass(name = "SignatureSpec", module = "eldr_sglang._core", frozen)]
+struct PySignatureSpec {
+    spec: SignatureSpec,
+}
+
+impl PySignatureSpec {
+    fn out(&self, py: Python<'_>, r: Result<SparseSignature, NoSignature>) -> PyResult<Py<PyArray1<f32>>> {
+        let sig = r.map_err(|w| no_sig(py, w))?;
+        Ok(sig.to_dense(self.spec.dim()).into_pyarray(py).unbind())
+    }
+}
+
+#[pymethods]
+impl PySignatureSpec {
+    #[new]
+    fn new(layer_weights: PyReadonlyArrayDyn<'_, f32>, idf: PyReadonlyArrayDyn<'_, f32>) -> PyResult<Self> {
+        let w = View::new(layer_weights);
+        let i = View::new(idf);
+        if w.shape().len() != 1 {
+            return Err(PyValueError::new_err(format!("layer_weights must be 1-D [L], got shape {:?}", w.shape())));
+        }
+        if i.shape().len() != 2 || i.shape()[0] != w.shape()[0] {
+            return Err(PyValueError::new_err(format!("idf must be [L, E] with L={}, got shape {:?}", w.shape()[0], i.shape())));
+        }
+        Ok(PySignatureSpec { spec: SignatureSpec::new(w.slice(), i.slice()).map_err(PyValueError::new_err)? })
+    }
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.spec.num_layers()
+    }
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.spec.num_experts()
+    }
+    #[getter]
+    fn dim(&self) -> usize {
+        self.spec.dim()
+    }
+    #[getter]
+    fn selected_layers(&self) -> Vec<usize> {
+        self.spec.selected_layers().to_vec()
+    }
+    fn from_dense(&self, py: Python<'_>, counts: &Bound<'_, PyAny>) -> PyResult<Py<PyArray1<f32>>> {
+        let r = dense_sig_any(counts, &self.spec)?;
+        self.out(py, r)
+    }
+    fn from_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>) -> PyResult<Py<PyArray1<f32>>> {
+        let r = sparse_sig_any(index, counts, &self.spec)?;
+        self.out(py, r)
+    }
+    fn from_topk(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<Py<PyArray1<f32>>> {
+        let r = topk_sig_any(ids, &self.spec)?;
+        self.out(py, r)
+    }
+    /// Signatures of many requests from one `[T, L, k]` id array (GIL released).
+    #[pyo3(signature = (ids, offsets, prefix_len=None))]
+    fn batch_from_topk<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &Bound<'py, PyAny>,
+        offsets: PyReadonlyArrayDyn<'py, i64>,
+        prefix_len: Option<PyReadonlyArrayDyn<'py, i64>>,
+    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>)> {
+        let off = View::new(offsets);
+        let pre = prefix_len.map(View::new);
+        dispatch!(ids, "ids", batch_topk, [i32, i64, i16, u8, u16, u32], py, &self.spec, off.slice(), pre.as_ref().map(|p| p.slice()))
+    }
+}
+
+fn batch_topk<'py, T: Element + ExpertId>(
+    v: View<'_, T>,
+    py: Python<'py>,
+    spec: &SignatureSpec,
+    offsets: &[i64],
+    prefix: Option<&[i64]>,
+) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>)> {
+    let sh = v.shape().to_vec();
+    if sh.len() != 3 || sh[1] != spec.num_layers() {
+        return Err(PyValueError::new_err(format!("ids must be [T, L={}, k], got shape {sh:?}", spec.num_layers())));
+    }
+    if offsets.is_empty() {
+        return Err(PyValueError::new_err("offsets must hold R+1 values"));
+    }
+    let r = offsets.len() - 1;
+    if let Some(p) = prefix {
+        if p.len() != r {
+            return Err(PyValueError::new_err(format!("prefix_len has {} values for {r} requests", p.len())));
+        }
+    }
+    let (t, row) = (sh[0] as i64, sh[1] * sh[2]);
+    for i in 0..r {
+        let (a, b) = (offsets[i], offsets[i + 1]);
+        if a < 0 || b < a || b > t {
+            return Err(PyValueError::new_err(format!("offsets[{i}..{}] = {a}..{b} is not a valid range of {t} tokens", i + 1)));
+        }
+        if let Some(p) = prefix {
+            if p[i] < 0 || p[i] > b - a {
+                return Err(PyValueError::new_err(format!("prefix_len[{i}] = {} is outside 0..={}", p[i], b - a)));
+            }
+        }
+    }
+    let d = spec.dim();
+    let ids = v.slice();
+    let k = sh[2];
+    let (sigs, valid) = py.detach(|| {
+        let mut sigs = vec![0f32; r * d];
+        let mut valid = vec![false; r];
+        for i in 0..r {
+            let a = offsets[i] as usize;
+            let b = prefix.map_or(offsets[i + 1] as usize, |p| a + p[i] as usize);
+            if let Ok(sig) = spec.from_topk(&ids[a * row..b * row], k) {
+                valid[i] = true;
+                let out = &mut sigs[i * d..(i + 1) * d];
+                for (&j, &x) in sig.index.iter().zip(&sig.value) {
+                    out[j as usize] = x as f32;
+                }
+            }
+        }
+        (sigs, valid)
+    });
+    let arr = numpy::ndarray::Array2::from_shape_vec((r, d), sigs).expect("shape");
+    Ok((arr.into_pyarray(py), valid.into_pyarray(py)))
+}
+
+fn count_t<T: Element + ExpertId>(v: View<'_, T>, py: Python<'_>, num_experts: usize, distinct: bool) -> PyResult<Py<PyAny>> {
+    let sh = v.shape().to_vec();
+    if sh.len() != 3 {
+        return Err(PyValueError::new_err(format!("ids must be [T, L, k], got shape {sh:?}")));
+    }
+    let (l, k) = (sh[1], sh[2]);
+    let ids = v.slice();
+    let res = py.detach(|| {
+        if distinct {
+            let mut scratch = vec![false; l * num_experts];
+            let mut out = vec![0u32; l];
+            experts::distinct_per_layer(ids, l, k, num_experts, &mut scratch, &mut out).map(|_| out)
+        } else {
+            let mut out = vec![0u32; l * num_experts];
+            experts::count_topk(ids, l, k, num_experts, &mut out).map(|_| out)
+        }
+    });
+    let out = res.map_err(|e| PyValueError::new_err(format!("expert id {} at layer {} is out of range 0..{num_experts}", e.id, e.layer)))?;
+    if distinct {
+        Ok(out.into_pyarray(py).into_any().unbind())
+    } else {
+        let arr = numpy::ndarray::Array2::from_shape_vec((l, num_experts), out).expect("shape");
+        Ok(arr.into_pyarray(py).into_any().unbind())
+    }
+}
+
+/// Top-k ids `[T, L, k]` -> counts `[L, E]` (uint32).
+#[pyfunction]
+fn count_topk(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize) -> PyResult<Py<PyAny>> {
+    dispatch!(ids, "ids", count_t, [i32, i64, i16, u8, u16, u32], py, num_experts, false)
+}
+
+/// Top-k ids `[N, L, k]` of one decode step -> distinct experts per layer `[L]` (uint32).
+#[pyfunction]
+fn distinct_per_layer(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize) -> PyResult<Py<PyAny>> {
+    dispatch!(ids, "ids", count_t, [i32, i64, i16, u8, u16, u32], py, num_experts, true)
+}
+
+// ---------------------------------------------------------------- centroid file
+
+/// A validated, mmapped centroid file.
+#[pyclass(name = "CentroidSet", module = "eldr_sglang._core", frozen)]
+struct PyCentroidSet {
+    set: Arc<CentroidSet>,
+}
+
+#[pymethods]
+impl PyCentroidSet {
+    #[staticmethod]
+    fn open(path: PathBuf) -> PyResult<Self> {
+        Ok(PyCentroidSet { set: Arc::new(CentroidSet::open(&path).map_err(file_err)?) })
+    }
+    #[getter]
+    fn path(&self) -> String {
+        self.set.path().display().to_string()
+    }
+    #[getter]
+    fn version(&self) -> u32 {
+        eldr_core::FORMAT_VERSION
+    }
+    #[getter]
+    fn num_workers(&self) -> usize {
+        self.set.num_workers()
+    }
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.set.num_layers()
+    }
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.set.num_experts()
+    }
+    #[getter]
+    fn dim(&self) -> usize {
+        self.set.dim()
+    }
+    #[getter]
+    fn tau(&self) -> f32 {
+        self.set.tau()
+    }
+    #[getter]
+    fn worker_names(&self) -> Vec<String> {
+        self.set.worker_names().to_vec()
+    }
+    #[getter]
+    fn provenance_json(&self) -> String {
+        self.set.provenance().to_owned()
+    }
+    #[getter]
+    fn checksum(&self) -> u32 {
+        self.set.checksum()
+    }
+    fn layer_weights<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f32>> {
+        self.set.spec().layer_weights().to_vec().into_pyarray(py)
+    }
+    fn idf<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<f32>> {
+        let (l, e) = (self.set.num_layers(), self.set.num_experts());
+        numpy::ndarray::Array2::from_shape_vec((l, e), self.set.spec().idf().to_vec()).expect("shape").into_pyarray(py)
+    }
+    fn centroids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<f32>> {
+        let (k, d) = (self.set.num_workers(), self.set.dim());
+        numpy::ndarray::Array2::from_shape_vec((k, d), self.set.centroids()).expect("shape").into_pyarray(py)
+    }
+    fn spec(&self) -> PySignatureSpec {
+        PySignatureSpec { spec: self.set.spec().clone() }
+    }
+    fn __repr__(&self) -> String {
+        format!("CentroidSet(path={:?}, K={}, L={}, E={}, D={}, tau={})", self.path(), self.num_workers(), self.num_layers(), self.num_experts(), self.dim(), self.tau())
+    }
+}
+
+/// Validate and write a centroid file atomically (temp file + rename).
+#[pyfunction]
+#[pyo3(signature = (path, centroids, layer_weights, idf, tau=0.1, worker_names=None, provenance_json="{}".to_string()))]
+fn write_centroids(
+    path: PathBuf,
+    centroids: PyReadonlyArrayDyn<'_, f32>,
+    layer_weights: PyReadonlyArrayDyn<'_, f32>,
+    idf: PyReadonlyArrayDyn<'_, f32>,
+    tau: f32,
+    worker_names: Option<Vec<String>>,
+    provenance_json: String,
+) -> PyResult<()> {
+    let c = View::new(centroids);
+    let w = View::new(layer_weights);
+    let i = View::new(idf);
+    if c.shape().len() != 2 {
+        return Err(PyValueError::new_err(format!("centroids must be [K, D], got shape {:?}", c.shape())));
+    }
+    if w.shape().len() != 1 || i.shape().len() != 2 || i.shape()[0] != w.shape()[0] {
+        return Err(PyValueError::new_err(format!("layer_weights [L] and idf [L, E] disagree: {:?} vs {:?}", w.shape(), i.shape())));
+    }
+    let k = c.shape()[0];
+    let names = worker_names.unwrap_or_else(|| (0..k).map(|i| format!("decode-{i}")).collect());
+    CentroidWriter { centroids: c.slice(), k, layer_weights: w.slice(), idf: i.slice(), tau, worker_names: names, provenance: &provenance_json }
+        .write(&path)
+        .map_err(file_err)
+}
+
+// ---------------------------------------------------------------- router
+
+/// A routing decision with its details.
+#[pyclass(name = "Decision", module = "eldr_sglang._core", frozen, get_all)]
+struct PyDecision {
+    worker: usize,
+    reason: String,
+    distances: Option<Vec<f64>>,
+    band: Option<Vec<usize>>,
+    d_star: Option<f64>,
+    tau: Option<f64>,
+    loads: Vec<i64>,
+    generation: u64,
+}
+
+#[pymethods]
+impl PyDecision {
+    fn __repr__(&self) -> String {
+        format!("Decision(worker={}, reason={:?}, d_star={:?}, band={:?})", self.worker, self.reason, self.d_star, self.band)
+    }
+}
+
+/// One in-flight request on one worker; released exactly once (explicitly, on `with` exit,
+/// or when garbage-collected).
+#[pyclass(name = "Lease", module = "eldr_sglang._core", frozen)]
+struct PyLease {
+    guard: LoadGuard,
+}
+
+#[pymethods]
+impl PyLease {
+    #[getter]
+    fn worker(&self) -> usize {
+        self.guard.worker()
+    }
+    #[getter]
+    fn tokens(&self) -> i64 {
+        self.guard.tokens()
+    }
+    #[getter]
+    fn released(&self) -> bool {
+        self.guard.is_released()
+    }
+    fn release(&self) -> bool {
+        self.guard.release()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.guard.release();
+        false
+    }
+    fn __repr__(&self) -> String {
+        format!("Lease(worker={}, tokens={}, released={})", self.worker(), self.tokens(), self.released())
+    }
+}
+
+/// Band router + baseline policies + queue tracker + hot-reloadable centroids.
+#[pyclass(name = "Router", module = "eldr_sglang._core", frozen)]
+struct PyRouter {
+    inner: eldr_core::Router,
+}
+
+impl PyRouter {
+    fn finish(&self, py: Python<'_>, r: Result<Routed, RouteError>, explain: bool) -> PyResult<Py<PyAny>> {
+        let r = r.map_err(|e| NoHealthyWorker::new_err(e.to_string()))?;
+        let worker = r.decision.worker.expect("route returns a worker or an error");
+        if !explain {
+            return Ok(worker.into_pyobject(py)?.into_any().unbind());
+        }
+        let uses_tau = r.decision.d_star.is_some();
+        let d = PyDecision {
+            worker,
+            reason: r.decision.reason.label(),
+            distances: r.distances,
+            band: r.decision.band,
+            d_star: r.decision.d_star,
+            tau: uses_tau.then_some(r.tau),
+            loads: r.loads,
+            generation: r.generation,
+        };
+        Ok(Py::new(py, d)?.into_any())
+    }
+
+    fn check_worker(&self, worker: usize) -> PyResult<()> {
+        if worker >= self.inner.num_workers() {
+            return Err(PyValueError::new_err(format!("worker {worker} out of range 0..{}", self.inner.num_workers())));
+        }
+        Ok(())
+    }
+
+    fn route_counts(
+        &self,
+        py: Python<'_>,
+        explain: bool,
+        f: &dyn Fn(&SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>>,
+    ) -> PyResult<Py<PyAny>> {
+        // A Python-level error (e.g. an unsupported dtype) must surface, not become a fallback.
+        let err: std::cell::RefCell<Option<PyErr>> = std::cell::RefCell::new(None);
+        let g = |spec: &SignatureSpec| match f(spec) {
+            Ok(r) => r,
+            Err(e) => {
+                *err.borrow_mut() = Some(e);
+                Err(NoSignature::Shape)
+            }
+        };
+        let r = self.inner.route(SignatureInput::Counts(&g), explain);
+        if let Some(e) = err.into_inner() {
+            return Err(e);
+        }
+        self.finish(py, r, explain)
+    }
+}
+
+#[pymethods]
+impl PyRouter {
+    #[new]
+    #[pyo3(signature = (policy="eldr", num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000))]
+    fn new(
+        policy: &str,
+        num_workers: Option<usize>,
+        centroids: Option<PathBuf>,
+        tau: Option<f64>,
+        seed: u64,
+        reload_interval_ms: u64,
+        load_report_ttl_ms: u64,
+    ) -> PyResult<Self> {
+        let inner = eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms).map_err(|m| {
+            if m.contains("centroid") || centroids.as_ref().is_some_and(|p| m.contains(&p.display().to_string())) {
+                CentroidFileError::new_err(m)
+            } else {
+                PyValueError::new_err(m)
+            }
+        })?;
+        Ok(PyRouter { inner })
+    }
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.policy_name()
+    }
+    #[getter]
+    fn num_workers(&self) -> usize {
+        self.inner.num_workers()
+    }
+    #[getter]
+    fn get_tau(&self) -> f64 {
+        self.inner.tau()
+    }
+    #[setter]
+    fn set_tau(&self, value: f64) -> PyResult<()> {
+        self.inner.set_tau(value).map_err(PyValueError::new_err)
+    }
+    #[pyo3(signature = (counts, explain=false))]
+    fn route_dense(&self, py: Python<'_>, counts: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
+        self.route_counts(py, explain, &|spec| dense_sig_any(counts, spec))
+    }
+    #[pyo3(signature = (index, counts, explain=false))]
+    fn route_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
+        self.route_counts(py, explain, &|spec| sparse_sig_any(index, counts, spec))
+    }
+    #[pyo3(signature = (ids, explain=false))]
+    fn route_topk(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
+        self.route_counts(py, explain, &|spec| topk_sig_any(ids, spec))
+    }
+    #[pyo3(signature = (signature, explain=false))]
+    fn route_signature(&self, py: Python<'_>, signature: Option<PyReadonlyArrayDyn<'_, f32>>, explain: bool) -> PyResult<Py<PyAny>> {
+        let r = match signature {
+            None => self.inner.route(SignatureInput::Missing(NoSignature::Empty), explain),
+            Some(a) => {
+                let v = View::new(a);
+                if v.shape().len() != 1 {
+                    self.inner.route(SignatureInput::Missing(NoSignature::Shape), explain)
+                } else {
+                    self.inner.route(SignatureInput::Dense(v.slice()), explain)
+                }
+            }
+        };
+        self.finish(py, r, explain)
+    }
+    #[pyo3(signature = (worker, tokens=0))]
+    fn acquire(&self, worker: usize, tokens: i64) -> PyResult<PyLease> {
+        self.check_worker(worker)?;
+        Ok(PyLease { guard: self.inner.tracker().acquire(worker, tokens) })
+    }
+    fn loads(&self) -> Vec<i64> {
+        let mut v = Vec::new();
+        self.inner.tracker().loads_into(&mut v);
+        v
+    }
+    fn inflight(&self) -> Vec<i64> {
+        (0..self.inner.num_workers()).map(|w| self.inner.tracker().inflight(w)).collect()
+    }
+    fn tokens(&self) -> Vec<i64> {
+        (0..self.inner.num_workers()).map(|w| self.inner.tracker().tokens(w)).collect()
+    }
+    #[pyo3(signature = (worker, running, tokens=0))]
+    fn report_load(&self, worker: usize, running: i64, tokens: i64) -> PyResult<()> {
+        self.check_worker(worker)?;
+        self.inner.tracker().report(worker, running, tokens);
+        Ok(())
+    }
+    fn set_healthy(&self, worker: usize, healthy: bool) -> PyResult<()> {
+        self.check_worker(worker)?;
+        self.inner.tracker().set_healthy(worker, healthy);
+        Ok(())
+    }
+    fn healthy(&self) -> Vec<bool> {
+        let mut v = Vec::new();
+        self.inner.tracker().healthy_into(&mut v);
+        v
+    }
+    fn reload(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.inner.reload()).map_err(file_err)
+    }
+    fn maybe_reload(&self, py: Python<'_>) -> PyResult<bool> {
+        match self.inner.store() {
+            None => Ok(false),
+            Some(s) => py.detach(|| s.maybe_reload()).map_err(file_err),
+        }
+    }
+    #[getter]
+    fn centroid_generation(&self) -> u64 {
+        self.inner.store().map_or(0, |s| s.generation())
+    }
+    #[getter]
+    fn last_reload_error(&self) -> Option<String> {
+        self.inner.store().and_then(|s| s.last_error())
+    }
+    fn centroid_set(&self) -> Option<PyCentroidSet> {
+        self.inner.store().map(|s| PyCentroidSet { set: s.snapshot() })
+    }
+    fn __repr__(&self) -> String {
+        format!("Router(policy={:?}, num_workers={}, tau={})", self.policy(), self.num_workers(), self.get_tau())
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", eldr_core::FORMAT_VERSION)?;
+    m.add("POLICIES", pyo3::types::PyTuple::new(py, eldr_core::POLICY_NAMES)?)?;
+    m.add("CentroidFileError", py.get_type::<CentroidFileError>())?;
+    m.add("NoSignature", py.get_type::<NoSignatureError>())?;
+    m.add("NoHealthyWorker", py.get_type::<NoHealthyWorker>())?;
+    m.add_class::<PySignatureSpec>()?;
+    m.add_class::<PyCentroidSet>()?;
+    m.add_class::<PyDecision>()?;
+    m.add_class::<PyLease>()?;
+    m.add_class::<PyRouter>()?;
+    m.add_function(wrap_pyfunction!(count_topk, m)?)?;
+    m.add_function(wrap_pyfunction!(distinct_per_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(write_centroids, m)?)?;
+    Ok(())
+}
