@@ -1,0 +1,200 @@
+"""Centroid file round trip and corruption, hot reload, leases and the queue tracker."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from eldr_sglang import CentroidFileError, CentroidSet, NoHealthyWorker, Router, write_centroids
+
+
+def make(path, K=4, L=6, E=8, seed=0, tau=0.1, sel=(1, 2, 3, 4)):
+    rng = np.random.default_rng(seed)
+    w = np.zeros(L, np.float32)
+    w[list(sel)] = rng.uniform(0.5, 1.5, len(sel))
+    idf = rng.uniform(0.1, 2.0, (L, E)).astype(np.float32)
+    cents = rng.random((K, len(sel) * E)).astype(np.float32)
+    names = [f"http://decode-{i}:30000" for i in range(K)]
+    prov = json.dumps({"trace_sha256": "ab" * 32, "seed": seed})
+    write_centroids(str(path), cents, w, idf, tau=tau, worker_names=names, provenance_json=prov)
+    return w, idf, cents / np.linalg.norm(cents, axis=1, keepdims=True), names, prov
+
+
+def test_round_trip(tmp_path):
+    p = tmp_path / "c.eldr"
+    w, idf, cents, names, prov = make(p, tau=0.25)
+    s = CentroidSet.open(str(p))
+    assert (s.num_workers, s.num_layers, s.num_experts, s.dim) == (4, 6, 8, 32)
+    assert s.worker_names == names and s.provenance_json == prov
+    assert s.tau == pytest.approx(0.25)
+    np.testing.assert_array_equal(s.layer_weights(), w)
+    np.testing.assert_array_equal(s.idf(), idf)
+    np.testing.assert_allclose(s.centroids(), cents, atol=1e-7)
+    assert s.spec().selected_layers == [1, 2, 3, 4]
+    assert not list(tmp_path.glob(".*.tmp")), "atomic write leaves no temp file"
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda b: b[: len(b) // 2], "truncated"),
+        (lambda b: b[:40], "truncated"),
+        (lambda b: b[:200] + bytes([b[200] ^ 1]) + b[201:], "checksum mismatch"),
+        (lambda b: b[:8] + (7).to_bytes(4, "little") + b[12:], "unsupported format version 7"),
+        (lambda b: b"NOTELDR!" + b[8:], "not an ELDR centroid file"),
+        (lambda b: b + b"\0" * 8, "trailing data"),
+    ],
+)
+def test_corruption_named(tmp_path, corrupt, message):
+    good = tmp_path / "good.eldr"
+    make(good)
+    bad = tmp_path / "bad.eldr"
+    bad.write_bytes(corrupt(good.read_bytes()))
+    with pytest.raises(CentroidFileError, match=message):
+        CentroidSet.open(str(bad))
+
+
+def test_missing_file_and_k_mismatch(tmp_path):
+    with pytest.raises(CentroidFileError, match="cannot read"):
+        CentroidSet.open(str(tmp_path / "nope.eldr"))
+    p = tmp_path / "c.eldr"
+    make(p, K=4)
+    with pytest.raises(CentroidFileError, match="K mismatch"):
+        Router("eldr", num_workers=5, centroids=str(p))
+
+
+def test_writer_rejects_bad_input_and_writes_nothing(tmp_path):
+    p = tmp_path / "c.eldr"
+    w = np.ones(3, np.float32)
+    idf = np.ones((3, 4), np.float32)
+    with pytest.raises(CentroidFileError, match="D=12"):
+        write_centroids(str(p), np.ones((2, 11), np.float32), w, idf)
+    bad = np.ones((2, 12), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(CentroidFileError, match="NaN"):
+        write_centroids(str(p), bad, w, idf)
+    with pytest.raises(CentroidFileError, match="worker names"):
+        write_centroids(str(p), np.ones((2, 12), np.float32), w, idf, worker_names=["a"])
+    assert not any(tmp_path.iterdir())
+
+
+def test_reload_on_request_rejects_bad_file_and_keeps_old(tmp_path):
+    p = tmp_path / "c.eldr"
+    make(p, seed=1)
+    r = Router("eldr", centroids=str(p), reload_interval_ms=0)
+    before = r.centroid_set().centroids()
+    assert r.centroid_generation == 1
+    make(p, seed=2)
+    assert r.reload() is True and r.centroid_generation == 2
+    after = r.centroid_set().centroids()
+    assert not np.allclose(before, after)
+    # a corrupt replacement is rejected, the old centroids keep serving
+    tmp = tmp_path / "x"
+    tmp.write_bytes(p.read_bytes()[:-3])
+    os.replace(tmp, p)
+    with pytest.raises(CentroidFileError, match="truncated"):
+        r.reload()
+    assert r.centroid_generation == 2 and "truncated" in r.last_reload_error
+    np.testing.assert_array_equal(r.centroid_set().centroids(), after)
+    counts = np.ones((6, 8), np.uint32)
+    assert r.route_dense(counts, explain=True).reason == "band"
+    # a file with other dimensions is refused too
+    make(p, E=9, seed=3)
+    with pytest.raises(CentroidFileError, match="E=9"):
+        r.reload()
+    make(p, seed=4)
+    r.reload()
+    assert r.centroid_generation == 3 and r.last_reload_error is None
+
+
+def test_automatic_reload_when_file_replaced(tmp_path):
+    p = tmp_path / "c.eldr"
+    make(p, seed=1)
+    r = Router("eldr", centroids=str(p), reload_interval_ms=50)
+    counts = np.ones((6, 8), np.uint32)
+    make(p, seed=5)
+    deadline = time.monotonic() + 5
+    while r.centroid_generation == 1 and time.monotonic() < deadline:
+        r.route_dense(counts)  # routes drive the rate-limited file check
+        time.sleep(0.01)
+    assert r.centroid_generation == 2
+    assert r.route_dense(counts, explain=True).generation == 2
+
+
+def test_lease_releases_exactly_once():
+    r = Router("shortest_queue", num_workers=3)
+    a = r.acquire(1, tokens=100)
+    assert r.loads() == [0, 1, 0] and r.tokens() == [0, 100, 0]
+    assert a.release() is True and a.release() is False
+    with r.acquire(2, 5) as b:
+        assert r.loads() == [0, 0, 1]
+        with pytest.raises(KeyError):
+            with r.acquire(0) as c:
+                raise KeyError("request failed")
+    assert b.released and c.released and r.loads() == [0, 0, 0] and r.tokens() == [0, 0, 0]
+    d = r.acquire(0)
+    del d  # dropped without release: the guard releases it
+    assert r.loads() == [0, 0, 0]
+    with pytest.raises(ValueError, match="out of range"):
+        r.acquire(3)
+
+
+def test_queue_stress_8_threads_1m_pairs():
+    r = Router("shortest_queue", num_workers=8)
+    n_threads, pairs = 8, 1_000_000 // 8
+    errors = []
+
+    def work(t):
+        try:
+            acquire = r.acquire
+            for i in range(pairs):
+                lease = acquire((t + i) % 8, 3)
+                lease.release()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert r.loads() == [0] * 8 and r.tokens() == [0] * 8
+
+
+def test_unhealthy_never_chosen_and_load_reports_blend():
+    for policy in ("random", "round_robin", "shortest_queue", "power_of_two", "eldr"):
+        r = Router(policy, num_workers=4, seed=3)
+        r.set_healthy(0, False)
+        r.set_healthy(2, False)
+        picks = {r.route_signature(None) for _ in range(200)}
+        assert picks <= {1, 3}, policy
+        for w in range(4):
+            r.set_healthy(w, False)
+        with pytest.raises(NoHealthyWorker):
+            r.route_signature(None)
+    r = Router("shortest_queue", num_workers=2)
+    r.report_load(0, running=7)  # another router replica's requests on worker 0
+    assert r.loads() == [7, 0] and r.route_signature(None) == 1
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="unknown policy"):
+        Router("fastest", num_workers=2)
+    with pytest.raises(ValueError, match="num_workers"):
+        Router("random")
+    with pytest.raises(ValueError, match="tau"):
+        Router("random", num_workers=2, tau=-1.0)
+
+
+
+def test_unsupported_dtype_is_a_type_error(tmp_path):
+    p = tmp_path / "c.eldr"
+    make(p)
+    with pytest.raises(TypeError, match="unsupported input complex64"):
+        Router("eldr", centroids=str(p)).route_dense(np.ones((6, 8), np.complex64))
