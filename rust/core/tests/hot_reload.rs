@@ -1,0 +1,98 @@
+//! Hot reload: a route in flight finishes on its snapshot; bad files never replace good ones;
+//! concurrent routing during 100 replacements never fails.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use eldr_core::{CentroidStore, CentroidWriter, NoSignature, Router, SignatureInput};
+
+fn write(path: &Path, seed: u32, k: usize) {
+    let (l, e) = (4usize, 8usize);
+    let weights = vec![0.0, 1.0, 1.0, 0.5];
+    let idf = vec![1.0f32; l * e];
+    let d = 3 * e;
+    let cents: Vec<f32> = (0..k * d).map(|i| (((i as u32 + 1) * (seed + 7)) % 13) as f32 + 0.5).collect();
+    CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| format!("w{i}")).collect(), provenance: "{}" }
+        .write(path)
+        .unwrap();
+}
+
+#[test]
+fn in_flight_snapshot_survives_swap() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.eldr");
+    write(&p, 1, 4);
+    let store = CentroidStore::open(&p, Some(4), 0).unwrap();
+    let old = store.snapshot();
+    let old_rows = old.centroids();
+    write(&p, 2, 4);
+    store.reload().unwrap();
+    assert_eq!(store.generation(), 2);
+    // The old snapshot (and its mapping of the replaced inode) is still intact.
+    assert_eq!(old.centroids(), old_rows);
+    assert_ne!(store.snapshot().centroids(), old_rows);
+}
+
+#[test]
+fn bad_replacement_keeps_old_and_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.eldr");
+    write(&p, 1, 4);
+    let store = CentroidStore::open(&p, Some(4), 0).unwrap();
+    write(&p, 3, 5); // K mismatch
+    let err = store.reload_if_changed().unwrap_err().to_string();
+    assert!(err.contains("K=5"), "{err}");
+    assert_eq!(store.generation(), 1);
+    assert!(store.last_error().unwrap().contains("K=5"));
+    // The same bad file is not re-read on every check.
+    assert_eq!(store.reload_if_changed(), Ok(false));
+    std::fs::write(&p, b"garbage").unwrap();
+    assert!(store.reload_if_changed().is_err());
+    assert_eq!(store.snapshot().num_workers(), 4);
+}
+
+#[test]
+fn routing_never_fails_across_100_replacements() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.eldr");
+    write(&p, 0, 4);
+    let router = Arc::new(Router::new("eldr", Some(4), Some(&p), None, 0, 1, 1000).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..3)
+        .map(|t| {
+            let (router, stop) = (Arc::clone(&router), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let counts: Vec<u32> = (0..32).map(|i| ((i + t) % 5) as u32).collect();
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let f = |spec: &eldr_core::SignatureSpec| -> Result<_, NoSignature> { spec.from_dense(&counts) };
+                    let r = router.route(SignatureInput::Counts(&f), true).expect("route");
+                    assert_eq!(r.decision.reason, eldr_core::Reason::Band);
+                    let _g = router.tracker().acquire(r.decision.worker.unwrap(), 1);
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    for i in 0..100u32 {
+        if i % 10 == 9 {
+            let tmp = dir.path().join("bad.tmp");
+            std::fs::write(&tmp, b"ELDRCENT-not-really").unwrap();
+            std::fs::rename(&tmp, &p).unwrap();
+        } else {
+            write(&p, i + 1, 4);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        let _ = router.store().unwrap().reload_if_changed();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let routed: u64 = workers.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(routed > 0);
+    let store = router.store().unwrap();
+    assert!(store.generation() > 50, "generation {}", store.generation());
+    for w in 0..4 {
+        assert_eq!(router.tracker().inflight(w), 0);
+    }
+}
