@@ -1,0 +1,348 @@
+"""Fit: trace -> signatures -> balanced clusters -> centroid file, with a quality report.
+
+    from eldr_sglang.offline.fit import fit_trace
+    res = fit_trace(trace, workers=4, tau=0.1, layers="middle", seed=0)
+    res.write("centroids.eldr")
+
+Domain labels are never read to fit; the report uses them only to score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from eldr_sglang.offline import report as rpt
+from eldr_sglang.offline.balanced_kmeans import KMeansResult, balanced_sizes, spherical_kmeans
+from eldr_sglang.offline.layers import parse_layers, select_layers_auto
+from eldr_sglang.offline.signatures import (
+    DEFAULT_CHUNK_TOKENS,
+    compute_idf,
+    compute_signatures,
+    decode_profiles,
+    document_frequency,
+    make_spec,
+    raw_signatures,
+)
+from eldr_sglang.traces import Trace, TraceError
+
+# Densify the signature matrix for K-means when it is at least this dense and fits in this
+# many bytes (dense BLAS beats sparse products there).
+DENSE_MIN_DENSITY = 0.25
+DENSE_MAX_BYTES = 4 << 30
+# Requests sampled for the decode-overlap statistics (Spearman rho, auto layer selection).
+PROFILE_SAMPLE = 4000
+
+
+@dataclasses.dataclass
+class FitResult:
+    centroids: np.ndarray  # [K, D] float32, unit rows; row k is worker k's expert profile
+    layer_weights: np.ndarray  # [L] float32
+    idf: np.ndarray  # [L, E] float32
+    assignment: np.ndarray  # [N] int64 cluster of each calibration request, -1 without signature
+    requests: np.ndarray  # [N] trace index of each calibration request
+    report: dict
+    tau: float
+    worker_names: list[str]
+    provenance: dict
+    signatures: sp.csr_matrix | None = None  # [N, D] (rows of requests without signature are empty)
+    valid: np.ndarray | None = None  # [N] bool
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.centroids.shape[0])
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write the centroid file (atomically, by the Rust writer) with provenance JSON."""
+        from eldr_sglang import _core
+
+        path = Path(path)
+        if path.parent and not path.parent.exists():
+            raise OSError(f"output directory does not exist: {path.parent}")
+        _core.write_centroids(
+            str(path),
+            np.ascontiguousarray(self.centroids, dtype=np.float32),
+            np.ascontiguousarray(self.layer_weights, dtype=np.float32),
+            np.ascontiguousarray(self.idf, dtype=np.float32),
+            float(self.tau),
+            list(self.worker_names),
+            json.dumps(self.provenance, sort_keys=True),
+        )
+
+
+def trace_digest(trace: Trace) -> str:
+    """sha256 of the trace's routing content (ids, offsets, prefill lengths, shape meta)."""
+    h = hashlib.sha256()
+    h.update(json.dumps([trace.num_layers, trace.num_experts, trace.top_k, str(trace.expert_ids.dtype)]).encode())
+    for a in (trace.req_offsets.astype(np.int64), trace.prefill_len.astype(np.int32)):
+        h.update(np.ascontiguousarray(a).tobytes())
+    ids = trace.expert_ids
+    step = 1 << 20
+    for s in range(0, ids.shape[0], step):
+        h.update(np.ascontiguousarray(ids[s : s + step]).tobytes())
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_inputs(trace: Trace, workers, tau, requests):
+    if not isinstance(trace, Trace):
+        raise TypeError("fit_trace needs an eldr_sglang.traces.Trace")
+    trace.validate()  # TraceError (a ValueError) names layer/expert/top-k mismatch, out-of-range ids, empty trace
+    try:
+        K = int(workers)
+    except (TypeError, ValueError):
+        raise ValueError(f"--workers must be an integer, got {workers!r}") from None
+    if K != workers or K < 1:
+        raise ValueError(f"--workers must be a positive integer, got {workers!r}")
+    tau = float(tau)
+    if not np.isfinite(tau) or tau < 0:
+        raise ValueError(f"--tau must be a finite number >= 0, got {tau}")
+    if requests is None:
+        req = np.arange(trace.num_requests, dtype=np.int64)
+    else:
+        req = np.asarray(requests)
+        if req.dtype == bool:
+            if req.shape != (trace.num_requests,):
+                raise ValueError("a boolean request mask must have one entry per trace request")
+            req = np.flatnonzero(req)
+        if not np.issubdtype(req.dtype, np.integer):
+            raise ValueError("requests must be integer indices into the trace")
+        req = req.astype(np.int64).ravel()
+        if req.size == 0:
+            raise ValueError("the calibration subset is empty")
+        if req.min() < 0 or req.max() >= trace.num_requests:
+            raise ValueError(f"request index out of range 0..{trace.num_requests - 1}")
+        if len(np.unique(req)) != len(req):
+            raise ValueError("the calibration subset lists a request twice")
+    if K > len(req):
+        raise ValueError(f"K > N: {K} workers but only {len(req)} calibration requests")
+    return K, tau, req
+
+
+def fit_trace(
+    trace: Trace,
+    workers: int,
+    tau: float = 0.1,
+    layers="middle",
+    seed: int = 0,
+    requests: np.ndarray | None = None,
+    progress: bool = False,
+    *,
+    n_init: int = 4,
+    max_iter: int = 50,
+    idf_plus_one: bool = True,
+    worker_names: list[str] | None = None,
+    source_path: str | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    keep_signatures: bool = False,
+) -> FitResult:
+    """Fit K balanced centroids to the prefill signatures of the calibration requests.
+
+    layers: "middle", "all", "auto" (greedy Spearman selection, held-out rho reported),
+    a list string like "4-12,15" / "6:0.5,7", or a weight array [L].
+    requests: optional index array (or boolean mask) of the calibration subset; the
+    result's ``assignment`` and ``requests`` follow its order.
+    Raises ValueError (TraceError) with a clear message on bad input, before any output.
+    """
+    t0 = time.perf_counter()
+    K, tau, req = _check_inputs(trace, workers, tau, requests)
+    if worker_names is not None and len(worker_names) != K:
+        raise ValueError(f"{len(worker_names)} worker names for {K} workers")
+    names = list(worker_names) if worker_names is not None else [f"decode-{k}" for k in range(K)]
+    rng = np.random.default_rng([int(seed), 0xE1D2])
+    L, E = trace.num_layers, trace.num_experts
+    say = (lambda m: print(f"eldr fit: {m}", file=sys.stderr)) if progress else (lambda m: None)
+
+    # 1. one streaming pass: count-proportional rows over all layers -> df, IDF
+    raw, valid = raw_signatures(trace, req, chunk_tokens, progress)
+    n_valid = int(valid.sum())
+    if n_valid == 0:
+        raise ValueError("no calibration request has a usable signature (no prefill tokens)")
+    if K > n_valid:
+        raise ValueError(f"K > N: {K} workers but only {n_valid} calibration requests with a usable signature")
+    df = document_frequency(raw[valid], L, E)
+    idf = compute_idf(df, n_valid, plus_one=idf_plus_one)
+
+    # 2. layer weights
+    auto = None
+    mode = layers if isinstance(layers, str) else "weights"
+    prof_idx = None
+    profiles = None
+    if isinstance(layers, str) and layers.strip().lower() == "auto":
+        mode = "auto"
+        cand = np.flatnonzero(valid & (trace.decode_len()[req] > 0))
+        if len(cand) > PROFILE_SAMPLE:
+            cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
+        prof_idx = cand
+        profiles, _ = decode_profiles(trace, req[cand], chunk_tokens)
+        say("selecting layers (greedy Spearman)")
+        auto = select_layers_auto(raw[cand], idf.astype(np.float64), profiles, rng)
+        weights = auto.weights
+    else:
+        weights = parse_layers(layers, L)
+    t_sig0 = time.perf_counter()
+
+    # 3. final signatures through the Rust normalizer (the router's exact path)
+    spec = make_spec(weights, idf)
+    S, valid2 = compute_signatures(trace, spec, req, chunk_tokens, progress, desc="signatures")
+    valid = valid & valid2
+    n_valid = int(valid.sum())
+    if K > n_valid:
+        raise ValueError(
+            f"K > N: {K} workers but only {n_valid} calibration requests have a signature on the selected layers"
+        )
+    t_sig = time.perf_counter() - t0
+    X = S[valid]
+    density = X.nnz / max(1, X.shape[0] * X.shape[1])
+    if density >= DENSE_MIN_DENSITY and X.shape[0] * X.shape[1] * 4 <= DENSE_MAX_BYTES:
+        X = X.toarray()
+
+    # 4. balanced spherical K-means
+    bar = _kmeans_bar(progress)
+    try:
+        km: KMeansResult = spherical_kmeans(
+            X, K, seed=seed, n_init=n_init, max_iter=max_iter, balanced=True,
+            progress=(lambda m: bar.set_description_str(m, refresh=True)) if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    t_km = km.seconds
+    assignment = np.full(len(req), -1, dtype=np.int64)
+    assignment[valid] = km.assignment
+
+    # 5. report
+    sizes = np.bincount(km.assignment, minlength=K)
+    q, r = balanced_sizes(n_valid, K)
+    fitted = req[valid]
+    rep: dict = {
+        "model": trace.model,
+        "workers": K,
+        "tau": tau,
+        "seed": int(seed),
+        "n_requests": int(len(req)),
+        "n_fitted": n_valid,
+        "n_without_signature": int(len(req) - n_valid),
+        "dim": int(spec.dim),
+        "idf": {"plus_one": bool(idf_plus_one), "min": float(idf.min()), "max": float(idf.max())},
+        "layers": {
+            "mode": mode,
+            "selected": [int(l) for l in np.flatnonzero(weights > 0)],
+            "weights": [float(x) for x in weights],
+        },
+        "cluster_sizes": sizes.tolist(),
+        "balanced": bool(sizes.min() >= q and sizes.max() <= q + (1 if r else 0)),
+        "objective": float(km.objective),
+        "kmeans": {
+            "iterations": int(km.iterations),
+            "restart": int(km.restart),
+            "restart_objectives": [float(o) for o in km.restart_objectives],
+            "optimal_assignment": bool(km.optimal_assignment),
+            "assign_seconds": float(km.assign_seconds),
+            "signature_density": float(density),
+        },
+    }
+    if auto is not None:
+        rep["layers"]["auto"] = {
+            "order": [int(l) for l in auto.order],
+            "selection_rho": auto.selection_rho,
+            "heldout_rho": auto.heldout_rho,
+            "middle_heldout_rho": auto.middle_heldout_rho,
+            "all_heldout_rho": auto.all_heldout_rho,
+            "n_pairs_selection": auto.n_pairs_selection,
+            "n_pairs_heldout": auto.n_pairs_heldout,
+            "history": auto.history,
+        }
+    say("scoring")
+    rep["cosine"] = rpt.cosine_stats(X, km.assignment, km.centroids)
+    # Spearman rho of the final signature, on a sample of fitted requests with decode tokens
+    has_dec = trace.decode_len()[fitted] > 0
+    cand = np.flatnonzero(has_dec)
+    if len(cand) > PROFILE_SAMPLE:
+        cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
+    if len(cand) >= 3:
+        prof, _ = decode_profiles(trace, fitted[cand], chunk_tokens)
+        rep["signature_rho"] = rpt.signature_rho(S[valid][cand], prof, rng)
+    else:
+        rep["signature_rho"] = {"spearman_rho": float("nan"), "n_pairs": 0}
+    rep["decode_locality"] = rpt.decode_locality(trace, fitted, km.assignment, rng)
+    if trace.domain is not None:
+        rep["domain_purity"] = rpt.domain_purity(np.asarray(trace.domain)[fitted], km.assignment, rng)
+    rep["baseline"] = rpt.baseline_stats(X, km.centroids, tau)
+    rep["seconds"] = {"signatures": t_sig, "kmeans": t_km, "total": time.perf_counter() - t0}
+
+    provenance = {
+        "tool": "eldr fit",
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "trace_sha256": trace_digest(trace),
+        "trace_model": trace.model,
+        "trace_shape": {"num_layers": L, "num_experts": E, "top_k": trace.top_k},
+        "params": {
+            "workers": K,
+            "tau": tau,
+            "layers": layers if isinstance(layers, str) else "weights",
+            "seed": int(seed),
+            "n_init": int(n_init),
+            "idf_plus_one": bool(idf_plus_one),
+            "calibration_requests": int(len(req)),
+            "calibration_subset": requests is not None,
+        },
+        "fit": {
+            "n_fitted": n_valid,
+            "objective": float(km.objective),
+            "cluster_sizes": sizes.tolist(),
+            "cluster_shares": (sizes / n_valid).round(6).tolist(),
+        },
+        "baseline": rep["baseline"],
+    }
+    if source_path is not None:
+        provenance["trace_path"] = str(source_path)
+        provenance["trace_file_sha256"] = file_sha256(source_path)
+    return FitResult(
+        centroids=km.centroids,
+        layer_weights=weights.astype(np.float32),
+        idf=idf,
+        assignment=assignment,
+        requests=req,
+        report=rep,
+        tau=tau,
+        worker_names=names,
+        provenance=provenance,
+        signatures=S if keep_signatures else None,
+        valid=valid,
+    )
+
+
+def _kmeans_bar(progress: bool):
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=0, bar_format="{desc}", file=sys.stderr, leave=False)
+
+
+def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:
+    from eldr_sglang.traces import load_trace
+
+    try:
+        trace = load_trace(path)
+    except TraceError:
+        raise
+    return fit_trace(trace, source_path=str(path), **kw)

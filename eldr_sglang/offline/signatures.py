@@ -1,0 +1,191 @@
+"""Signatures of many requests, computed as a stream of bounded chunks by the Rust normalizer.
+
+The signature of a request depends on its prefill tokens only (ELDR.md). We never expand
+the whole trace: requests are processed in chunks of at most ``chunk_tokens`` prefill
+tokens, each chunk goes through ``SignatureSpec.batch_from_topk`` (Rust, GIL released),
+and the dense chunk result is turned into CSR at once, so memory stays at one chunk plus
+the sparse result.
+
+IDF and layer weights are fit-time statistics and live here, in Python:
+``idf[l][e] = log((|C|+1)/(df[l][e]+1)) (+1)`` with ``df`` the number of calibration
+requests whose prefill used ``(l, e)`` at least once.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import scipy.sparse as sp
+
+from eldr_sglang.traces import Trace
+
+DEFAULT_CHUNK_TOKENS = 1 << 18
+
+
+def _core():
+    try:
+        from eldr_sglang import _core
+    except ImportError as exc:  # pragma: no cover - depends on the build
+        raise RuntimeError(
+            "the Rust extension eldr_sglang._core is not built; run `maturin develop --release`"
+        ) from exc
+    return _core
+
+
+def _gather_rows(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(starts[j], starts[j]+lens[j]) without a Python loop."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offs = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offs[1:])
+    rows = np.arange(total, dtype=np.int64)
+    rows += np.repeat(starts.astype(np.int64) - offs[:-1], lens)
+    return rows
+
+
+def iter_chunks(
+    trace: Trace,
+    requests: np.ndarray | None = None,
+    part: str = "prefill",
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Yield (request indices, ids [T_chunk, L, k], offsets [R_chunk+1]) for the given part
+    ("prefill", "decode" or "all") of each request, in bounded chunks."""
+    req = np.arange(trace.num_requests) if requests is None else np.asarray(requests, dtype=np.int64)
+    off = trace.req_offsets
+    pl = trace.prefill_len.astype(np.int64)
+    if part == "prefill":
+        starts, lens = off[req], pl[req]
+    elif part == "decode":
+        starts, lens = off[req] + pl[req], off[req + 1] - off[req] - pl[req]
+    elif part == "all":
+        starts, lens = off[req], off[req + 1] - off[req]
+    else:
+        raise ValueError(f"unknown part {part!r}")
+    csum = np.cumsum(lens)
+    j = 0
+    n = len(req)
+    while j < n:
+        base = csum[j - 1] if j else 0
+        # take requests until the chunk holds chunk_tokens tokens (at least one request)
+        e = int(np.searchsorted(csum, base + chunk_tokens, side="right"))
+        e = max(e, j + 1)
+        e = min(e, n)
+        lj = lens[j:e]
+        rows = _gather_rows(starts[j:e], lj)
+        offsets = np.zeros(e - j + 1, dtype=np.int64)
+        np.cumsum(lj, out=offsets[1:])
+        yield req[j:e], trace.expert_ids[rows], offsets
+        j = e
+
+
+def compute_signatures(
+    trace: Trace,
+    spec,
+    requests: np.ndarray | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    progress: bool = False,
+    desc: str = "signatures",
+) -> tuple[sp.csr_matrix, np.ndarray]:
+    """Signatures of the requests' prefill tokens: (CSR [R, D] float32 unit rows, valid [R]).
+
+    ``spec`` is an ``eldr_sglang._core.SignatureSpec``. Rows without a usable signature
+    (no prefill token, or only zero-weight layers) are empty and ``valid`` is False.
+    """
+    if spec.num_layers != trace.num_layers or spec.num_experts != trace.num_experts:
+        raise ValueError(
+            f"signature spec is for {spec.num_layers} layers x {spec.num_experts} experts, "
+            f"the trace has {trace.num_layers} x {trace.num_experts}"
+        )
+    n_req = trace.num_requests if requests is None else len(requests)
+    bar = _bar(progress, n_req, desc)
+    blocks: list[sp.csr_matrix] = []
+    valids: list[np.ndarray] = []
+    try:
+        for idx, ids, offsets in iter_chunks(trace, requests, "prefill", chunk_tokens):
+            sig, valid = spec.batch_from_topk(ids, offsets)
+            blocks.append(sp.csr_matrix(np.asarray(sig, dtype=np.float32)))
+            valids.append(np.asarray(valid, dtype=bool))
+            if bar is not None:
+                bar.update(len(idx))
+    finally:
+        if bar is not None:
+            bar.close()
+    if not blocks:
+        return sp.csr_matrix((0, spec.dim), dtype=np.float32), np.zeros(0, dtype=bool)
+    S = sp.vstack(blocks, format="csr").astype(np.float32)
+    return S, np.concatenate(valids)
+
+
+def document_frequency(raw: sp.csr_matrix, num_layers: int, num_experts: int) -> np.ndarray:
+    """df [L, E]: how many rows use (l, e). ``raw`` has all L*E columns."""
+    if raw.shape[1] != num_layers * num_experts:
+        raise ValueError("document_frequency needs signatures over all layers")
+    nz = raw.copy()
+    nz.eliminate_zeros()
+    df = np.bincount(nz.indices, minlength=num_layers * num_experts)
+    return df.reshape(num_layers, num_experts)
+
+
+def compute_idf(df: np.ndarray, n_docs: int, plus_one: bool = True) -> np.ndarray:
+    """Smoothed IDF of ELDR.md: log((|C|+1)/(df+1)), plus 1 when ``plus_one``.
+
+    With ``plus_one`` an expert every request uses keeps weight 1 instead of 0; that
+    matters for small models (GPT-OSS-20B: 32 experts, top-4), where long prompts touch
+    almost every expert."""
+    idf = np.log((n_docs + 1.0) / (np.asarray(df, dtype=np.float64) + 1.0))
+    if plus_one:
+        idf += 1.0
+    return idf.astype(np.float32)
+
+
+def raw_signatures(trace: Trace, requests=None, chunk_tokens=DEFAULT_CHUNK_TOKENS, progress=False):
+    """Signatures with every layer at weight 1 and IDF 1: counts / ||counts||, [R, L*E].
+
+    Any other layer weighting and IDF is a column scaling of these rows followed by a row
+    normalisation, which layer selection uses to score many weightings cheaply."""
+    core = _core()
+    L, E = trace.num_layers, trace.num_experts
+    spec = core.SignatureSpec(np.ones(L, dtype=np.float32), np.ones((L, E), dtype=np.float32))
+    return compute_signatures(trace, spec, requests, chunk_tokens, progress, desc="prefill counts")
+
+
+def make_spec(layer_weights: np.ndarray, idf: np.ndarray):
+    return _core().SignatureSpec(
+        np.ascontiguousarray(layer_weights, dtype=np.float32), np.ascontiguousarray(idf, dtype=np.float32)
+    )
+
+
+def decode_profiles(trace: Trace, requests=None, chunk_tokens=DEFAULT_CHUNK_TOKENS) -> tuple[np.ndarray, np.ndarray]:
+    """Per-request decode expert usage: ([R, L, E] float32, each layer's row sums to 1
+    over the experts the decode tokens chose; has_decode [R] bool)."""
+    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    req = np.arange(trace.num_requests) if requests is None else np.asarray(requests, dtype=np.int64)
+    out = np.zeros((len(req), L, E), dtype=np.float32)
+    has = np.zeros(len(req), dtype=bool)
+    pos = 0
+    for idx, ids, offsets in iter_chunks(trace, req, "decode", chunk_tokens):
+        lens = np.diff(offsets)
+        r_of_tok = np.repeat(np.arange(len(idx)), lens)
+        lay = np.broadcast_to(np.arange(L)[None, :, None], ids.shape)
+        key = (r_of_tok[:, None, None] * L + lay) * E + ids.astype(np.int64)
+        cnt = np.bincount(key.ravel(), minlength=len(idx) * L * E).reshape(len(idx), L, E)
+        denom = np.maximum(lens, 1)[:, None, None] * k
+        out[pos : pos + len(idx)] = cnt / denom
+        has[pos : pos + len(idx)] = lens > 0
+        pos += len(idx)
+    return out, has
+
+
+def _bar(progress: bool, total: int, desc: str):
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    import sys
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
