@@ -1,0 +1,237 @@
+"""Execution-time model: a roofline over the bytes and FLOPs of one decode step or prefill.
+
+Decode step on one decode worker (a TP group of `tp` GPUs, weights sharded evenly):
+
+    t = overhead
+      + max(nonexpert_bytes / BW, 2 * B * nonexpert_params / F)          dense + attention weights
+      + max(kv_bytes_read / BW,   attention FLOPs / F)                      attention over the KV cache
+      + sum over MoE layers l of max(d_l * expert_bytes / BW,             distinct experts touched
+                                     2 * B * top_k * expert_params / F)     by the batch this step
+
+where BW = tp * hbm_bw * bw_efficiency and F = tp * peak FLOP/s * flops_efficiency, d_l the
+distinct experts that the batch's tokens select at MoE layer l in this step (from real
+routing), and overhead = step_overhead_s + per-layer TP all-reduce latency.
+
+Optional expert offload: each MoE layer keeps a GPU cache of C experts (LRU); experts touched
+this step but not cached are copied over the host link (PCIe) before use.
+
+Constants marked ASSUMPTION are not from a datasheet; they scale all policies alike and
+are exposed as parameters. They were set before any policy comparison and are never fitted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eldr_sglang.sim.profiles import FP8, HardwareProfile, ModelProfile
+
+# ASSUMPTION: fraction of peak HBM bandwidth that streaming weight reads achieve.
+DEFAULT_BW_EFFICIENCY = 0.8
+# ASSUMPTION: fraction of peak tensor FLOP/s reached by decode GEMMs and prefill.
+DEFAULT_FLOPS_EFFICIENCY = 0.5
+# ASSUMPTION: per-step scheduler / launch overhead (CUDA graphs on, overlap scheduler).
+DEFAULT_STEP_OVERHEAD_S = 0.5e-3
+# ASSUMPTION: latency of one small-message all-reduce inside a node (NCCL over NVLink).
+DEFAULT_ALLREDUCE_LATENCY_S = 10e-6
+# ASSUMPTION: fraction of free HBM given to the KV cache (SGLang --mem-fraction-static-like).
+DEFAULT_MEM_FRACTION = 0.85
+
+# ELDR paper measurement: going from 16 to 128 active experts makes the MoE layer 4.7x slower.
+PAPER_MOE_16_TO_128_SLOWDOWN = 4.7
+
+
+def min_tp(model: ModelProfile, hw: HardwareProfile, mem_fraction: float = DEFAULT_MEM_FRACTION) -> int:
+    """Smallest power-of-two TP degree whose HBM holds the weights with room for KV cache."""
+    tp = 1
+    while model.weight_bytes() > 0.8 * mem_fraction * tp * hw.hbm_bytes and tp < 64:
+        tp *= 2
+    return tp
+
+
+@dataclass
+class StepBreakdown:
+    overhead: float
+    dense: float
+    attention: float
+    moe: float
+    offload: float
+    total: float
+
+
+@dataclass
+class ExecutionModel:
+    model: ModelProfile
+    hardware: HardwareProfile
+    tp: int = 0  # 0: smallest that fits (min_tp)
+    bw_efficiency: float = DEFAULT_BW_EFFICIENCY
+    flops_efficiency: float = DEFAULT_FLOPS_EFFICIENCY
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+    allreduce_latency_s: float = DEFAULT_ALLREDUCE_LATENCY_S
+    mem_fraction: float = DEFAULT_MEM_FRACTION
+    offload_cache_experts: int = 0  # C > 0 turns on expert offload (per-layer LRU of C experts)
+    _c: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tp <= 0:
+            self.tp = min_tp(self.model, self.hardware, self.mem_fraction)
+        m, hw, tp = self.model, self.hardware, self.tp
+        for name in ("bw_efficiency", "flops_efficiency"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"{name} must lie in (0, 1], got {v}")
+        if self.offload_cache_experts < 0 or self.offload_cache_experts > m.num_experts:
+            raise ValueError(f"offload cache must hold 0..{m.num_experts} experts, got {self.offload_cache_experts}")
+        bw = tp * hw.hbm_bw * self.bw_efficiency
+        fp8 = m.expert_bytes_per_param <= FP8
+        peak = hw.fp8_flops if fp8 else hw.bf16_flops  # MXFP4 / bf16 run on bf16 tensor cores
+        fl = tp * peak * self.flops_efficiency
+        comm = 0.0 if tp == 1 else 2 * m.num_layers * self.allreduce_latency_s
+        kv_full = m.num_layers - m.sliding_window_layers
+        self._c = dict(
+            bw=bw,
+            flops=fl,
+            overhead=self.step_overhead_s + comm,
+            dense_bytes_t=m.nonexpert_bytes_per_step() / bw,
+            dense_flops_per_tok=2.0 * m.nonexpert_params_per_token(),
+            kv_elem_bytes=m.kv_elems_per_token_layer() * m.kv_bytes_per_elem,
+            kv_full_layers=kv_full,
+            kv_sw_layers=m.sliding_window_layers,
+            attn_flops=m.attn_flops_per_ctx_token(),
+            expert_t=m.expert_bytes() / bw,
+            expert_flops_per_tok=2.0 * m.top_k * m.expert_params(),
+            host_t=m.expert_bytes() / (tp * hw.host_link_bw),
+            active_flops_per_tok=2.0 * m.active_params(),
+        )
+
+    # ---------------- capacity ----------------
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens one decode worker can hold: free HBM after weights, times mem_fraction."""
+        m, hw = self.model, self.hardware
+        weights = m.weight_bytes()
+        if self.offload_cache_experts:
+            weights -= m.routed_params() * m.expert_bytes_per_param * (1 - self.offload_cache_experts / m.num_experts)
+        free = self.tp * hw.hbm_bytes * self.mem_fraction - weights
+        if free <= 0:
+            raise ValueError(
+                f"{m.name} weights ({weights / 1e9:.0f} GB) do not fit in tp={self.tp} x {hw.name} "
+                f"({self.tp * hw.hbm_bytes / 1e9:.0f} GB); raise --tp"
+            )
+        return int(free // m.kv_bytes_per_token())
+
+    # ---------------- decode ----------------
+    def _fixed_terms(self, batch_size: int, kv_tokens: int) -> tuple[float, float, float]:
+        c = self._c
+        b = max(int(batch_size), 0)
+        dense = max(c["dense_bytes_t"], b * c["dense_flops_per_tok"] / c["flops"])
+        sw_tokens = min(kv_tokens, b * self.model.sliding_window) if c["kv_sw_layers"] else 0
+        kv_layer_tokens = c["kv_full_layers"] * kv_tokens + c["kv_sw_layers"] * sw_tokens
+        attn = max(
+            kv_layer_tokens * c["kv_elem_bytes"] / c["bw"],
+            kv_layer_tokens * c["attn_flops"] / c["flops"],
+        )
+        return c["overhead"], dense, attn
+
+    def moe_layer_time(self, batch_size: int, distinct: np.ndarray | float) -> np.ndarray | float:
+        """Time of the routed-expert part of MoE layers with `distinct` experts touched."""
+        c = self._c
+        return np.maximum(np.asarray(distinct, dtype=np.float64) * c["expert_t"], batch_size * c["expert_flops_per_tok"] / c["flops"])
+
+    def decode_step_time(self, batch_size: int, kv_tokens: int, distinct_experts: np.ndarray, misses: np.ndarray | None = None) -> float:
+        """Seconds of one decode step of `batch_size` tokens over `kv_tokens` cached tokens,
+        with distinct_experts[l] experts touched at MoE layer l. `misses[l]` (offload mode)
+        are the experts that had to be fetched over the host link."""
+        if batch_size <= 0:
+            return 0.0
+        d = np.asarray(distinct_experts)
+        if d.shape != (self.model.num_moe_layers,):
+            raise ValueError(f"distinct_experts must have shape ({self.model.num_moe_layers},), got {d.shape}")
+        c = self._c
+        ov, dense, attn = self._fixed_terms(batch_size, kv_tokens)
+        moe = float(np.sum(self.moe_layer_time(batch_size, d)))
+        off = float(np.sum(misses)) * c["host_t"] if misses is not None else 0.0
+        return ov + dense + attn + moe + off
+
+    def breakdown(self, batch_size: int, kv_tokens: int, distinct_experts: np.ndarray, misses: np.ndarray | None = None) -> StepBreakdown:
+        ov, dense, attn = self._fixed_terms(batch_size, kv_tokens)
+        moe = float(np.sum(self.moe_layer_time(batch_size, np.asarray(distinct_experts))))
+        off = float(np.sum(misses)) * self._c["host_t"] if misses is not None else 0.0
+        return StepBreakdown(ov, dense, attn, moe, off, ov + dense + attn + moe + off)
+
+    # ---------------- prefill ----------------
+    def prefill_time(self, num_tokens: int) -> float:
+        """Seconds to prefill `num_tokens` prompt tokens on one prefill worker (same TP group
+        shape): compute roofline of the active parameters plus causal attention, or reading
+        all weights once, whichever is larger, plus the fixed overhead."""
+        if num_tokens <= 0:
+            return 0.0
+        c, m = self._c, self.model
+        n = float(num_tokens)
+        attn_flops = c["attn_flops"] * m.num_layers * n * (n + 1) / 2.0
+        compute = (n * c["active_flops_per_tok"] + attn_flops) / c["flops"]
+        # expected fraction of experts a prompt of n tokens touches (uniform-routing bound)
+        touched = 1.0 - (1.0 - m.top_k / m.num_experts) ** n
+        weights = c["dense_bytes_t"] + m.num_moe_layers * m.num_experts * touched * c["expert_t"]
+        return c["overhead"] + max(compute, weights)
+
+    def kv_transfer_time(self, num_tokens: int) -> float:
+        """Seconds to move a prompt's KV cache from the prefill to the decode group."""
+        return num_tokens * self.model.kv_bytes_per_token() / (self.tp * self.hardware.network_bw)
+
+    # ---------------- paper check ----------------
+    def moe_slowdown(self, lo: int = 16, hi: int = 128, batch_size: int | None = None) -> float:
+        """Predicted ratio of MoE-layer time with `hi` vs `lo` distinct experts (same batch)."""
+        m = self.model
+        hi = min(hi, m.num_experts)
+        b = batch_size if batch_size is not None else max(1, math.ceil(hi / m.top_k))
+        shared = m.num_shared_experts * self._c["expert_t"]
+        t_lo = float(self.moe_layer_time(b, lo)) + shared
+        t_hi = float(self.moe_layer_time(b, hi)) + shared
+        return t_hi / t_lo
+
+    def describe(self) -> dict:
+        m, hw = self.model, self.hardware
+        return {
+            "model": m.name,
+            "hardware": hw.name,
+            "tp": self.tp,
+            "expert_mb": round(m.expert_bytes() / 1e6, 2),
+            "nonexpert_gb_per_step": round(m.nonexpert_bytes_per_step() / 1e9, 3),
+            "kv_bytes_per_token": m.kv_bytes_per_token(),
+            "kv_capacity_tokens": self.kv_capacity_tokens(),
+            "bw_efficiency": self.bw_efficiency,
+            "flops_efficiency": self.flops_efficiency,
+            "step_overhead_ms": round(self._c["overhead"] * 1e3, 3),
+            "offload_cache_experts": self.offload_cache_experts,
+        }
+
+
+class ExpertCache:
+    """Per-layer LRU cache of C experts on the GPU (expert-offload mode)."""
+
+    def __init__(self, num_layers: int, num_experts: int, capacity: int):
+        if capacity <= 0:
+            raise ValueError("offload cache capacity must be positive")
+        self.L, self.E, self.C = num_layers, num_experts, capacity
+        self.cached = np.zeros((num_layers, num_experts), dtype=bool)
+        self.last = np.full((num_layers, num_experts), -1, dtype=np.int64)
+        self.clock = 0
+        self._rows = np.arange(num_layers)[:, None]
+
+    def access(self, touched: np.ndarray) -> np.ndarray:
+        """touched [L, E] bool -> misses per layer [L]; updates the LRU state."""
+        self.clock += 1
+        misses = (touched & ~self.cached).sum(axis=1)
+        self.last[touched] = self.clock
+        self.cached |= touched
+        over = self.cached.sum(axis=1) > self.C
+        if np.any(over):
+            layers = np.nonzero(over)[0]
+            score = np.where(self.cached[layers], self.last[layers], -(2**62))
+            keep = np.argpartition(-score, self.C - 1, axis=1)[:, : self.C]
+            new = np.zeros((len(layers), self.E), dtype=bool)
+            np.put_along_axis(new, keep, True, axis=1)
+            self.cached[layers] = new
+        return misses

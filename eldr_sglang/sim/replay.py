@@ -1,0 +1,116 @@
+"""Trace replay: what one request does to the experts, shared by the simulator and the
+worker emulator.
+
+Per trace request r:
+- its prefill signature, computed from its prompt tokens only (`prefill_ids`, and
+  `signatures(spec)` for all requests at once through the Rust `SignatureSpec`);
+- its decode-token routing, in order: decode step s (s = 0, 1, ...) processes output token
+  s as input, whose top-k ids are decode row s of the request. The first output token comes
+  from prefill, so n output tokens take n-1 decode steps using rows 0..n-2. When more output
+  tokens are asked for than were recorded, the recorded decode rows are replayed
+  cyclically (same request, same experts) -- stated in every report that does it.
+
+Domain labels are not read here.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from eldr_sglang.traces import Trace
+
+
+def distinct_per_layer_np(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """Reference (numpy) count of distinct experts per layer of top-k ids [N, L, k]."""
+    ids = np.asarray(ids)
+    n, L, _ = ids.shape
+    if n == 0:
+        return np.zeros(L, dtype=np.uint32)
+    flat = (ids.astype(np.int64) + (np.arange(L, dtype=np.int64) * num_experts)[None, :, None]).ravel()
+    mask = np.zeros(L * num_experts, dtype=bool)
+    mask[flat] = True
+    return mask.reshape(L, num_experts).sum(axis=1).astype(np.uint32)
+
+
+def touched_mask(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[N, L, k] ids -> [L, E] bool mask of experts touched (for the offload cache)."""
+    n, L, _ = ids.shape
+    mask = np.zeros((L, num_experts), dtype=bool)
+    if n:
+        mask[np.broadcast_to(np.arange(L)[None, :, None], ids.shape), ids] = True
+    return mask
+
+
+def distinct_counter():
+    """The per-step distinct-expert counter: the Rust `distinct_per_layer` when the extension
+    is built, the numpy reference otherwise."""
+    try:
+        from eldr_sglang._core import distinct_per_layer
+
+        return distinct_per_layer
+    except ImportError:  # pragma: no cover - only before the extension is built
+        return distinct_per_layer_np
+
+
+class TraceReplay:
+    """Replays a trace's requests: prompt lengths, signatures and decode-step routing."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self.expert_ids = trace.expert_ids
+        self.num_layers = trace.num_layers
+        self.num_experts = trace.num_experts
+        self.top_k = trace.top_k
+        off = trace.req_offsets.astype(np.int64)
+        self.prompt_len = trace.prefill_len.astype(np.int64)
+        self.dec_start = off[:-1] + self.prompt_len
+        self.dec_len = off[1:] - self.dec_start
+        # A request without recorded decode tokens replays its prompt rows instead.
+        no_dec = self.dec_len <= 0
+        if np.any(no_dec):
+            self.dec_start = np.where(no_dec, off[:-1], self.dec_start)
+            self.dec_len = np.where(no_dec, off[1:] - off[:-1], self.dec_len)
+        if np.any(self.dec_len <= 0):
+            bad = int(np.nonzero(self.dec_len <= 0)[0][0])
+            raise ValueError(f"trace request {bad} has no tokens at all; it cannot be replayed")
+        self.recorded_output_len = np.maximum(off[1:] - off[:-1] - self.prompt_len, 1)
+
+    @property
+    def num_requests(self) -> int:
+        return self.trace.num_requests
+
+    def prefill_ids(self, r: int) -> np.ndarray:
+        """[prompt_len, L, k] top-k ids of request r's prompt."""
+        return self.trace.prefill_ids(r)
+
+    def signatures(self, spec) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill signatures of all requests through the Rust SignatureSpec:
+        ([R, D] float32, [R] valid)."""
+        return spec.batch_from_topk(self.expert_ids, self.trace.req_offsets.astype(np.int64), self.prompt_len)
+
+    def signature(self, spec, r: int) -> np.ndarray | None:
+        """Request r's prefill signature, or None when it has no usable one."""
+        from eldr_sglang._core import NoSignature
+
+        try:
+            return spec.from_topk(np.ascontiguousarray(self.prefill_ids(r)))
+        except NoSignature:
+            return None
+
+    def decode_row(self, r: int, step: int) -> int:
+        return int(self.dec_start[r] + step % self.dec_len[r])
+
+    def decode_iter(self, r: int, output_len: int) -> Iterator[np.ndarray]:
+        """Top-k ids [L, k] of each of the output_len-1 decode steps of request r."""
+        for s in range(max(int(output_len) - 1, 0)):
+            yield self.expert_ids[self.decode_row(r, s)]
+
+    def step_rows(self, reqs: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Trace rows of a decode batch: request reqs[i] at decode step steps[i]."""
+        return self.dec_start[reqs] + steps % self.dec_len[reqs]
+
+    def step_ids(self, reqs: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """[B, L, k] top-k ids of a decode batch."""
+        return self.expert_ids[self.step_rows(reqs, steps)]

@@ -1,0 +1,164 @@
+"""Reports of simulation runs: a readable table, JSON, and plots (matplotlib, lazily)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+LOAD_BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
+
+
+def _f(x: float, nd: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def pct_change(new: float, old: float) -> float:
+    return (new / old - 1.0) * 100.0 if old and not math.isnan(old) else float("nan")
+
+
+def format_table(policies: dict[str, dict], title: str | None = None) -> str:
+    """One row per policy; the last columns compare each policy with the best load balancer
+    (lowest median TPOT among random/round_robin/shortest_queue/power_of_two present)."""
+    lbs = [p for p in policies if p in LOAD_BALANCERS]
+    best = min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
+    head = [
+        "policy", "TPOT mean", "TPOT p50", "TPOT p99", "TTFT p50", "TTFT p99", "ITL p99",
+        "tok/s", "experts/layer/step", "reuse", "imbal", "dTPOT p50", "dTPOT p99",
+    ]
+    rows = []
+    for name, m in policies.items():
+        t = m["tpot_ms"]
+        d50 = d99 = "-"
+        if best is not None and name != best:
+            b = policies[best]["tpot_ms"]
+            d50 = f"{pct_change(t['p50'], b['p50']):+.1f}%"
+            d99 = f"{pct_change(t['p99'], b['p99']):+.1f}%"
+        rows.append([
+            name, _f(t["mean"]), _f(t["p50"]), _f(t["p99"]), _f(m["ttft_ms"]["p50"], 1), _f(m["ttft_ms"]["p99"], 1),
+            _f(m["itl_ms"]["p99"]), f"{m['throughput_tok_s']:.0f}", _f(m["unique_experts_per_layer_step"]),
+            _f(m["expert_reuse_ratio"]), _f(m["load_imbalance"]), d50, d99,
+        ])
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    out = []
+    if title:
+        out.append(title)
+    out.append(line(head))
+    out.append("  ".join("-" * w for w in widths))
+    out.extend(line(r) for r in rows)
+    out.append("times in ms; dTPOT = change vs the best load balancer" + (f" ({best})" if best else ""))
+    return "\n".join(out)
+
+
+def markdown_table(policies: dict[str, dict]) -> str:
+    lbs = [p for p in policies if p in LOAD_BALANCERS]
+    best = min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
+    lines = [
+        "| policy | TPOT mean | TPOT p50 | TPOT p99 | TTFT p50 | tok/s | experts/layer/step | reuse | dTPOT p50 vs best LB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in policies.items():
+        t = m["tpot_ms"]
+        d = "-" if best is None or name == best else f"{pct_change(t['p50'], policies[best]['tpot_ms']['p50']):+.1f}%"
+        lines.append(
+            f"| {name} | {_f(t['mean'])} | {_f(t['p50'])} | {_f(t['p99'])} | {_f(m['ttft_ms']['p50'], 1)} | "
+            f"{m['throughput_tok_s']:.0f} | {_f(m['unique_experts_per_layer_step'])} | {_f(m['expert_reuse_ratio'])} | {d} |"
+        )
+    return "\n".join(lines)
+
+
+def json_summary(policies: dict[str, dict], meta: dict | None = None) -> dict:
+    """{"policies": {name: metrics}, "meta": {...}} (per-worker detail kept)."""
+    return {"policies": policies, "meta": meta or {}}
+
+
+def write_json(obj: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o)}")
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plots need matplotlib: pip install 'eldr-sglang[plot]'") from None
+    return plt
+
+
+_COLORS = {
+    "random": "#999999", "round_robin": "#7f7f7f", "shortest_queue": "#1f77b4", "power_of_two": "#17becf",
+    "eldr": "#d62728", "oracle": "#2ca02c",
+}
+
+
+def _color(name: str):
+    return _COLORS.get(name.split("@")[0])
+
+
+def plot_runs(policies: dict[str, dict], step_distinct: dict[str, np.ndarray], path: str | Path, title: str = "") -> None:
+    """Two panels: TPOT p50/p99 per policy; distribution of distinct experts per MoE layer
+    per decode step."""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
+    names = list(policies)
+    x = np.arange(len(names))
+    a.bar(x - 0.2, [policies[n]["tpot_ms"]["p50"] for n in names], 0.4, label="p50", color=[_color(n) for n in names])
+    a.bar(x + 0.2, [policies[n]["tpot_ms"]["p99"] for n in names], 0.4, label="p99", color=[_color(n) for n in names], alpha=0.5)
+    a.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    a.set_ylabel("TPOT (ms)")
+    a.set_title("TPOT (solid p50, light p99)", fontsize=9)
+    lo = min(policies[n]["tpot_ms"]["p50"] for n in names)
+    a.set_ylim(lo * 0.8, None)
+    for n in names:
+        d = np.asarray(step_distinct.get(n, []))
+        if d.size:
+            b.hist(d, bins=40, histtype="step", label=n, color=_color(n), density=True)
+    b.set_xlabel("distinct experts per MoE layer in a decode step")
+    b.set_ylabel("density")
+    b.legend(fontsize=7)
+    b.set_title("experts touched per step", fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_sweep(sweep: dict[str, list[tuple[float, dict]]], path: str | Path, xlabel: str = "load", title: str = "") -> None:
+    """TPOT p50 (solid) and p99 (dashed) against load for each policy, plus distinct experts."""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
+    for name, pts in sweep.items():
+        xs = [p[0] for p in pts]
+        a.plot(xs, [p[1]["tpot_ms"]["p50"] for p in pts], "-o", ms=3, label=name, color=_color(name))
+        a.plot(xs, [p[1]["tpot_ms"]["p99"] for p in pts], "--", lw=0.8, color=_color(name))
+        b.plot(xs, [p[1]["unique_experts_per_layer_step"] for p in pts], "-o", ms=3, label=name, color=_color(name))
+    a.set_xlabel(xlabel)
+    a.set_ylabel("TPOT ms (solid p50, dashed p99)")
+    b.set_xlabel(xlabel)
+    b.set_ylabel("distinct experts / MoE layer / step")
+    a.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,108 @@
+"""Run several policies over one workload and collect their metrics (used by `eldr
+simulate`, `eldr demo` and the benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eldr_sglang.sim.cluster import ClusterConfig, SimResult, simulate
+from eldr_sglang.sim.cost_model import PAPER_MOE_16_TO_128_SLOWDOWN, ExecutionModel
+from eldr_sglang.sim.metrics import compute_metrics
+from eldr_sglang.sim.policies import POLICY_NAMES, eldr_signatures, make_policy
+from eldr_sglang.sim.replay import TraceReplay
+from eldr_sglang.sim.workload import Workload
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    label: str  # name shown in reports, e.g. "eldr" or "eldr@0.2"
+    policy: str
+    tau: float | None = None
+
+
+def parse_policies(text: str, tau: float | None = None) -> list[PolicySpec]:
+    """'random,shortest_queue,eldr,eldr@0.3,oracle' -> specs (eldr@T sets tau=T)."""
+    specs = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        t = tau
+        if "@" in name:
+            name, _, tv = name.partition("@")
+            try:
+                t = float(tv)
+            except ValueError:
+                raise ValueError(f"bad tau in policy {raw!r}: use eldr@0.1") from None
+            if name != "eldr":
+                raise ValueError(f"only eldr takes @tau, got {raw!r}")
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+        label = raw.strip() if "@" in raw else name
+        specs.append(PolicySpec(label, name, t))
+    if not specs:
+        raise ValueError("no policies given")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"policy listed twice: {text!r}")
+    return specs
+
+
+def run_comparison(
+    replay: TraceReplay,
+    workload: Workload,
+    specs: list[PolicySpec],
+    model: ExecutionModel,
+    config: ClusterConfig,
+    *,
+    centroids: str | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    keep_results: bool = False,
+    signatures: tuple[np.ndarray, np.ndarray] | None = None,
+    warmup_frac: float = 0.0,
+) -> tuple[dict[str, dict], dict[str, SimResult]]:
+    """Simulate each policy on the same workload. Domain labels are read from the trace only
+    for the oracle, and only here."""
+    out: dict[str, dict] = {}
+    results: dict[str, SimResult] = {}
+    for spec in specs:
+        labels = None
+        if spec.policy == "oracle":
+            labels = replay.trace.domain
+            if labels is None:
+                raise ValueError("the oracle policy needs domain labels, and the trace has none")
+        if spec.policy == "eldr" and signatures is None:
+            if centroids is None:
+                raise ValueError("policy eldr needs a centroid file (--centroids)")
+            signatures = eldr_signatures(replay, centroids)
+        pol = make_policy(
+            spec.policy, config.num_decode, replay=replay, centroids=centroids, tau=spec.tau,
+            seed=seed, labels=labels, signatures=signatures if spec.policy == "eldr" else None,
+        )
+        res = simulate(replay, workload, pol, model, config, progress=progress, progress_desc=spec.label)
+        res.policy = spec.label
+        out[spec.label] = compute_metrics(res, warmup_frac=warmup_frac)
+        if keep_results:
+            results[spec.label] = res
+    return out, results
+
+
+def paper_check(model: ExecutionModel) -> str:
+    """The model's prediction beside the ELDR paper's measurement (16 -> 128 active experts
+    makes the MoE layer 4.7x slower)."""
+    m = model.model
+    if m.num_experts < 128:
+        return (
+            f"paper check: {m.name} has {m.num_experts} experts per layer (< 128); the paper's "
+            f"16->128 measurement ({PAPER_MOE_16_TO_128_SLOWDOWN}x) does not apply"
+        )
+    r = model.moe_slowdown(16, 128)
+    return (
+        f"paper check: MoE layer time, 16 -> 128 distinct experts: model {r:.2f}x slower "
+        f"(pure bandwidth roofline), ELDR paper measured {PAPER_MOE_16_TO_128_SLOWDOWN}x"
+        + (" -> the model overstates the per-expert cost, so it overstates locality gains"
+           if r > PAPER_MOE_16_TO_128_SLOWDOWN * 1.1 else "")
+    )
