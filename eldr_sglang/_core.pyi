@@ -23,8 +23,8 @@ class NoHealthyWorker(RuntimeError):
     """Every decode worker is marked unhealthy."""
 
 class NoSignature(ValueError):
-    """No usable signature: `reason` is one of 'empty', 'non_finite', 'negative',
-    'out_of_range', 'shape'."""
+    """No usable signature: `reason` is one of 'missing', 'empty', 'non_finite',
+    'negative', 'out_of_range', 'shape'."""
 
     reason: str
 
@@ -108,12 +108,13 @@ def write_centroids(
 
 class Decision:
     worker: int
-    reason: str  # 'band', 'no_signature:<why>', 'no_centroids', 'policy', 'no_healthy_worker'
+    reason: str  # 'band', 'no_signature:<why>', 'no_centroids', 'policy'
     distances: list[float] | None
     band: list[int] | None
     d_star: float | None
     tau: float | None
     loads: list[int]
+    generation: int  # centroid snapshot generation used (0 without centroids)
 
 class Lease:
     """One in-flight request on one worker; released exactly once."""
@@ -154,7 +155,11 @@ class Router:
     def route_sparse(self, index: npt.NDArray, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_topk(self, ids: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_signature(self, signature: npt.NDArray[np.float32] | None, explain: bool = False) -> int | Decision: ...
+    def route_fallback(self, reason: str, explain: bool = False) -> int | Decision:
+        """Route a request known to have no usable signature (reason as in NoSignature)."""
     def acquire(self, worker: int, tokens: int = 0) -> Lease: ...
+    def inflight(self) -> list[int]:
+        """This router's own in-flight requests per worker (without external reports)."""
     def loads(self) -> list[int]: ...
     def tokens(self) -> list[int]: ...
     def report_load(self, worker: int, running: int, tokens: int = 0) -> None: ...

@@ -5,7 +5,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use eldr_core::{CentroidWriter, QueueTracker, Router, SignatureInput};
+use eldr_core::distance::{from_counts, Counts};
+use eldr_core::{CentroidWriter, QueueTracker, Router};
 
 fn lcg(state: &mut u64) -> u64 {
     *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -40,8 +41,7 @@ fn bench(c: &mut Criterion) {
     let (idx, val): (Vec<u32>, Vec<u32>) = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| (i as u32, c)).unzip();
     c.bench_function("route_sparse_dsv3_k8_2k_tokens", |b| {
         b.iter(|| {
-            let f = |spec: &eldr_core::SignatureSpec| spec.from_sparse(&idx, &val);
-            black_box(router.route(SignatureInput::Counts(&f), false).unwrap().decision.worker)
+            black_box(router.route(|set| from_counts(set, Counts::Sparse(&idx, &val)), false).unwrap().decision.worker)
         })
     });
     let tracker = Arc::new(QueueTracker::new(8, 2000));

@@ -5,6 +5,7 @@
 //! * [`store`]: hot-reloadable centroids behind an atomic pointer swap.
 //! * [`queue`]: lock-free per-worker in-flight tracking with exactly-once release.
 //! * [`policies`]: one small trait, one file per routing policy, and a factory.
+//! * [`distance`]: the fused counts -> centroid-distance kernel (the hot loop).
 //! * [`router`]: ties them together: signature -> distances -> policy -> decision.
 //! * [`experts`]: top-k id counting helpers shared by the offline pipeline and the simulator.
 
@@ -12,6 +13,7 @@
 compile_error!("the .eldr centroid file is little-endian and is mmapped in place");
 
 pub mod centroid_file;
+pub mod distance;
 pub mod experts;
 pub mod policies;
 pub mod queue;
@@ -23,6 +25,7 @@ pub mod store;
 pub use centroid_file::{CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
 pub use policies::{make_policy, Decision, Policy, Reason, RouteContext, POLICY_NAMES};
 pub use queue::{LoadGuard, QueueTracker};
-pub use router::{RouteError, Router, SignatureInput};
-pub use signature::{CountValue, NoSignature, SignatureSpec, SparseSignature};
+pub use distance::Counts;
+pub use router::{RouteError, Router};
+pub use signature::{CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
 pub use store::CentroidStore;

@@ -10,7 +10,7 @@ use thiserror::Error;
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::policies::{make_policy, Decision, Policy, Reason, RouteContext};
 use crate::queue::QueueTracker;
-use crate::signature::{NoSignature, SignatureSpec, SparseSignature};
+use crate::signature::NoSignature;
 use crate::store::CentroidStore;
 
 pub const DEFAULT_TAU: f64 = 0.1;
@@ -19,16 +19,6 @@ pub const DEFAULT_TAU: f64 = 0.1;
 pub enum RouteError {
     #[error("no healthy decode worker")]
     NoHealthyWorker,
-}
-
-/// What the caller knows about the request's signature.
-pub enum SignatureInput<'a> {
-    /// No signature (it did not arrive, or was unusable for this reason).
-    Missing(NoSignature),
-    /// A signature already in the centroids' D-dim space (normalized here again).
-    Dense(&'a [f32]),
-    /// Raw counts, turned into a signature with the spec of the snapshot this route uses.
-    Counts(&'a dyn Fn(&SignatureSpec) -> Result<SparseSignature, NoSignature>),
 }
 
 /// A decision plus what it was made from.
@@ -115,7 +105,14 @@ impl Router {
     }
 
     /// Choose a decode worker. Does not acquire: the caller acquires the chosen worker.
-    pub fn route(&self, input: SignatureInput<'_>, explain: bool) -> Result<Routed, RouteError> {
+    ///
+    /// `distances_of` computes `d_k` against the centroid snapshot this route uses from start to
+    /// finish (see [`crate::distance`]); it is called only by signature-using policies with
+    /// centroids loaded. An `Err` is the fallback reason.
+    pub fn route<F>(&self, distances_of: F, explain: bool) -> Result<Routed, RouteError>
+    where
+        F: FnOnce(&CentroidSet) -> Result<Vec<f64>, NoSignature>,
+    {
         let mut loads = Vec::with_capacity(self.num_workers());
         let mut healthy = Vec::with_capacity(self.num_workers());
         self.tracker.loads_into(&mut loads);
@@ -131,7 +128,7 @@ impl Router {
                 }
                 let snap = store.snapshot();
                 generation = store.generation();
-                match distances_to(&snap, input) {
+                match distances_of(&snap) {
                     Ok(d) => distances = Some(d),
                     Err(why) => fallback = Reason::NoSignature(why),
                 }
@@ -154,49 +151,3 @@ fn check_tau(tau: f64) -> Result<(), String> {
     }
 }
 
-/// `d_k = 1 - cos(s, mu_k)` for every centroid of `set` (centroid rows are unit vectors).
-pub fn distances_to(set: &CentroidSet, input: SignatureInput<'_>) -> Result<Vec<f64>, NoSignature> {
-    let k = set.num_workers();
-    let m = set.centroids_t();
-    let mut dots = vec![0f64; k];
-    match input {
-        SignatureInput::Missing(why) => return Err(why),
-        SignatureInput::Counts(f) => {
-            let sig = f(set.spec())?;
-            for (&j, &v) in sig.index.iter().zip(&sig.value) {
-                let row = &m[j as usize * k..(j as usize + 1) * k];
-                for (acc, &c) in dots.iter_mut().zip(row) {
-                    *acc += v * c as f64;
-                }
-            }
-        }
-        SignatureInput::Dense(s) => {
-            if s.len() != set.dim() {
-                return Err(NoSignature::Shape);
-            }
-            let mut n2 = 0f64;
-            for (j, &v) in s.iter().enumerate() {
-                if v == 0.0 {
-                    continue;
-                }
-                if !v.is_finite() {
-                    return Err(NoSignature::NonFinite);
-                }
-                if v < 0.0 {
-                    return Err(NoSignature::Negative);
-                }
-                let v = v as f64;
-                n2 += v * v;
-                for (acc, &c) in dots.iter_mut().zip(&m[j * k..(j + 1) * k]) {
-                    *acc += v * c as f64;
-                }
-            }
-            if !(n2 > 0.0) {
-                return Err(NoSignature::Empty);
-            }
-            let inv = 1.0 / n2.sqrt();
-            dots.iter_mut().for_each(|d| *d *= inv);
-        }
-    }
-    Ok(dots.into_iter().map(|d| 1.0 - d).collect())
-}

@@ -11,6 +11,8 @@ use std::fmt;
 /// Why a request has no usable signature. The router then falls back to shortest queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NoSignature {
+    /// No signature arrived (prefill did not send one, or it timed out).
+    Missing,
     /// Nothing left after masking and weighting (all zero, or only masked layers).
     Empty,
     /// A NaN or infinite count.
@@ -26,12 +28,22 @@ pub enum NoSignature {
 impl NoSignature {
     pub fn as_str(&self) -> &'static str {
         match self {
+            NoSignature::Missing => "missing",
             NoSignature::Empty => "empty",
             NoSignature::NonFinite => "non_finite",
             NoSignature::Negative => "negative",
             NoSignature::OutOfRange => "out_of_range",
             NoSignature::Shape => "shape",
         }
+    }
+}
+
+impl NoSignature {
+    pub const ALL: [NoSignature; 6] =
+        [NoSignature::Missing, NoSignature::Empty, NoSignature::NonFinite, NoSignature::Negative, NoSignature::OutOfRange, NoSignature::Shape];
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|w| w.as_str() == s)
     }
 }
 
@@ -53,18 +65,45 @@ macro_rules! impl_count {
 }
 impl_count!(u8, u16, u32, u64, i16, i32, i64, f32, f64);
 
-/// A unit signature in sparse form: indices into the `D`-dim signature space, ascending.
+/// An integer index into the flat `L * E` count space, read from numpy.
+pub trait SparseIndex: Copy + Send + Sync {
+    /// The index, or None when negative.
+    fn to_index(self) -> Option<usize>;
+}
+
+macro_rules! impl_index {
+    ($($t:ty),*) => {$(impl SparseIndex for $t {
+        #[inline]
+        #[allow(unused_comparisons)]
+        fn to_index(self) -> Option<usize> { if self < 0 { None } else { Some(self as usize) } }
+    })*};
+}
+impl_index!(u16, u32, u64, i32, i64);
+
+/// A signature in sparse form: indices into the `D`-dim signature space (ascending) and the
+/// weighted values before normalization, with their L2 norm. The unit signature is
+/// `value / norm`; the router folds that division into its distances instead of a pass.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SparseSignature {
     pub index: Vec<u32>,
-    pub value: Vec<f64>,
+    pub value: Vec<f32>,
+    pub norm: f64,
 }
 
 impl SparseSignature {
+    fn with_capacity(n: usize) -> Self {
+        SparseSignature { index: Vec::with_capacity(n), value: Vec::with_capacity(n), norm: 0.0 }
+    }
+
+    /// The unit signature's nonzero values.
+    pub fn unit_values(&self) -> Vec<f64> {
+        self.value.iter().map(|&v| v as f64 / self.norm).collect()
+    }
+
     pub fn to_dense(&self, dim: usize) -> Vec<f32> {
         let mut out = vec![0f32; dim];
         for (&i, &v) in self.index.iter().zip(&self.value) {
-            out[i as usize] = v as f32;
+            out[i as usize] = (v as f64 / self.norm) as f32;
         }
         out
     }
@@ -135,43 +174,105 @@ impl SignatureSpec {
         &self.idf
     }
 
-    /// Dense `[L, E]` counts -> unit signature.
-    pub fn from_dense<T: CountValue>(&self, counts: &[T]) -> Result<SparseSignature, NoSignature> {
+    /// Validate and weight dense `[L, E]` counts, passing each nonzero weighted value
+    /// `(output index, w_l * idf * c)` to `sink` in ascending order. Returns the squared norm.
+    /// This is the one implementation of the formula: the materialized signatures below and
+    /// the router's fused distance kernel both run through it.
+    #[inline(always)]
+    pub fn fold_dense<T: CountValue>(&self, counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<f64, NoSignature> {
         if counts.len() != self.scale.len() {
             return Err(NoSignature::Shape);
         }
-        let mut sig = SparseSignature::default();
+        let mut n2 = 0f64;
         for (j, &c) in counts.iter().enumerate() {
-            self.push(&mut sig, j, c.to_f64())?;
+            let c = c.to_f64();
+            if c == 0.0 {
+                continue;
+            }
+            n2 += self.weigh(j, c, &mut sink)?;
         }
-        Self::finish(sig)
+        Self::check_norm(n2)
     }
 
-    /// Sparse `(flat index l*E+e, count)` pairs -> unit signature. Repeated indices add up.
-    pub fn from_sparse<I: CountValue, T: CountValue>(&self, index: &[I], counts: &[T]) -> Result<SparseSignature, NoSignature> {
+    /// Like [`Self::fold_dense`] for `(flat index l*E+e, count)` pairs. Also returns whether
+    /// the indices were strictly ascending; if not, repeated indices have not been merged and
+    /// the returned norm is not the signature's (use [`Self::from_sparse`]).
+    #[inline(always)]
+    pub fn fold_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<(f64, bool), NoSignature> {
         if index.len() != counts.len() {
             return Err(NoSignature::Shape);
         }
-        let mut sig = SparseSignature::default();
-        let n = self.scale.len() as f64;
-        let mut sorted = true;
-        let mut last = -1f64;
+        let n = self.scale.len();
+        let mut n2 = 0f64;
+        let mut ascending = true;
+        let mut next = 0usize; // smallest index that keeps the order strictly ascending
         for (&i, &c) in index.iter().zip(counts) {
-            let j = i.to_f64();
-            if !(j >= 0.0 && j < n) || j.fract() != 0.0 {
-                return Err(NoSignature::OutOfRange);
-            }
-            sorted &= j > last;
-            last = j;
-            self.push(&mut sig, j as usize, c.to_f64())?;
+            let j = match i.to_index() {
+                Some(j) if j < n => j,
+                _ => return Err(NoSignature::OutOfRange),
+            };
+            ascending &= j >= next;
+            next = j + 1;
+            n2 += self.weigh(j, c.to_f64(), &mut sink)?;
         }
-        if !sorted {
-            sig = Self::sort_merge(sig);
-        }
-        Self::finish(sig)
+        Ok((Self::check_norm(n2)?, ascending))
     }
 
-    /// Top-k ids `[T, L, k]` (flat, row-major) -> unit signature.
+    #[inline(always)]
+    fn weigh(&self, j: usize, c: f64, sink: &mut impl FnMut(u32, f32)) -> Result<f64, NoSignature> {
+        if !(c >= 0.0) {
+            return Err(if c.is_nan() { NoSignature::NonFinite } else { NoSignature::Negative });
+        }
+        if c == f64::INFINITY {
+            return Err(NoSignature::NonFinite);
+        }
+        let x = (self.scale[j] * c) as f32;
+        if x == 0.0 {
+            return Ok(0.0);
+        }
+        sink(self.out_index[j], x);
+        Ok(x as f64 * x as f64)
+    }
+
+    #[inline(always)]
+    fn check_norm(n2: f64) -> Result<f64, NoSignature> {
+        if !n2.is_finite() {
+            return Err(NoSignature::NonFinite);
+        }
+        if !(n2 > 0.0) {
+            return Err(NoSignature::Empty);
+        }
+        Ok(n2)
+    }
+
+    /// Dense `[L, E]` counts -> signature.
+    pub fn from_dense<T: CountValue>(&self, counts: &[T]) -> Result<SparseSignature, NoSignature> {
+        let mut sig = SparseSignature::with_capacity(counts.len().min(self.dim()));
+        let n2 = self.fold_dense(counts, |i, x| {
+            sig.index.push(i);
+            sig.value.push(x);
+        })?;
+        sig.norm = n2.sqrt();
+        Ok(sig)
+    }
+
+    /// Sparse `(flat index l*E+e, count)` pairs -> signature. Repeated indices add up.
+    pub fn from_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T]) -> Result<SparseSignature, NoSignature> {
+        let mut sig = SparseSignature::with_capacity(index.len());
+        let (n2, ascending) = self.fold_sparse(index, counts, |i, x| {
+            sig.index.push(i);
+            sig.value.push(x);
+        })?;
+        if ascending {
+            sig.norm = n2.sqrt();
+            return Ok(sig);
+        }
+        let mut sig = Self::sort_merge(sig);
+        sig.norm = Self::check_norm(sig.value.iter().map(|&v| v as f64 * v as f64).sum())?.sqrt();
+        Ok(sig)
+    }
+
+    /// Top-k ids `[T, L, k]` (flat, row-major) -> signature.
     pub fn from_topk<T: crate::experts::ExpertId>(&self, ids: &[T], k: usize) -> Result<SparseSignature, NoSignature> {
         if k == 0 || ids.len() % (self.layers * k) != 0 {
             return Err(NoSignature::Shape);
@@ -181,26 +282,10 @@ impl SignatureSpec {
         self.from_dense(&counts)
     }
 
-    #[inline]
-    fn push(&self, sig: &mut SparseSignature, j: usize, c: f64) -> Result<(), NoSignature> {
-        if !c.is_finite() {
-            return Err(NoSignature::NonFinite);
-        }
-        if c < 0.0 {
-            return Err(NoSignature::Negative);
-        }
-        let x = self.scale[j] * c;
-        if x != 0.0 {
-            sig.index.push(self.out_index[j]);
-            sig.value.push(x);
-        }
-        Ok(())
-    }
-
     fn sort_merge(sig: SparseSignature) -> SparseSignature {
-        let mut pairs: Vec<(u32, f64)> = sig.index.into_iter().zip(sig.value).collect();
+        let mut pairs: Vec<(u32, f32)> = sig.index.into_iter().zip(sig.value).collect();
         pairs.sort_unstable_by_key(|p| p.0);
-        let mut out = SparseSignature::default();
+        let mut out = SparseSignature::with_capacity(pairs.len());
         for (i, v) in pairs {
             if out.index.last() == Some(&i) {
                 *out.value.last_mut().unwrap() += v;
@@ -210,19 +295,6 @@ impl SignatureSpec {
             }
         }
         out
-    }
-
-    fn finish(mut sig: SparseSignature) -> Result<SparseSignature, NoSignature> {
-        let norm2: f64 = sig.value.iter().map(|v| v * v).sum();
-        if !(norm2 > 0.0) {
-            return Err(NoSignature::Empty);
-        }
-        if !norm2.is_finite() {
-            return Err(NoSignature::NonFinite);
-        }
-        let inv = 1.0 / norm2.sqrt();
-        sig.value.iter_mut().for_each(|v| *v *= inv);
-        Ok(sig)
     }
 }
 
@@ -241,7 +313,7 @@ mod tests {
         // weighted: layer1 -> [2*1, 4*0.5] = [2, 2]; layer2 -> [2*2*1, 0] = [4, 0]
         let n = (4.0f64 + 4.0 + 16.0).sqrt();
         assert_eq!(s.index, vec![0, 1, 2]);
-        for (a, b) in s.value.iter().zip([2.0 / n, 2.0 / n, 4.0 / n]) {
+        for (a, b) in s.unit_values().iter().zip([2.0 / n, 2.0 / n, 4.0 / n]) {
             assert!((a - b).abs() < 1e-12);
         }
     }
@@ -252,7 +324,7 @@ mod tests {
         let d = sp.from_dense(&[0f32, 0.0, 2.0, 4.0, 1.0, 0.0]).unwrap();
         let s = sp.from_sparse(&[4i64, 2, 3, 2], &[1u32, 1, 4, 1]).unwrap();
         assert_eq!(d.index, s.index);
-        for (a, b) in d.value.iter().zip(&s.value) {
+        for (a, b) in d.unit_values().iter().zip(&s.unit_values()) {
             assert!((a - b).abs() < 1e-12);
         }
     }

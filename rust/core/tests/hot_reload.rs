@@ -5,7 +5,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use eldr_core::{CentroidStore, CentroidWriter, NoSignature, Router, SignatureInput};
+use eldr_core::distance::{from_counts, Counts};
+use eldr_core::{CentroidStore, CentroidWriter, Router};
 
 fn write(path: &Path, seed: u32, k: usize) {
     let (l, e) = (4usize, 8usize);
@@ -66,8 +67,7 @@ fn routing_never_fails_across_100_replacements() {
                 let counts: Vec<u32> = (0..32).map(|i| ((i + t) % 5) as u32).collect();
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    let f = |spec: &eldr_core::SignatureSpec| -> Result<_, NoSignature> { spec.from_dense(&counts) };
-                    let r = router.route(SignatureInput::Counts(&f), true).expect("route");
+                    let r = router.route(|set| from_counts::<u32, u32>(set, Counts::Dense(&counts)), true).expect("route");
                     assert_eq!(r.decision.reason, eldr_core::Reason::Band);
                     let _g = router.tracker().acquire(r.decision.worker.unwrap(), 1);
                     n += 1;

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use eldr_core::experts::{self, ExpertId};
 use eldr_core::router::Routed;
-use eldr_core::{CentroidSet, CentroidWriter, CountValue, LoadGuard, NoSignature, RouteError, SignatureInput, SignatureSpec, SparseSignature};
+use eldr_core::distance::{self, Counts};
+use eldr_core::{CentroidSet, CentroidWriter, CountValue, LoadGuard, NoSignature, RouteError, SignatureSpec, SparseIndex, SparseSignature};
 use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -93,11 +94,11 @@ fn topk_sig<T: Element + ExpertId>(v: View<'_, T>, spec: &SignatureSpec) -> PyRe
     Ok(spec.from_topk(v.slice(), sh[2]))
 }
 
-fn sparse_vals<I: Element + CountValue>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn sparse_vals<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     dispatch!(counts, "counts", sparse_sig, [f32, u32, u16, i64, i32, f64], &idx, spec)
 }
 
-fn sparse_sig<T: Element + CountValue>(counts: View<'_, T>, idx: &View<'_, impl Element + CountValue>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn sparse_sig<T: Element + CountValue>(counts: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     Ok(spec.from_sparse(idx.slice(), counts.slice()))
 }
 
@@ -228,7 +229,7 @@ fn batch_topk<'py, T: Element + ExpertId>(
                 valid[i] = true;
                 let out = &mut sigs[i * d..(i + 1) * d];
                 for (&j, &x) in sig.index.iter().zip(&sig.value) {
-                    out[j as usize] = x as f32;
+                    out[j as usize] = (x as f64 / sig.norm) as f32;
                 }
             }
         }
@@ -469,28 +470,37 @@ impl PyRouter {
         }
         Ok(())
     }
+}
 
-    fn route_counts(
-        &self,
-        py: Python<'_>,
-        explain: bool,
-        f: &dyn Fn(&SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>>,
-    ) -> PyResult<Py<PyAny>> {
-        // A Python-level error (e.g. an unsupported dtype) must surface, not become a fallback.
-        let err: std::cell::RefCell<Option<PyErr>> = std::cell::RefCell::new(None);
-        let g = |spec: &SignatureSpec| match f(spec) {
-            Ok(r) => r,
-            Err(e) => {
-                *err.borrow_mut() = Some(e);
-                Err(NoSignature::Shape)
+fn route_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
+    let c = v.slice();
+    let routed = r.inner.route(|set| distance::from_counts::<u32, T>(set, Counts::Dense(c)), explain);
+    r.finish(py, routed, explain)
+}
+
+fn route_sparse_i<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
+    dispatch!(counts, "counts", route_sparse_it, [f32, u32, u16, i64, i32, f64], &idx, r, py, explain)
+}
+
+fn route_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
+    let (i, c) = (idx.slice(), c.slice());
+    let routed = r.inner.route(|set| distance::from_counts(set, Counts::Sparse(i, c)), explain);
+    r.finish(py, routed, explain)
+}
+
+fn route_topk_t<T: Element + ExpertId>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
+    let sh = v.shape().to_vec();
+    let ids = v.slice();
+    let routed = r.inner.route(
+        |set| {
+            if sh.len() != 3 || sh[1] != set.num_layers() {
+                return Err(NoSignature::Shape);
             }
-        };
-        let r = self.inner.route(SignatureInput::Counts(&g), explain);
-        if let Some(e) = err.into_inner() {
-            return Err(e);
-        }
-        self.finish(py, r, explain)
-    }
+            distance::from_signature(set, &set.spec().from_topk(ids, sh[2])?)
+        },
+        explain,
+    );
+    r.finish(py, routed, explain)
 }
 
 #[pymethods]
@@ -533,29 +543,34 @@ impl PyRouter {
     }
     #[pyo3(signature = (counts, explain=false))]
     fn route_dense(&self, py: Python<'_>, counts: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
-        self.route_counts(py, explain, &|spec| dense_sig_any(counts, spec))
+        dispatch!(counts, "counts", route_dense_t, [u16, u32, f32, i64, i32, f64, u8], self, py, explain)
     }
     #[pyo3(signature = (index, counts, explain=false))]
     fn route_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
-        self.route_counts(py, explain, &|spec| sparse_sig_any(index, counts, spec))
+        dispatch!(index, "index", route_sparse_i, [i64, i32, u32, u16], counts, self, py, explain)
     }
     #[pyo3(signature = (ids, explain=false))]
     fn route_topk(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
-        self.route_counts(py, explain, &|spec| topk_sig_any(ids, spec))
+        dispatch!(ids, "ids", route_topk_t, [i32, i64, i16, u8, u16, u32], self, py, explain)
     }
+    /// Route from a signature in the centroids' D-dim space; None = the signature is missing.
     #[pyo3(signature = (signature, explain=false))]
     fn route_signature(&self, py: Python<'_>, signature: Option<PyReadonlyArrayDyn<'_, f32>>, explain: bool) -> PyResult<Py<PyAny>> {
         let r = match signature {
-            None => self.inner.route(SignatureInput::Missing(NoSignature::Empty), explain),
+            None => self.inner.route(|_| Err(NoSignature::Missing), explain),
             Some(a) => {
                 let v = View::new(a);
-                if v.shape().len() != 1 {
-                    self.inner.route(SignatureInput::Missing(NoSignature::Shape), explain)
-                } else {
-                    self.inner.route(SignatureInput::Dense(v.slice()), explain)
-                }
+                let ok_shape = v.shape().len() == 1;
+                let s = v.slice();
+                self.inner.route(|set| if ok_shape { distance::from_dense_signature(set, s) } else { Err(NoSignature::Shape) }, explain)
             }
         };
+        self.finish(py, r, explain)
+    }
+    /// Route a request whose signature is known to be unusable (`reason` as in NoSignature).
+    fn route_fallback(&self, py: Python<'_>, reason: &str, explain: bool) -> PyResult<Py<PyAny>> {
+        let why = NoSignature::parse(reason).ok_or_else(|| PyValueError::new_err(format!("unknown no-signature reason {reason:?}")))?;
+        let r = self.inner.route(|_| Err(why), explain);
         self.finish(py, r, explain)
     }
     #[pyo3(signature = (worker, tokens=0))]

@@ -1,0 +1,153 @@
+"""Route latency of the Rust hot path vs the numpy reference, side by side in one run.
+
+One route = the Python call + signature from counts + distances to K centroids + band rule
+(+ queue acquire/release, measured separately). Counts are those of a prompt of
+`--tokens` tokens drawn with domain-skewed routing, given dense [L, E] or sparse (index,
+count). Shapes: Mixtral-8x7B (32x8, top-2), GPT-OSS-20B (24x32, top-4), DeepSeek-V3
+(58x256, top-8); K in {4, 8, 16}. The middle 60% of layers are selected.
+
+    python benchmarks/bench_router.py [--tokens 2048] [--calls 3000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eldr_sglang import Router, write_centroids
+from eldr_sglang import reference as ref
+
+SHAPES = {"mixtral-8x7b": (32, 8, 2), "gpt-oss-20b": (24, 32, 4), "deepseek-v3": (58, 256, 8)}
+
+
+def middle_mask(L: int) -> np.ndarray:
+    w = np.zeros(L, np.float32)
+    w[int(0.2 * L) : int(0.8 * L) or L] = 1.0
+    return w
+
+
+def prompt_counts(rng, L, E, k, tokens):
+    pref = rng.dirichlet(np.full(E, 0.3), size=L)
+    counts = np.zeros((L, E), np.uint32)
+    for layer in range(L):
+        # k distinct experts per token, drawn by the layer's preference (Gumbel top-k)
+        g = np.log(pref[layer]) + rng.gumbel(size=(tokens, E))
+        picks = np.argpartition(-g, k - 1, axis=1)[:, :k]
+        counts[layer] = np.bincount(picks.ravel(), minlength=E)
+    return counts
+
+
+def timed(fn, calls):
+    for _ in range(min(200, calls)):
+        fn()
+    out = np.empty(calls)
+    for i in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        out[i] = time.perf_counter_ns() - t0
+    return out / 1000.0  # µs
+
+
+def numpy_route(counts, w, idf, cents, loads, healthy, tau):
+    sig = ref.signature(counts, w, idf)
+    return ref.band_route(sig, cents, loads, healthy, tau)[0]
+
+
+def bench_shape(name, K, tokens, calls, rng, tmp):
+    L, E, k = SHAPES[name]
+    w = middle_mask(L)
+    idf = rng.uniform(0.05, 3.0, (L, E)).astype(np.float32)
+    D = int((w > 0).sum()) * E
+    cents = rng.random((K, D)).astype(np.float32) ** 3
+    path = Path(tmp) / f"{name}-{K}.eldr"
+    write_centroids(str(path), cents, w, idf, tau=0.1)
+    cents /= np.linalg.norm(cents, axis=1, keepdims=True)
+    router = Router("eldr", centroids=str(path))
+    counts = prompt_counts(rng, L, E, k, tokens)
+    nz = np.flatnonzero(counts)
+    index, values = nz.astype(np.int64), counts.ravel()[nz].astype(np.float32)
+    loads, healthy = [0] * K, [True] * K
+
+    def np_sparse():
+        dense = np.zeros(L * E, np.float32)
+        dense[index] = values
+        return numpy_route(dense.reshape(L, E), w, idf, cents, loads, healthy, 0.1)
+
+    # the two must agree before their speed is compared
+    assert router.route_sparse(index, values) == np_sparse() == router.route_dense(counts)
+    rows = []
+    for form, rust_fn, np_fn in (
+        ("sparse", lambda: router.route_sparse(index, values), np_sparse),
+        ("dense", lambda: router.route_dense(counts), lambda: numpy_route(counts, w, idf, cents, loads, healthy, 0.1)),
+    ):
+        rust = timed(rust_fn, calls)
+        npy = timed(np_fn, max(calls // 5, 200))
+        rows.append(
+            {
+                "shape": name, "K": K, "D": D, "input": form, "nnz": int(nz.size),
+                "rust_p50_us": float(np.median(rust)), "rust_p99_us": float(np.percentile(rust, 99)),
+                "rust_routes_per_s": float(1e6 / rust.mean()),
+                "numpy_p50_us": float(np.median(npy)), "numpy_p99_us": float(np.percentile(npy, 99)),
+                "speedup_p50": float(np.median(npy) / np.median(rust)),
+            }
+        )
+    return rows
+
+
+def bench_lease(calls):
+    router = Router("shortest_queue", num_workers=8)
+
+    def pair():
+        router.acquire(3, 100).release()
+
+    t = timed(pair, calls)
+    return {"python_acquire_release_p50_us": float(np.median(t)), "python_acquire_release_p99_us": float(np.percentile(t, 99))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens behind the counts")
+    ap.add_argument("--calls", type=int, default=3000, help="timed Rust calls per cell")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--workers", default="4,8,16", help="comma list of K")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.shapes.split(","):
+            if name not in SHAPES:
+                ap.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+            for K in map(int, args.workers.split(",")):
+                rows.extend(bench_shape(name, K, args.tokens, args.calls, rng, tmp))
+    lease = bench_lease(args.calls * 10)
+    hdr = f"{'shape':<14}{'K':>3}{'D':>7}{'input':>8}{'nnz':>7}{'rust p50':>10}{'rust p99':>10}{'routes/s':>11}{'numpy p50':>11}{'numpy p99':>11}{'speedup':>9}"
+    print(f"route latency, µs (prompt of {args.tokens} tokens; Python call included)")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(
+            f"{r['shape']:<14}{r['K']:>3}{r['D']:>7}{r['input']:>8}{r['nnz']:>7}{r['rust_p50_us']:>10.1f}{r['rust_p99_us']:>10.1f}"
+            f"{r['rust_routes_per_s']:>11.0f}{r['numpy_p50_us']:>11.1f}{r['numpy_p99_us']:>11.1f}{r['speedup_p50']:>8.1f}x"
+        )
+    print(f"\nlease acquire+release from Python: p50 {lease['python_acquire_release_p50_us']:.2f} µs, "
+          f"p99 {lease['python_acquire_release_p99_us']:.2f} µs (Rust-only figure: cargo bench -p eldr-core)")
+    target = next((r for r in rows if r["shape"] == "deepseek-v3" and r["K"] == 8 and r["input"] == "sparse"), None)
+    if target:
+        print(
+            f"targets (deepseek-v3, K=8, sparse): p50 {target['rust_p50_us']:.1f} µs (<= 20), "
+            f"p99 {target['rust_p99_us']:.1f} µs (<= 50), {target['speedup_p50']:.0f}x numpy (>= 20)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tokens": args.tokens, "routes": rows, "lease": lease}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
