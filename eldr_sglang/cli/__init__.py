@@ -19,6 +19,7 @@ COMMANDS = [
     "eldr_sglang.cli.route_demo",
     "eldr_sglang.cli.simulate",
     "eldr_sglang.cli.demo",
+    "eldr_sglang.cli.patch",
 ]
 
 
