@@ -14,6 +14,8 @@ import sys
 
 # Subcommand modules, in the order `eldr --help` lists them.
 COMMANDS = [
+    "eldr_sglang.cli.synth",
+    "eldr_sglang.cli.collect",
     "eldr_sglang.cli.fit",
     "eldr_sglang.cli.inspect",
     "eldr_sglang.cli.route_demo",

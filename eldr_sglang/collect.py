@@ -1,0 +1,400 @@
+"""`eldr collect`: send a prompt dataset to a running SGLang server and record its routing.
+
+Each prompt goes to SGLang's native `/generate` as
+`{"text": ..., "sampling_params": {...}, "return_routed_experts": true}`; chat-style records
+(`messages`) go to `/v1/chat/completions` with `"return_routed_experts": true`, so that the
+server applies the model's chat template (the routed experts then come back in
+`sglext.routed_experts`). Field names checked against the sglang 0.5.23 wheel
+(srt/managers/io_struct.py GenerateReqInput, srt/entrypoints/openai/protocol.py). The server
+must run with `--enable-return-routed-experts`.
+
+- Concurrency: a thread pool of `concurrency` workers, stdlib urllib only.
+- Resumable: every answered request is appended (one JSON line, flushed) to a checkpoint
+  `<out>.partial.jsonl` next to the output, keyed by a hash of the request it answers. A
+  re-run skips every prompt whose request is already there; a torn last line (an
+  interruption mid-write) is dropped.
+- Transient failures (connection errors, timeouts, HTTP 5xx/429) are retried with backoff;
+  other HTTP errors are not. If requests still fail, nothing is written but the checkpoint,
+  and the error names the first failure (re-run to retry them, or `allow_failures`).
+- Routing that does not fit the declared model (bad base64, wrong layer count, ids out of
+  range, no routed_experts at all) stops the run at once with that error.
+- The trace is written atomically (`save_trace`) once every prompt is answered; the
+  checkpoint is then removed unless `keep_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .sglang_io import ModelSpec, RequestRouting, RoutedExpertsError, build_trace, response_routing
+from .traces import Trace, save_trace
+
+LABEL_KEYS = ("domain", "category", "subject", "dataset", "source")
+
+
+@dataclass
+class Prompt:
+    index: int
+    text: str | None = None
+    messages: list | None = None
+    domain: str | None = None
+    max_new_tokens: int | None = None
+
+
+def _label(rec: dict) -> str | None:
+    for k in LABEL_KEYS:
+        v = rec.get(k)
+        if isinstance(v, (str, int)) and str(v):
+            return str(v)
+    return None
+
+
+def _prompt_from_record(rec, index: int, where: str) -> Prompt:
+    if isinstance(rec, str):
+        return Prompt(index, text=rec)
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be a JSON object or string, got {type(rec).__name__}")
+    mnt = rec.get("max_new_tokens", rec.get("max_tokens"))
+    if mnt is not None and (not isinstance(mnt, int) or mnt < 1):
+        raise ValueError(f"{where}: max_new_tokens must be a positive integer")
+    for key in ("prompt", "text"):
+        if key in rec:
+            if not isinstance(rec[key], str) or not rec[key]:
+                raise ValueError(f"{where}: {key!r} must be a non-empty string")
+            return Prompt(index, text=rec[key], domain=_label(rec), max_new_tokens=mnt)
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        return Prompt(index, messages=msgs, domain=_label(rec), max_new_tokens=mnt)
+    if "conversations" in rec:  # ShareGPT: the first human turn is the prompt
+        conv = rec["conversations"]
+        if isinstance(conv, list):
+            for turn in conv:
+                if isinstance(turn, dict) and turn.get("from") in ("human", "user") and isinstance(turn.get("value"), str) and turn["value"]:
+                    return Prompt(index, text=turn["value"], domain=_label(rec), max_new_tokens=mnt)
+        raise ValueError(f"{where}: ShareGPT record has no human turn")
+    raise ValueError(f"{where}: record has none of 'prompt', 'text', 'messages', 'conversations'")
+
+
+def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Prompt]:
+    """Prompts from JSONL ({"prompt"|"text"} or {"messages"} or ShareGPT records, one a
+    line) or a JSON list (ShareGPT's format). A label key (domain, category, subject,
+    dataset, source) becomes the request's domain label."""
+    path = Path(path)
+    if not path.exists():
+        raise OSError(f"dataset not found: {path}")
+    with open(path, "r", encoding="utf-8") as fh:
+        head = fh.read(1 << 16).lstrip()
+    recs: list[tuple[object, str]] = []
+    if head.startswith("["):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        recs = [(r, f"{path}[{i}]") for i, r in enumerate(data)]
+    else:
+        with open(path, "r", encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    recs.append((json.loads(line), f"{path}:{n}"))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                if limit is not None and len(recs) >= limit:
+                    break
+    if limit is not None:
+        recs = recs[:limit]
+    prompts = [_prompt_from_record(r, i, w) for i, (r, w) in enumerate(recs)]
+    if not prompts:
+        raise ValueError(f"{path}: the dataset holds no prompts")
+    return prompts
+
+
+@dataclass
+class CollectConfig:
+    url: str
+    spec: ModelSpec
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    concurrency: int = 8
+    timeout_s: float = 600.0
+    retries: int = 2
+    backoff_s: float = 1.0
+    served_model: str = "default"
+    api_key: str | None = None
+    extra_body: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.concurrency < 1:
+            raise ValueError("--concurrency must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")
+        if self.retries < 0 or self.timeout_s <= 0:
+            raise ValueError("--retries must be >= 0 and --timeout > 0")
+
+
+def build_request(p: Prompt, cfg: CollectConfig) -> tuple[str, dict]:
+    """(endpoint path, JSON body) for one prompt."""
+    n = p.max_new_tokens or cfg.max_new_tokens
+    if p.messages is not None:
+        body = {"model": cfg.served_model, "messages": p.messages, "max_tokens": n,
+                "temperature": cfg.temperature, "return_routed_experts": True, "stream": False}
+        if cfg.ignore_eos:
+            body["ignore_eos"] = True
+        return "/v1/chat/completions", {**body, **cfg.extra_body}
+    sp = {"max_new_tokens": n, "temperature": cfg.temperature}
+    if cfg.ignore_eos:
+        sp["ignore_eos"] = True
+    return "/generate", {"text": p.text, "sampling_params": sp, "return_routed_experts": True,
+                         "stream": False, **cfg.extra_body}
+
+
+def request_key(endpoint: str, body: dict) -> str:
+    return hashlib.sha256(json.dumps([endpoint, body], sort_keys=True).encode()).hexdigest()[:32]
+
+
+class _Transient(Exception):
+    pass
+
+
+class _Permanent(Exception):
+    pass
+
+
+def _post(url: str, body: dict, timeout: float, api_key: str | None) -> dict:
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = exc.read().decode("utf-8", "replace")[:300]
+        except Exception:
+            detail = ""
+        msg = f"HTTP {exc.code} from {url}: {detail or exc.reason}"
+        if exc.code >= 500 or exc.code == 429:
+            raise _Transient(msg) from None
+        raise _Permanent(msg) from None
+    except urllib.error.URLError as exc:
+        raise _Transient(f"cannot reach {url}: {exc.reason}") from None
+    except (TimeoutError, OSError) as exc:
+        raise _Transient(f"request to {url} failed: {exc}") from None
+    try:
+        out = json.loads(raw)
+    except json.JSONDecodeError:
+        raise _Permanent(f"{url} answered with something that is not JSON: {raw[:120]!r}") from None
+    if isinstance(out, list) and len(out) == 1:
+        out = out[0]
+    if not isinstance(out, dict):
+        raise _Permanent(f"{url} answered with a JSON {type(out).__name__}, expected an object")
+    return out
+
+
+def _compact(resp: dict) -> dict:
+    """The parts of a response the trace needs (drops text, logprobs, ...)."""
+    keep = {}
+    if isinstance(resp.get("meta_info"), dict):
+        m = resp["meta_info"]
+        keep["meta_info"] = {k: m[k] for k in ("id", "prompt_tokens", "completion_tokens", "routed_experts",
+                                               "finish_reason", "cached_tokens") if k in m}
+    for k in ("usage", "sglext", "id"):
+        if k in resp:
+            keep[k] = resp[k]
+    if "sglext" in keep and isinstance(keep["sglext"], dict):
+        keep["sglext"] = {"routed_experts": keep["sglext"].get("routed_experts")}
+    return keep
+
+
+def checkpoint_path(out: str | os.PathLike) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".partial.jsonl")
+
+
+def read_checkpoint(path: Path) -> dict[str, dict]:
+    """key -> record; a torn (unparsable) last line is dropped and truncated away."""
+    done: dict[str, dict] = {}
+    if not path.exists():
+        return done
+    good_bytes = 0
+    with open(path, "rb") as fh:
+        data = fh.read()
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            good_bytes += len(line) + (1 if i < len(lines) - 1 else 0)
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
+                raise ValueError
+        except (json.JSONDecodeError, ValueError, UnicodeDecodeError):
+            if i >= len(lines) - 2 and not any(x.strip() for x in lines[i + 1:]):
+                break  # torn tail from an interrupted write
+            raise ValueError(f"{path}:{i + 1}: corrupt checkpoint line; delete the file to start over") from None
+        done[rec["key"]] = rec
+        good_bytes += len(line) + 1
+    if good_bytes < len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(good_bytes)
+    return done
+
+
+@dataclass
+class CollectResult:
+    trace: Trace | None
+    total: int
+    reused: int
+    sent: int
+    failed: list[tuple[int, str]]
+    checkpoint: Path
+
+
+def collect(
+    prompts: list[Prompt],
+    cfg: CollectConfig,
+    out: str | os.PathLike,
+    progress: bool | Callable[[int], None] = True,
+    allow_failures: bool = False,
+    keep_checkpoint: bool = False,
+) -> CollectResult:
+    """Collect routing for every prompt and write the trace to `out` (atomically)."""
+    cfg.validate()
+    out = Path(out)
+    ckpt = checkpoint_path(out)
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    reqs = [build_request(p, cfg) for p in prompts]
+    keys = [request_key(ep, body) for ep, body in reqs]
+    done = read_checkpoint(ckpt)
+    # check what the checkpoint holds against the model before sending anything
+    parsed: dict[str, RequestRouting] = {}
+    for k in set(keys) & set(done):
+        parsed[k] = response_routing(done[k]["response"], cfg.spec, where=f"{ckpt.name} (index {done[k].get('index')})")
+    todo = [i for i, k in enumerate(keys) if k not in done]
+    reused = len(prompts) - len(todo)
+    bar, tick = None, None
+    if callable(progress):
+        tick = progress
+    elif progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), initial=reused, unit="req", desc="collect", file=sys.stderr)
+            tick = bar.update
+        except ImportError:  # tqdm is a core dependency, but never fail over a progress bar
+            tick = None
+    failed: list[tuple[int, str]] = []
+    fatal: list[str] = []
+    lock = threading.Lock()
+    base = cfg.url.rstrip("/")
+
+    def work(i: int) -> dict:
+        ep, body = reqs[i]
+        delay = cfg.backoff_s
+        for attempt in range(cfg.retries + 1):
+            try:
+                return _post(base + ep, body, cfg.timeout_s, cfg.api_key)
+            except _Transient as exc:
+                if attempt == cfg.retries:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    sent = 0
+    pool = None
+    try:
+        pool = ThreadPoolExecutor(max_workers=cfg.concurrency)
+        with open(ckpt, "a", encoding="utf-8") as fh:
+            pending: dict[Future, int] = {}
+            queue = iter(todo)
+
+            def submit_more():
+                while len(pending) < 2 * cfg.concurrency and not fatal:
+                    i = next(queue, None)
+                    if i is None:
+                        return
+                    pending[pool.submit(work, i)] = i
+
+            submit_more()
+            while pending:
+                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    i = pending.pop(fut)
+                    sent += 1
+                    try:
+                        resp = fut.result()
+                    except (_Transient, _Permanent) as exc:
+                        failed.append((i, str(exc)))
+                        if isinstance(exc, _Transient) and "cannot reach" in str(exc):
+                            fatal.append(str(exc))
+                        continue
+                    rec = {"key": keys[i], "index": i, "domain": prompts[i].domain, "response": _compact(resp)}
+                    with lock:
+                        fh.write(json.dumps(rec) + "\n")
+                        fh.flush()
+                    try:
+                        resp_for_parse = dict(rec["response"])
+                        parsed[keys[i]] = response_routing(resp_for_parse, cfg.spec, where=f"prompt {i}")
+                    except RoutedExpertsError as exc:
+                        fatal.append(str(exc))
+                    if tick:
+                        tick(1)
+                if fatal:
+                    for f in pending:
+                        f.cancel()
+                    # wait for the requests already running, then stop
+                    for f in list(pending):
+                        if not f.cancelled():
+                            try:
+                                f.result()
+                            except Exception:
+                                pass
+                    pending.clear()
+                    break
+                submit_more()
+    finally:
+        # on an interruption, queued requests are dropped; running ones finish unrecorded
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    if fatal:
+        raise ValueError(f"collection stopped: {fatal[0]} (answers so far are kept in {ckpt})")
+    if failed and not allow_failures:
+        i, msg = failed[0]
+        raise ValueError(f"{len(failed)} of {len(prompts)} requests failed (first: prompt {i}: {msg}); "
+                         f"answers so far are kept in {ckpt}; re-run to retry them")
+    rows = []
+    for i, k in enumerate(keys):
+        if k in parsed:
+            rr = parsed[k]
+            rr.domain = prompts[i].domain
+            rows.append(rr)
+    trace = build_trace(rows, cfg.spec, source=f"eldr collect {cfg.url}")
+    if all(r.domain is None for r in rows):
+        trace.domain = None
+    save_trace(trace, out)
+    if not keep_checkpoint:
+        ckpt.unlink(missing_ok=True)
+    return CollectResult(trace, len(prompts), reused, sent, failed, ckpt)
