@@ -1,0 +1,103 @@
+"""Emulated SGLang PD workers for the serving path on CPU (see `workers`).
+
+    python -m eldr_sglang.emulate prefill --trace T.npz --port 31000 --bootstrap-port 31100
+    python -m eldr_sglang.emulate decode  --trace T.npz --port 31010
+    python -m eldr_sglang.emulate cluster --trace T.npz --prefill 2 --decode 4 --base-port 31000
+
+`cluster` runs all workers in one process (prefill i on base+i with bootstrap base+100+i,
+decode j on base+10+j) and prints one line `READY {json}` with their URLs.
+Step and prefill times come from the simulator's ExecutionModel, scaled by --time-scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from aiohttp import web
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m eldr_sglang.emulate", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="role", required=True)
+
+    def common(p):
+        p.add_argument("--trace", required=True, help="ELDR trace (.npz) whose routing the workers replay")
+        p.add_argument("--model", default="auto", help="model profile (default: from the trace)")
+        p.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
+        p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled time (<1: faster)")
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--no-signature", action="store_true", help="prefill: behave like an unpatched worker")
+        p.add_argument("--max-running-requests", type=int, default=256, help="decode batch limit")
+        p.add_argument("--bootstrap-timeout-secs", type=float, default=300.0)
+        p.add_argument("--log-level", default="warning")
+
+    p = sub.add_parser("prefill", help="one emulated prefill worker")
+    common(p)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bootstrap-port", type=int, required=True)
+    d = sub.add_parser("decode", help="one emulated decode worker")
+    common(d)
+    d.add_argument("--port", type=int, required=True)
+    c = sub.add_parser("cluster", help="prefill and decode workers in one process")
+    common(c)
+    c.add_argument("--prefill", type=int, default=2)
+    c.add_argument("--decode", type=int, default=4)
+    c.add_argument("--base-port", type=int, required=True)
+    return ap
+
+
+async def _run(args) -> None:
+    from eldr_sglang.emulate.workers import DecodeWorker, PrefillWorker, WorkerSpec
+    from eldr_sglang.traces import load_trace
+
+    trace = load_trace(args.trace)
+    spec = WorkerSpec(trace=trace, model=args.model, hardware=args.hardware, time_scale=args.time_scale, host=args.host)
+    runners = []
+
+    async def site(app, port):
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, port, backlog=1024).start()
+        runners.append(runner)
+
+    urls = {"prefill": [], "decode": []}
+    if args.role == "cluster":
+        plan = [("prefill", args.base_port + i, args.base_port + 100 + i) for i in range(args.prefill)]
+        plan += [("decode", args.base_port + 10 + j, None) for j in range(args.decode)]
+    elif args.role == "prefill":
+        plan = [("prefill", args.port, args.bootstrap_port)]
+    else:
+        plan = [("decode", args.port, None)]
+    for role, port, bport in plan:
+        if role == "prefill":
+            w = PrefillWorker(spec, signature=not args.no_signature, bootstrap_timeout_s=args.bootstrap_timeout_secs)
+            await site(w.app(), port)
+            await site(w.bootstrap_app(), bport)
+            urls["prefill"].append([f"http://{args.host}:{port}", bport])
+        else:
+            w = DecodeWorker(spec, max_running=args.max_running_requests, kv_timeout_s=args.bootstrap_timeout_secs)
+            await site(w.app(), port)
+            urls["decode"].append(f"http://{args.host}:{port}")
+    print("READY " + json.dumps(urls), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0
+    except (OSError, ValueError) as exc:
+        print(f"emulate: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from eldr_sglang.emulate import main
+
+sys.exit(main())

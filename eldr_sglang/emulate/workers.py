@@ -1,0 +1,492 @@
+"""Emulated SGLang PD workers that speak the patched-SGLang protocol, in real time.
+
+Which trace request a prompt is: `emulator.trace_request` in the body when given (tests),
+else a stable hash of the prompt, modulo the trace's request count. Prefill and decode agree,
+so a request's signature and its decode routing come from the same trace request.
+
+Prefill worker (`--enable-eldr-signature --enable-eldr-late-binding` emulated):
+  POST /generate | /v1/completions | /v1/chat/completions with bootstrap_host/port/room:
+  waits its turn (one prefill at a time), sleeps ExecutionModel.prefill_time(prompt), parks
+  the KV under the room, streams the signature event (meta_info.eldr_signature, or
+  sglext.eldr_signature on the OpenAI routes), then waits until a decode worker fetches the
+  room from its bootstrap server and finishes the request.
+  Bootstrap server (its own port): GET /kv/{room} waits for the room to be parked, then
+  "transfers" it (ExecutionModel.kv_transfer_time) and answers the trace request id.
+Decode worker:
+  fetches the KV from the request's bootstrap host/port/room, then joins a continuous-batching
+  loop; each step's time is ExecutionModel.decode_step_time(batch, kv_tokens, distinct
+  experts per layer) on the trace's real decode routing (sim.replay.TraceReplay).
+Both: /health, /v1/models, /server_info, /v1/loads (SGLang 0.5.23 shape), /flush_cache,
+/emulator/log (timestamped events), /emulator/stats.
+
+Test controls (a top-level "emulator" object in the request body, ignored otherwise):
+  trace_request: int, prefill_status: int (prefill answers this HTTP status),
+  decode_status: int, signature: "none" | "malformed" | "omit" | "delay:<seconds>".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from eldr_sglang.sglang_ext.payload import META_KEY, encode_counts
+from eldr_sglang.sim.cost_model import ExecutionModel
+from eldr_sglang.sim.profiles import MODEL_PROFILES, get_hardware, get_model
+from eldr_sglang.sim.replay import TraceReplay, distinct_counter
+from eldr_sglang.traces import Trace
+
+logger = logging.getLogger("eldr.emulate")
+ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def pick_model_profile(trace: Trace, name: str = "auto"):
+    if name != "auto":
+        m = get_model(name)
+    else:
+        m = None
+        for cand in (trace.meta.get("model"),):
+            try:
+                m = get_model(str(cand))
+            except (ValueError, TypeError):
+                m = None
+        if m is None:
+            for p in MODEL_PROFILES.values():
+                if (p.num_moe_layers, p.num_experts, p.top_k) == (trace.num_layers, trace.num_experts, trace.top_k):
+                    m = p
+                    break
+        if m is None:
+            raise ValueError(
+                f"no model profile matches the trace shape (L={trace.num_layers}, E={trace.num_experts}, "
+                f"k={trace.top_k}); pass --model (known: {', '.join(MODEL_PROFILES)})"
+            )
+    if (m.num_moe_layers, m.num_experts, m.top_k) != (trace.num_layers, trace.num_experts, trace.top_k):
+        raise ValueError(
+            f"model profile {m.name} (L={m.num_moe_layers}, E={m.num_experts}, k={m.top_k}) does not match the "
+            f"trace (L={trace.num_layers}, E={trace.num_experts}, k={trace.top_k})"
+        )
+    return m
+
+
+def _prompt_key(body: dict) -> bytes:
+    for k in ("text", "input_ids", "prompt", "messages"):
+        if body.get(k) is not None:
+            return json.dumps(body[k], sort_keys=True).encode()
+    return b""
+
+
+def trace_request_of(body: dict, num_requests: int) -> int:
+    ctl = body.get("emulator") or {}
+    if isinstance(ctl, dict) and isinstance(ctl.get("trace_request"), int):
+        return ctl["trace_request"] % num_requests
+    h = hashlib.blake2b(_prompt_key(body), digest_size=8).digest()
+    return int.from_bytes(h, "little") % num_requests
+
+
+def output_len_of(body: dict, default: int = 16) -> int:
+    sp = body.get("sampling_params") or {}
+    for v in (sp.get("max_new_tokens"), body.get("max_completion_tokens"), body.get("max_tokens")):
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+class EventLog:
+    def __init__(self, maxlen: int = 200_000):
+        self.events: collections.deque = collections.deque(maxlen=maxlen)
+
+    def add(self, kind: str, **kw) -> None:
+        self.events.append({"t": time.monotonic(), "event": kind, **kw})
+
+
+@dataclass
+class WorkerSpec:
+    trace: Trace
+    model: str = "auto"
+    hardware: str = "h200"
+    time_scale: float = 1.0
+    host: str = "127.0.0.1"
+    name: str = "emulated"
+    exec_model: ExecutionModel = field(init=False)
+    replay: TraceReplay = field(init=False)
+
+    def __post_init__(self):
+        if not self.time_scale > 0:
+            raise ValueError("time scale must be > 0")
+        self.exec_model = ExecutionModel(pick_model_profile(self.trace, self.model), get_hardware(self.hardware))
+        self.replay = TraceReplay(self.trace)
+
+
+def _json_err(status: int, msg: str) -> web.Response:
+    return web.json_response({"error": {"message": msg, "code": status}}, status=status)
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _common_routes(app: web.Application, worker) -> None:
+    async def health(_):
+        return web.Response(text="ok")
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": worker.spec.name, "object": "model", "owned_by": "eldr-emulator"}]})
+
+    async def log(_):
+        return web.json_response(list(worker.log.events))
+
+    async def flush(_):
+        return web.Response(text="ok")
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/emulator/log", log)
+    app.router.add_post("/flush_cache", flush)
+    app.router.add_get("/v1/loads", worker.loads)
+    app.router.add_get("/server_info", worker.server_info)
+    app.router.add_get("/emulator/stats", worker.stats)
+
+
+# ============================================================================ prefill
+@dataclass
+class _Parked:
+    trace_request: int
+    prompt_len: int
+    parked: asyncio.Event = field(default_factory=asyncio.Event)
+    fetched: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PrefillWorker:
+    def __init__(self, spec: WorkerSpec, *, signature: bool = True, max_bytes: int = 16384,
+                 bootstrap_timeout_s: float = 300.0):
+        self.spec, self.signature, self.max_bytes = spec, signature, max_bytes
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.log = EventLog()
+        self.rooms: dict[int, _Parked] = {}
+        self._lock = asyncio.Lock()
+        self.inflight = 0
+        self.served = 0
+        R = spec.trace.num_requests
+        self._payloads: dict[int, dict] = {}
+        self._R = R
+
+    def payload(self, r: int) -> dict:
+        p = self._payloads.get(r)
+        if p is None:
+            ids = self.spec.replay.prefill_ids(r)
+            L, E = self.spec.trace.num_layers, self.spec.trace.num_experts
+            c = np.zeros((L, E), np.int64)
+            if len(ids):
+                flat = (ids.astype(np.int64) + (np.arange(L) * E)[None, :, None]).ravel()
+                c = np.bincount(flat, minlength=L * E).reshape(L, E)
+            p = encode_counts(c, list(range(L)), int(len(ids)), self.max_bytes)
+            self._payloads[r] = p
+        return p
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        for r in ROUTES:
+            app.router.add_post(r, self.handle)
+        _common_routes(app, self)
+        return app
+
+    def bootstrap_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/kv/{room}", self.kv)
+        return app
+
+    async def loads(self, _):
+        return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": self.inflight, "num_waiting_reqs": 0,
+                                              "num_used_tokens": 0, "disaggregation": {"mode": "prefill"}}]})
+
+    async def server_info(self, _):
+        return web.json_response({"disaggregation_mode": "prefill", "enable_eldr_signature": self.signature,
+                                  "enable_eldr_late_binding": True, "emulator": True, "model_path": self.spec.name})
+
+    async def stats(self, _):
+        return web.json_response({"served": self.served, "inflight": self.inflight, "parked": len(self.rooms)})
+
+    async def kv(self, request: web.Request) -> web.Response:
+        """Decode side of the KV transfer: wait until the room is parked, then take it."""
+        try:
+            room = int(request.match_info["room"])
+        except ValueError:
+            return _json_err(400, "room must be an integer")
+        deadline = time.monotonic() + self.bootstrap_timeout_s
+        while room not in self.rooms:  # decode may arrive before the prefill request
+            if time.monotonic() > deadline:
+                return _json_err(404, f"unknown bootstrap room {room}")
+            await asyncio.sleep(0.002)
+        entry = self.rooms[room]
+        try:
+            await asyncio.wait_for(entry.parked.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return _json_err(504, f"room {room} was never prefilled")
+        await asyncio.sleep(self.spec.exec_model.kv_transfer_time(entry.prompt_len) * self.spec.time_scale)
+        entry.fetched.set()
+        self.log.add("kv_fetched", room=room)
+        return web.json_response({"trace_request": entry.trace_request, "prompt_len": entry.prompt_len})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _json_err(400, "body is not JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("bootstrap_room"), int):
+            return _json_err(400, "a PD prefill request needs bootstrap_host, bootstrap_port and an integer bootstrap_room")
+        ctl = body.get("emulator") if isinstance(body.get("emulator"), dict) else {}
+        room = body["bootstrap_room"]
+        r = trace_request_of(body, self._R)
+        self.log.add("prefill_recv", room=room, trace_request=r)
+        if isinstance(ctl.get("prefill_status"), int):
+            return _json_err(ctl["prefill_status"], "emulated prefill failure")
+        entry = _Parked(r, int(self.spec.replay.prompt_len[r]))
+        self.rooms[room] = entry
+        self.inflight += 1
+        stream = bool(body.get("stream"))
+        openai = request.path != "/generate"
+        rid = f"emu-{room}"
+        resp = None
+        try:
+            async with self._lock:  # one prefill batch at a time
+                await asyncio.sleep(self.spec.exec_model.prefill_time(entry.prompt_len) * self.spec.time_scale)
+            entry.parked.set()
+            sig = self._signature(r, ctl)
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                if sig is not None:
+                    delay = ctl.get("signature", "")
+                    if isinstance(delay, str) and delay.startswith("delay:"):
+                        await asyncio.sleep(float(delay[6:]))
+                    if openai:
+                        event = {"id": rid, "object": "eldr.signature", "choices": [], "sglext": {META_KEY: sig}}
+                    else:
+                        event = {"text": "", "meta_info": {"id": rid, META_KEY: [sig], "prompt_tokens": entry.prompt_len,
+                                                           "completion_tokens": 1, "finish_reason": None}}
+                    await resp.write(_sse(event))
+                    self.log.add("signature_sent", room=room, trace_request=r)
+            try:
+                await asyncio.wait_for(entry.fetched.wait(), self.bootstrap_timeout_s)
+                final = {"text": "", "meta_info": {"id": rid, "prompt_tokens": entry.prompt_len, "completion_tokens": 1,
+                                                   "finish_reason": {"type": "length", "length": 0}}}
+            except asyncio.TimeoutError:
+                final = {"text": "", "meta_info": {"id": rid, "finish_reason": {
+                    "type": "abort", "message": "bootstrap timeout: no decode worker fetched the KV"}}}
+            self.served += 1
+            self.log.add("prefill_done", room=room)
+            if stream:
+                await resp.write(_sse(final))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            if sig is not None:
+                final["meta_info"][META_KEY] = [sig]
+            return web.json_response(final)
+        finally:
+            self.inflight -= 1
+            self.rooms.pop(room, None)
+
+    def _signature(self, r: int, ctl: dict):
+        mode = ctl.get("signature")
+        if not self.signature or mode == "omit":
+            return None
+        if mode == "none":
+            return {"v": 1, "none": "emulated"}
+        if mode == "malformed":
+            return {"v": 1, "layers": [0], "E": 4, "n": 1, "enc": "dense", "bits": 8, "d": "!!not base64!!"}
+        return self.payload(r)
+
+
+# ============================================================================ decode
+@dataclass
+class _Running:
+    trace_request: int
+    prompt_len: int
+    output_len: int
+    queue: asyncio.Queue
+    generated: int = 1  # the first token comes from prefill
+    done: bool = False
+
+
+class DecodeWorker:
+    def __init__(self, spec: WorkerSpec, *, max_running: int = 256, kv_timeout_s: float = 300.0):
+        self.spec = spec
+        self.max_running = max_running
+        self.kv_timeout_s = kv_timeout_s
+        self.log = EventLog()
+        self.running: list[_Running] = []
+        self.waiting: collections.deque[_Running] = collections.deque()
+        self.transferring = 0
+        self._wake = asyncio.Event()
+        self._distinct = distinct_counter()
+        self.steps = 0
+        self.step_time_total = 0.0
+        self.batch_total = 0
+        self.distinct_total = 0.0
+        self.tokens = 0
+        self._loop_task: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        for r in ROUTES:
+            app.router.add_post(r, self.handle)
+        _common_routes(app, self)
+
+        async def lifecycle(_app):
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.kv_timeout_s + 5))
+            self._loop_task = asyncio.ensure_future(self._batch_loop())
+            yield
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            await self._session.close()
+
+        app.cleanup_ctx.append(lifecycle)
+        return app
+
+    async def loads(self, _):
+        kv = sum(x.prompt_len + x.generated for x in self.running)
+        return web.json_response({"loads": [{
+            "dp_rank": 0, "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+            "num_used_tokens": kv, "max_running_requests": self.max_running,
+            "disaggregation": {"mode": "decode", "decode_prealloc_queue_reqs": 0,
+                               "decode_transfer_queue_reqs": self.transferring},
+        }]})
+
+    async def server_info(self, _):
+        return web.json_response({"disaggregation_mode": "decode", "emulator": True, "model_path": self.spec.name,
+                                  "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}]})
+
+    async def stats(self, _):
+        return web.json_response(self.stats_dict())
+
+    def stats_dict(self) -> dict:
+        s = max(self.steps, 1)
+        return {"steps": self.steps, "tokens": self.tokens, "mean_batch": self.batch_total / s,
+                "mean_distinct_experts": self.distinct_total / s,
+                "mean_step_ms_model": 1e3 * self.step_time_total / s,
+                "running": len(self.running), "waiting": len(self.waiting), "transferring": self.transferring}
+
+    async def _batch_loop(self) -> None:
+        rp = self.spec.replay
+        em = self.spec.exec_model
+        scale = self.spec.time_scale
+        E = self.spec.trace.num_experts
+        while True:
+            while self.waiting and len(self.running) < self.max_running:
+                self.running.append(self.waiting.popleft())
+            self.running = [x for x in self.running if not x.done]
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self.running
+            reqs = np.fromiter((x.trace_request for x in batch), np.int64, len(batch))
+            steps = np.fromiter((x.generated - 1 for x in batch), np.int64, len(batch))
+            distinct = np.asarray(self._distinct(np.ascontiguousarray(rp.step_ids(reqs, steps)), E))
+            kv = int(sum(x.prompt_len + x.generated for x in batch))
+            dt = em.decode_step_time(len(batch), kv, distinct)
+            await asyncio.sleep(dt * scale)
+            self.steps += 1
+            self.step_time_total += dt
+            self.batch_total += len(batch)
+            self.distinct_total += float(distinct.mean())
+            for x in batch:
+                if x.done:
+                    continue
+                x.generated += 1
+                self.tokens += 1
+                finished = x.generated >= x.output_len
+                x.queue.put_nowait(finished)
+                if finished:
+                    x.done = True
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _json_err(400, "body is not JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("bootstrap_room"), int) or not body.get("bootstrap_host"):
+            return _json_err(400, "a PD decode request needs bootstrap_host, bootstrap_port and an integer bootstrap_room")
+        ctl = body.get("emulator") if isinstance(body.get("emulator"), dict) else {}
+        room = body["bootstrap_room"]
+        self.log.add("decode_recv", room=room)
+        if isinstance(ctl.get("decode_status"), int):
+            return _json_err(ctl["decode_status"], "emulated decode failure")
+        host, port = body["bootstrap_host"], body.get("bootstrap_port")
+        self.transferring += 1
+        try:
+            async with self._session.get(f"http://{host}:{port}/kv/{room}") as r:
+                info = await r.json(content_type=None)
+                if r.status != 200:
+                    return _json_err(502, f"KV transfer for room {room} failed: {info}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return _json_err(502, f"cannot reach the prefill bootstrap server {host}:{port}: {exc}")
+        finally:
+            self.transferring -= 1
+        item = _Running(int(info["trace_request"]), int(info["prompt_len"]), output_len_of(body), asyncio.Queue())
+        self.log.add("decode_start", room=room, trace_request=item.trace_request)
+        stream = bool(body.get("stream"))
+        kind = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}[request.path]
+        rid = f"emu-{room}"
+        try:
+            if item.output_len > 1:
+                self.waiting.append(item)
+                self._wake.set()
+            if not stream:
+                while item.generated < item.output_len:
+                    await item.queue.get()
+                self.log.add("decode_done", room=room)
+                return web.json_response(_final(kind, rid, item))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(_sse(_chunk(kind, rid, item, 1, item.output_len <= 1)))
+            n = 1
+            while n < item.output_len:
+                finished = await item.queue.get()
+                n += 1
+                await resp.write(_sse(_chunk(kind, rid, item, n, finished)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.log.add("decode_done", room=room)
+            return resp
+        finally:
+            item.done = True  # a disconnected client leaves the batch at the next step
+
+
+def _text(n: int) -> str:
+    return " tok" * n
+
+
+def _chunk(kind: str, rid: str, item: _Running, n: int, finished: bool) -> dict:
+    fr = {"type": "length", "length": item.output_len} if finished else None
+    if kind == "generate":
+        return {"text": _text(n), "meta_info": {"id": rid, "prompt_tokens": item.prompt_len, "completion_tokens": n,
+                                                 "finish_reason": fr}}
+    ofr = "length" if finished else None
+    if kind == "chat":
+        return {"id": rid, "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"content": " tok"}, "finish_reason": ofr}]}
+    return {"id": rid, "object": "text_completion", "choices": [{"index": 0, "text": " tok", "finish_reason": ofr}]}
+
+
+def _final(kind: str, rid: str, item: _Running) -> dict:
+    n = item.output_len
+    usage = {"prompt_tokens": item.prompt_len, "completion_tokens": n, "total_tokens": item.prompt_len + n}
+    if kind == "generate":
+        return {"text": _text(n), "meta_info": {"id": rid, "prompt_tokens": item.prompt_len, "completion_tokens": n,
+                                                 "finish_reason": {"type": "length", "length": n}}}
+    if kind == "chat":
+        return {"id": rid, "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": _text(n)}, "finish_reason": "length"}], "usage": usage}
+    return {"id": rid, "object": "text_completion", "choices": [{"index": 0, "text": _text(n), "finish_reason": "length"}],
+            "usage": usage}

@@ -1,0 +1,122 @@
+"""The aiohttp application of the PD router and its runner."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.loads import check_health, poll_loads, reload_centroids, wait_for_workers
+from eldr_sglang.router.pd import ENDPOINTS, PDRouter
+
+logger = logging.getLogger("eldr.router")
+PD_KEY = web.AppKey("pd", PDRouter)
+
+
+def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
+    pd = pd or PDRouter(cfg)
+    app = web.Application(client_max_size=cfg.max_payload_size)
+    app[PD_KEY] = pd
+    for path in ENDPOINTS:
+        app.router.add_post(path, pd.handle)
+
+    async def health(_):
+        return web.Response(text="ok")
+
+    async def metrics(_):
+        return web.Response(body=pd.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def status(_):
+        return web.json_response(pd.state())
+
+    async def models(_):
+        for url in pd.cfg.decode + [w.url for w in pd.cfg.prefill]:
+            try:
+                async with pd.session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return web.Response(body=await r.read(), content_type="application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+        return web.json_response({"error": {"message": "no worker answered /v1/models"}}, status=503)
+
+    async def server_info(_):
+        async def get(url):
+            try:
+                async with pd.session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return await r.json(content_type=None) if r.status == 200 else {"error": f"HTTP {r.status}"}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                return {"error": str(exc)}
+
+        prefill = await asyncio.gather(*(get(w.url) for w in pd.cfg.prefill))
+        decode = await asyncio.gather(*(get(u) for u in pd.cfg.decode))
+        states = [s for d in decode if isinstance(d, dict) for s in d.get("internal_states", []) or []]
+        return web.json_response({"prefill": prefill, "decode": decode, "internal_states": states, "router": pd.state()})
+
+    async def flush_cache(_):
+        async def post(url):
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with pd.session.post(f"{url}/flush_cache", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    await r.read()
+
+        await asyncio.gather(*(post(u) for u in [w.url for w in pd.cfg.prefill] + pd.cfg.decode))
+        return web.Response(text="ok")
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/eldr/status", status)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_post("/flush_cache", flush_cache)
+
+    async def lifecycle(app):
+        await pd.start()
+        if cfg.worker_startup_timeout_s > 0:
+            await wait_for_workers(pd, cfg.worker_startup_timeout_s)
+        tasks = []
+        if cfg.load_monitor_interval_s > 0:
+            tasks.append(asyncio.ensure_future(poll_loads(pd, cfg.load_monitor_interval_s)))
+        if cfg.health_check_interval_s > 0:
+            tasks.append(
+                asyncio.ensure_future(check_health(pd, cfg.health_check_interval_s, cfg.health_failure_threshold))
+            )
+        if cfg.centroids:
+            tasks.append(asyncio.ensure_future(reload_centroids(pd, cfg.reload_interval_ms / 1000.0)))
+        yield
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await pd.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run until `stop` is set (or forever). Client disconnects cancel their handlers."""
+    app = build_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
+    await site.start()
+    prom = None
+    if cfg.prometheus_port is not None:
+        from prometheus_client import start_http_server
+
+        prom = start_http_server(cfg.prometheus_port, cfg.prometheus_host or "127.0.0.1", registry=app[PD_KEY].metrics.registry)
+    logger.info(
+        "ELDR PD router on http://%s:%d: %d prefill, %d decode, policy %s, %s binding",
+        cfg.host, cfg.port, len(cfg.prefill), len(cfg.decode), cfg.policy, "late" if cfg.late_binding else "early",
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        if prom is not None:
+            prom[0].shutdown()
+        await runner.cleanup()

@@ -1,0 +1,178 @@
+"""Command line and configuration of the PD router service.
+
+Flag names follow sglang_router's `launch_router` where they overlap (--pd-disaggregation,
+--prefill URL [BOOTSTRAP_PORT], --decode URL, --host, --port, --prefill-policy,
+--decode-policy, --request-timeout-secs, --worker-startup-timeout-secs,
+--health-check-interval-secs, --health-failure-threshold, --load-monitor-interval,
+--prometheus-host/--prometheus-port, --max-payload-size, --log-level).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+DECODE_POLICIES = ("eldr", "random", "round_robin", "shortest_queue", "power_of_two")
+PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
+
+
+class ConfigError(ValueError):
+    """A bad command line; the message says which flag and why."""
+
+
+@dataclass
+class PrefillWorker:
+    url: str
+    bootstrap_port: int | None
+    host: str  # what decode workers connect to (the URL's host)
+
+
+@dataclass
+class RouterConfig:
+    prefill: list[PrefillWorker]
+    decode: list[str]
+    policy: str = "eldr"
+    prefill_policy: str = "round_robin"
+    centroids: str | None = None
+    tau: float | None = None
+    bind: str = "auto"  # 'late' | 'early' | 'auto' (late for eldr, early for the baselines)
+    signature_timeout_s: float = 30.0
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 30000
+    request_timeout_s: float = 1800.0
+    worker_startup_timeout_s: float = 0.0
+    health_check_interval_s: float = 10.0
+    health_failure_threshold: int = 3
+    load_monitor_interval_s: float = 1.0
+    load_report_ttl_ms: int = 2000
+    reload_interval_ms: int = 250
+    max_payload_size: int = 512 * 1024 * 1024
+    prometheus_host: str | None = None
+    prometheus_port: int | None = None
+    log_level: str = "info"
+    explain_headers: bool = True
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def late_binding(self) -> bool:
+        return self.bind == "late" or (self.bind == "auto" and self.policy == "eldr")
+
+
+def _url(u: str, flag: str) -> str:
+    p = urlparse(u)
+    if p.scheme not in ("http", "https") or not p.hostname:
+        raise ConfigError(f"{flag} {u!r}: expected a URL like http://host:port")
+    return u.rstrip("/")
+
+
+def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="ELDR PD router: late-bound, expert-locality-aware decode routing for SGLang PD disaggregation.",
+    )
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
+    pd = ap.add_argument_group("PD disaggregation")
+    pd.add_argument("--pd-disaggregation", action="store_true", help="PD mode (required: the only mode)")
+    pd.add_argument(
+        "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+        help="prefill worker URL and optional bootstrap port ('none' or omitted: none); repeat per worker",
+    )
+    pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL", help="decode worker URL; repeat per worker")
+    pol = ap.add_argument_group("Routing")
+    pol.add_argument(
+        "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default="eldr",
+        help="decode routing policy (default eldr)",
+    )
+    pol.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
+    pol.add_argument("--eldr-centroids", metavar="PATH", help="centroid file from `eldr fit` (required for eldr)")
+    pol.add_argument("--eldr-tau", type=float, default=None, help="band width tau (default: the file's)")
+    pol.add_argument(
+        "--eldr-bind", choices=["auto", "late", "early"], default="auto",
+        help="pick the decode worker after prefill (late) or with the prefill (early); auto: late for eldr",
+    )
+    pol.add_argument(
+        "--eldr-signature-timeout-secs", type=float, default=30.0,
+        help="wait this long for the prefill's signature, then route by shortest queue (default 30)",
+    )
+    pol.add_argument("--eldr-reload-interval-ms", type=int, default=250, help="centroid file hot-reload check period")
+    pol.add_argument("--eldr-load-report-ttl-ms", type=int, default=2000, help="how long a /v1/loads report counts")
+    pol.add_argument("--seed", type=int, default=0, help="seed of the random policies")
+    pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
+    req = ap.add_argument_group("Requests and workers")
+    req.add_argument("--request-timeout-secs", type=float, default=1800.0)
+    req.add_argument("--worker-startup-timeout-secs", type=float, default=0.0, help="wait for workers' /health at start (0: no)")
+    req.add_argument("--health-check-interval-secs", type=float, default=10.0)
+    req.add_argument("--health-failure-threshold", type=int, default=3)
+    req.add_argument(
+        "--load-monitor-interval", type=float, default=1.0,
+        help="seconds between polls of the decode workers' /v1/loads (0: off)",
+    )
+    req.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024)
+    req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
+    req.add_argument("--prometheus-port", type=int, default=None)
+    req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def parse_config(argv: list[str] | None = None) -> RouterConfig:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    return config_from_args(a)
+
+
+def config_from_args(a: argparse.Namespace) -> RouterConfig:
+    if not a.pd_disaggregation:
+        raise ConfigError("--pd-disaggregation is required: this router serves PD-disaggregated clusters only")
+    prefill = []
+    for item in a.prefill:
+        if len(item) > 2:
+            raise ConfigError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(item)}")
+        url = _url(item[0], "--prefill")
+        port: int | None = None
+        if len(item) == 2 and item[1].lower() != "none":
+            try:
+                port = int(item[1])
+            except ValueError:
+                raise ConfigError(f"--prefill {item[0]}: bootstrap port {item[1]!r} is not a number or 'none'") from None
+            if not 0 < port < 65536:
+                raise ConfigError(f"--prefill {item[0]}: bootstrap port {port} out of range")
+        prefill.append(PrefillWorker(url=url, bootstrap_port=port, host=urlparse(url).hostname))
+    decode = [_url(d[0], "--decode") for d in a.decode]
+    if not prefill or not decode:
+        raise ConfigError("at least one --prefill and one --decode worker are needed")
+    if a.policy == "eldr" and not a.eldr_centroids:
+        raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
+    if a.eldr_tau is not None and not a.eldr_tau >= 0:
+        raise ConfigError(f"--eldr-tau must be >= 0, got {a.eldr_tau}")
+    if a.eldr_signature_timeout_secs <= 0:
+        raise ConfigError("--eldr-signature-timeout-secs must be > 0")
+    if a.prometheus_host is not None and a.prometheus_port is None:
+        raise ConfigError("--prometheus-host needs --prometheus-port")
+    return RouterConfig(
+        prefill=prefill,
+        decode=decode,
+        policy=a.policy,
+        prefill_policy=a.prefill_policy,
+        centroids=a.eldr_centroids,
+        tau=a.eldr_tau,
+        bind=a.eldr_bind,
+        signature_timeout_s=a.eldr_signature_timeout_secs,
+        seed=a.seed,
+        host=a.host,
+        port=a.port,
+        request_timeout_s=a.request_timeout_secs,
+        worker_startup_timeout_s=a.worker_startup_timeout_secs,
+        health_check_interval_s=a.health_check_interval_secs,
+        health_failure_threshold=max(1, a.health_failure_threshold),
+        load_monitor_interval_s=a.load_monitor_interval,
+        load_report_ttl_ms=a.eldr_load_report_ttl_ms,
+        reload_interval_ms=a.eldr_reload_interval_ms,
+        max_payload_size=a.max_payload_size,
+        prometheus_host=a.prometheus_host,
+        prometheus_port=a.prometheus_port,
+        log_level=a.log_level,
+        explain_headers=not a.no_explain_headers,
+    )

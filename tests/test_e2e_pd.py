@@ -1,0 +1,290 @@
+"""End to end on loopback: the router with 2 prefill and 4 decode emulated workers.
+
+Every process listens on 127.0.0.1 only and is stopped by its fixture; every wait is bounded.
+Times are scaled down (--time-scale) so the suite stays fast; no test asserts absolute time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("prometheus_client")
+
+from eldr_sglang import _core  # noqa: E402
+from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
+from pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
+
+TIME_SCALE = 0.05
+SIG_TIMEOUT = 0.5
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def trace_files(workdir):
+    from eldr_sglang.offline.fit import fit_trace
+    from eldr_sglang.synth import generate
+    from eldr_sglang.traces import save_trace
+
+    trace = generate(model="gpt-oss-20b", requests=160, seed=3, prompt_len=(16, 48), output_len=24)
+    tpath, cpath = workdir / "trace.npz", workdir / "c.eldr"
+    save_trace(trace, tpath)
+    fit_trace(trace, workers=4, tau=0.1, seed=0).write(cpath)
+    return trace, tpath, cpath
+
+
+@pytest.fixture(scope="module")
+def cluster(trace_files, workdir):
+    _, tpath, _ = trace_files
+    proc, urls = start_cluster(tpath, workdir, time_scale=TIME_SCALE)
+    yield urls
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def router(cluster, trace_files, workdir):
+    _, _, cpath = trace_files
+    proc, base = start_router(cluster, workdir, [
+        "--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+        "--eldr-signature-timeout-secs", str(SIG_TIMEOUT), "--load-monitor-interval", "0.2",
+        "--health-check-interval-secs", "0.5",
+    ])
+    yield base
+    proc.stop()
+
+
+def reference(cpath, trace, r: int, loads=None):
+    """What the band rule says for trace request r: (expected worker, band, distances)."""
+    cs = _core.CentroidSet.open(str(cpath))
+    sig = cs.spec().from_topk(np.ascontiguousarray(TraceReplay(trace).prefill_ids(r)))
+    d = 1.0 - cs.centroids().astype(np.float64) @ sig.astype(np.float64)
+    band = [k for k in range(len(d)) if d[k] <= d.min() + cs.tau]
+    loads = loads or [0] * len(d)
+    worker = min(band, key=lambda k: (loads[k], d[k]))
+    return worker, band, d, cs.tau
+
+
+def _log(url):
+    return get_json(url + "/emulator/log")
+
+
+def test_signature_arrives_before_decode_is_chosen_and_both_legs_share_the_room(router, cluster):
+    rooms = {}
+    for i in range(12):
+        status, headers, body = post(router + "/generate", {
+            "text": f"prompt {i}", "sampling_params": {"max_new_tokens": 4}, "emulator": {"trace_request": i}})
+        assert status == 200, body
+        assert json.loads(body)["meta_info"]["completion_tokens"] == 4
+        assert headers["X-ELDR-Reason"] == "band"
+        rooms[int(headers["X-ELDR-Bootstrap-Room"])] = (int(headers["X-ELDR-Prefill-Worker"]), int(headers["X-ELDR-Decode-Worker"]))
+    plogs = [_log(u) for u, _ in cluster["prefill"]]
+    dlogs = [_log(u) for u in cluster["decode"]]
+    for room, (p, d) in rooms.items():
+        sent = [e["t"] for e in plogs[p] if e["event"] == "signature_sent" and e["room"] == room]
+        recv = [e["t"] for e in dlogs[d] if e["event"] == "decode_recv" and e["room"] == room]
+        assert len(sent) == 1 and len(recv) == 1, (room, sent, recv)
+        assert sent[0] < recv[0]  # late binding: the decode leg starts after the signature
+        # the room reached exactly the chosen prefill and decode workers, nobody else
+        assert sum(e["room"] == room for lg in plogs for e in lg if e["event"] == "prefill_recv") == 1
+        assert sum(e["room"] == room for lg in dlogs for e in lg if e["event"] == "decode_recv") == 1
+        fetched = [e for e in plogs[p] if e["event"] == "kv_fetched" and e["room"] == room]
+        assert len(fetched) == 1
+
+
+def test_band_choice_matches_the_band_rule(router, trace_files):
+    trace, _, cpath = trace_files
+    seen_bands = set()
+    for r in range(0, 40, 3):
+        want, band, d, tau = reference(cpath, trace, r)
+        if any(abs(x - (d.min() + tau)) < 1e-4 for x in d):
+            continue  # on the band edge f32 and f64 may disagree; not a routing question
+        status, headers, _ = post(router + "/generate", {"text": f"r{r}", "sampling_params": {"max_new_tokens": 2},
+                                                         "emulator": {"trace_request": r}})
+        assert status == 200
+        assert [int(x) for x in headers["X-ELDR-Band"].split(",")] == band
+        assert int(headers["X-ELDR-Decode-Worker"]) == want
+        seen_bands.add(len(band))
+    assert seen_bands  # at least one request was checked
+
+
+def test_band_prefers_the_shorter_queue(router, trace_files, cluster):
+    trace, _, cpath = trace_files
+    cand = None
+    for r in range(trace.num_requests):
+        want, band, d, tau = reference(cpath, trace, r)
+        if len(band) >= 2 and not any(abs(x - (d.min() + tau)) < 1e-4 for x in d):
+            cand = (r, want, band, d)
+            break
+    if cand is None:
+        pytest.skip("no trace request with a band of two or more workers")
+    r, first, band, d = cand
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            long_body = {"text": "long", "stream": True, "sampling_params": {"max_new_tokens": 100000},
+                         "emulator": {"trace_request": r}}
+            async with s.post(router + "/generate", json=long_body) as resp:
+                assert resp.headers["X-ELDR-Decode-Worker"] == str(first)
+                await resp.content.readline()  # decoding has started: its slot is held
+                async with s.post(router + "/generate", json={"text": "short", "sampling_params": {"max_new_tokens": 2},
+                                                             "emulator": {"trace_request": r}}) as r2:
+                    assert r2.status == 200
+                    second = int(r2.headers["X-ELDR-Decode-Worker"])
+                # closing the long stream here is a client disconnect: its slot must come back
+        return second
+
+    second = asyncio.run(asyncio.wait_for(run(), 60))
+    others = [k for k in band if k != first]
+    assert second == min(others, key=lambda k: d[k])
+    _wait_idle(router, cluster)
+
+
+@pytest.mark.parametrize("mode,reason,counter", [
+    ("omit", "timeout", None),
+    ("none", "prefill_none:emulated", None),
+    ("malformed", "malformed", "eldr_router_malformed_signatures_total"),
+])
+def test_fallback_to_shortest_queue_without_a_usable_signature(router, mode, reason, counter):
+    before = get_json(router + "/eldr/status")
+    m0 = _metrics(router)
+    status, headers, body = post(router + "/generate", {
+        "text": f"fallback {mode}", "sampling_params": {"max_new_tokens": 3},
+        "emulator": {"trace_request": 5, "signature": mode}})
+    assert status == 200, body
+    assert headers["X-ELDR-Reason"].startswith("no_signature")
+    loads = before["decode_loads"]
+    assert loads[int(headers["X-ELDR-Decode-Worker"])] == min(loads)
+    m1 = _metrics(router)
+    assert metric(m1, "eldr_router_fallbacks_total", reason=reason) == metric(m0, "eldr_router_fallbacks_total", reason=reason) + 1
+    if counter:
+        assert metric(m1, counter) == metric(m0, counter) + 1
+
+
+def test_openai_endpoints_stream_and_not(router):
+    status, headers, body = post(router + "/v1/chat/completions", {
+        "model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert status == 200 and headers["X-ELDR-Reason"] == "band"
+    assert json.loads(body)["usage"]["completion_tokens"] == 3
+    status, headers, body = post(router + "/v1/completions", {"model": "x", "prompt": "hi", "max_tokens": 4, "stream": True})
+    assert status == 200 and headers["X-ELDR-Reason"] == "band"
+    events = [ln for ln in body.decode().split("\n\n") if ln.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 5
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"{not json", "not valid JSON"),
+    ({"sampling_params": {}}, "needs 'text' or 'input_ids'"),
+    ({"text": ["a", "b"]}, "batch"),
+    ({"text": "a", "stream": "yes"}, "'stream'"),
+    ({"text": "a", "n": 2}, "n > 1"),
+    ([1, 2], "JSON object"),
+])
+def test_malformed_client_requests_get_400(router, body, message):
+    status, _, out = post(router + "/generate", body)
+    assert status == 400
+    assert message in json.loads(out)["error"]["message"]
+
+
+def test_models_health_metrics(router):
+    assert get_json(router + "/v1/models")["data"]
+    text = _metrics(router)
+    for name in ("eldr_router_decode_routes_total", "eldr_router_band_size", "eldr_router_distance_best",
+                 "eldr_router_queue_depth", "eldr_router_fallbacks_total", "eldr_router_signature_wait_seconds"):
+        assert name in text
+
+
+def _metrics(router) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(router + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _wait_idle(router, cluster, timeout=30.0):
+    """Bounded wait until the router holds no slot and every worker is idle; returns the state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = get_json(router + "/eldr/status")
+        dec = [get_json(u + "/emulator/stats") for u in cluster["decode"]]
+        pre = [get_json(u + "/emulator/stats") for u, _ in cluster["prefill"]]
+        idle = (
+            not any(st["decode_inflight"]) and not any(st["prefill_inflight"])
+            and all(x["running"] == 0 and x["waiting"] == 0 and x["transferring"] == 0 for x in dec)
+            and all(x["inflight"] == 0 for x in pre)
+        )
+        if idle or time.monotonic() > deadline:
+            return st, dec, pre, idle
+        time.sleep(0.1)
+
+
+def test_no_queue_slot_leaks_after_1000_requests(router, cluster):
+    rng = random.Random(7)
+    counts = {"ok": 0, "decode_500": 0, "prefill_500": 0, "disconnect": 0, "early_disconnect": 0}
+
+    async def one(s: aiohttp.ClientSession, i: int, kind: str):
+        endpoint = rng.choice(["/generate", "/generate", "/v1/completions", "/v1/chat/completions"])
+        stream = kind in ("disconnect",) or rng.random() < 0.5
+        body = {"stream": stream, "emulator": {"trace_request": rng.randrange(160)}}
+        if endpoint == "/generate":
+            body.update(text=f"q{i}", sampling_params={"max_new_tokens": rng.randint(1, 6)})
+        elif endpoint == "/v1/completions":
+            body.update(model="x", prompt=f"q{i}", max_tokens=rng.randint(1, 6))
+        else:
+            body.update(model="x", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=rng.randint(1, 6))
+        if kind == "decode_500":
+            body["emulator"]["decode_status"] = 500
+        if kind == "prefill_500":
+            body["emulator"]["prefill_status"] = 500
+        if kind == "disconnect":
+            body.setdefault("sampling_params", {})["max_new_tokens"] = 10000
+            body["max_tokens"] = 10000
+        if kind == "early_disconnect":
+            try:
+                await asyncio.wait_for(s.post(router + endpoint, json=body), timeout=0.002)
+            except asyncio.TimeoutError:
+                pass
+            return kind, None
+        async with s.post(router + endpoint, json=body) as r:
+            if kind == "disconnect":
+                assert r.status == 200
+                await r.content.readline()
+                return kind, 200  # leaving the context closes the connection mid-stream
+            await r.read()
+            return kind, r.status
+
+    async def run():
+        kinds = (["ok"] * 750 + ["decode_500"] * 100 + ["prefill_500"] * 50 + ["disconnect"] * 60
+                 + ["early_disconnect"] * 40)
+        rng.shuffle(kinds)
+        sem = asyncio.Semaphore(48)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            async def guarded(i, k):
+                async with sem:
+                    return await one(s, i, k)
+
+            return await asyncio.gather(*(guarded(i, k) for i, k in enumerate(kinds)))
+
+    results = asyncio.run(asyncio.wait_for(run(), 300))
+    assert len(results) == 1000
+    for kind, status in results:
+        counts[kind] += 1
+        if kind == "ok":
+            assert status == 200
+        elif kind in ("decode_500", "prefill_500"):
+            assert status == 500
+    st, dec, pre, idle = _wait_idle(router, cluster)
+    assert idle, (st, dec, pre)
+    assert st["decode_inflight"] == [0, 0, 0, 0] and st["prefill_inflight"] == [0, 0]
+    text = _metrics(router)
+    assert metric(text, "eldr_router_client_disconnects_total") >= 1
+    assert metric(text, "eldr_router_worker_errors_total", role="decode", kind="http_500") >= 100

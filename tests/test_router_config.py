@@ -1,0 +1,75 @@
+"""Router command line, /v1/loads parsing and request validation (no network)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from eldr_sglang.router.config import ConfigError, parse_config  # noqa: E402
+from eldr_sglang.router.loads import running_from_loads  # noqa: E402
+from eldr_sglang.router.pd import BadRequest, find_signature, validate_request  # noqa: E402
+
+BASE = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "8998", "--prefill", "http://127.0.0.1:2", "none",
+        "--prefill", "http://127.0.0.1:3", "--decode", "http://127.0.0.1:4", "--decode", "http://127.0.0.1:5/"]
+
+
+def test_sglang_router_style_flags():
+    cfg = parse_config(BASE + ["--disagg-router", "shortest_queue", "--port", "8000"])
+    assert [(w.url, w.bootstrap_port, w.host) for w in cfg.prefill] == [
+        ("http://127.0.0.1:1", 8998, "127.0.0.1"), ("http://127.0.0.1:2", None, "127.0.0.1"),
+        ("http://127.0.0.1:3", None, "127.0.0.1")]
+    assert cfg.decode == ["http://127.0.0.1:4", "http://127.0.0.1:5"]
+    assert cfg.policy == "shortest_queue" and cfg.port == 8000 and not cfg.late_binding
+    cfg = parse_config(BASE + ["--decode-policy", "eldr", "--eldr-centroids", "c.eldr", "--eldr-tau", "0.2"])
+    assert cfg.policy == "eldr" and cfg.late_binding and cfg.tau == 0.2
+    assert parse_config(BASE + ["--disagg-router", "random", "--eldr-bind", "late"]).late_binding
+
+
+@pytest.mark.parametrize("argv,match", [
+    (BASE[1:], "--pd-disaggregation is required"),
+    (BASE, "needs --eldr-centroids"),
+    (["--pd-disaggregation", "--decode", "http://h:1"], "at least one --prefill"),
+    (["--pd-disaggregation", "--prefill", "h:1", "--decode", "http://h:1"], "expected a URL"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "x", "--decode", "http://h:1"], "not a number"),
+    (BASE + ["--disagg-router", "random", "--eldr-tau", "-1"], "--eldr-tau"),
+])
+def test_bad_command_lines_are_explained(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(argv)
+
+
+def test_launch_router_reports_errors_without_traceback(tmp_path):
+    bad = tmp_path / "bad.eldr"
+    bad.write_bytes(b"not a centroid file")
+    p = subprocess.run([sys.executable, "-m", "eldr_sglang.launch_router", *BASE, "--eldr-centroids", str(bad),
+                        "--port", "1"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "error" in p.stderr
+
+
+def test_running_from_v1_loads():
+    body = {"loads": [
+        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 100,
+         "disaggregation": {"mode": "decode", "decode_prealloc_queue_reqs": 2, "decode_transfer_queue_reqs": 1}},
+        {"dp_rank": 1, "num_running_reqs": 4, "num_waiting_reqs": 0, "num_used_tokens": 50},
+    ]}
+    assert running_from_loads(body) == (11, 150)
+    with pytest.raises(ValueError):
+        running_from_loads({"nope": 1})
+
+
+def test_request_validation_and_signature_lookup():
+    assert validate_request("generate", {"input_ids": [1, 2, 3]})
+    assert validate_request("completions", {"prompt": ["only one"]})
+    with pytest.raises(BadRequest, match="batch"):
+        validate_request("completions", {"prompt": ["a", "b"]})
+    with pytest.raises(BadRequest, match="messages"):
+        validate_request("chat", {"messages": []})
+    with pytest.raises(BadRequest, match="integers"):
+        validate_request("generate", {"input_ids": [1, "x"]})
+    assert find_signature({"meta_info": {"eldr_signature": [1]}}) == [1]
+    assert find_signature({"sglext": {"eldr_signature": {"v": 1}}}) == {"v": 1}
+    assert find_signature({"meta_info": {}}) is None
