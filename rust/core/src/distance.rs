@@ -20,42 +20,86 @@ pub enum Counts<'a, I, T> {
     Sparse(&'a [I], &'a [T]),
 }
 
-/// K-wide dot-product accumulator with block-wise f32 -> f64 flushing.
+/// K-wide dot-product accumulator. Values are buffered per block of `BLOCK` features, then
+/// summed with four independent f32 accumulators (so the adds pipeline instead of waiting on
+/// each other) and flushed into f64 totals, together with the squared norm.
 struct Dots<'m, const K: usize> {
     m: &'m [f32],
-    acc: [f32; K],
+    buf_j: [u32; BLOCK],
+    buf_x: [f32; BLOCK],
+    len: usize,
     sum: [f64; K],
-    n: usize,
+    n2: f64,
 }
 
 impl<'m, const K: usize> Dots<'m, K> {
     #[inline(always)]
     fn new(m: &'m [f32]) -> Self {
-        Dots { m, acc: [0.0; K], sum: [0.0; K], n: 0 }
+        Dots { m, buf_j: [0; BLOCK], buf_x: [0.0; BLOCK], len: 0, sum: [0.0; K], n2: 0.0 }
     }
     #[inline(always)]
     fn add(&mut self, j: u32, x: f32) {
-        let row: &[f32; K] = self.m[j as usize * K..(j as usize + 1) * K].try_into().unwrap();
-        for i in 0..K {
-            self.acc[i] += x * row[i];
-        }
-        self.n += 1;
-        if self.n % BLOCK == 0 {
+        self.buf_j[self.len] = j;
+        self.buf_x[self.len] = x;
+        self.len += 1;
+        if self.len == BLOCK {
             self.flush();
         }
     }
     #[inline(always)]
-    fn flush(&mut self) {
-        for i in 0..K {
-            self.sum[i] += self.acc[i] as f64;
-            self.acc[i] = 0.0;
-        }
+    fn row(&self, t: usize) -> &[f32; K] {
+        let j = self.buf_j[t] as usize;
+        self.m[j * K..(j + 1) * K].try_into().unwrap()
     }
     #[inline(always)]
-    fn distances(mut self, norm2: f64) -> Vec<f64> {
+    fn flush(&mut self) {
+        let mut a = [[0f32; K]; 4];
+        let mut q = [0f32; 4];
+        let full = self.len / 4 * 4;
+        let mut t = 0;
+        while t < full {
+            for u in 0..4 {
+                let x = self.buf_x[t + u];
+                let row = self.row(t + u);
+                for i in 0..K {
+                    a[u][i] += x * row[i];
+                }
+                q[u] += x * x;
+            }
+            t += 4;
+        }
+        while t < self.len {
+            let x = self.buf_x[t];
+            let row = self.row(t);
+            for i in 0..K {
+                a[0][i] += x * row[i];
+            }
+            q[0] += x * x;
+            t += 1;
+        }
+        for i in 0..K {
+            self.sum[i] += ((a[0][i] + a[1][i]) + (a[2][i] + a[3][i])) as f64;
+        }
+        self.n2 += ((q[0] + q[1]) + (q[2] + q[3])) as f64;
+        self.len = 0;
+    }
+    #[inline(always)]
+    fn distances(mut self) -> Result<Vec<f64>, NoSignature> {
         self.flush();
-        let inv = 1.0 / norm2.sqrt();
-        self.sum.iter().map(|d| 1.0 - d * inv).collect()
+        let inv = 1.0 / unit_norm(self.n2)?;
+        Ok(self.sum.iter().map(|d| 1.0 - d * inv).collect())
+    }
+}
+
+/// The norm of a signature from its squared norm, or why there is no signature.
+#[inline]
+fn unit_norm(n2: f64) -> Result<f64, NoSignature> {
+    if !n2.is_finite() {
+        Err(NoSignature::NonFinite)
+    } else if n2 > 0.0 {
+        Ok(n2.sqrt())
+    } else {
+        Err(NoSignature::Empty)
     }
 }
 
@@ -66,11 +110,12 @@ struct DotsDyn<'m> {
     acc: Vec<f32>,
     sum: Vec<f64>,
     n: usize,
+    n2: f64,
 }
 
 impl<'m> DotsDyn<'m> {
     fn new(m: &'m [f32], k: usize) -> Self {
-        DotsDyn { m, k, acc: vec![0.0; k], sum: vec![0.0; k], n: 0 }
+        DotsDyn { m, k, acc: vec![0.0; k], sum: vec![0.0; k], n: 0, n2: 0.0 }
     }
     #[inline(always)]
     fn add(&mut self, j: u32, x: f32) {
@@ -78,6 +123,7 @@ impl<'m> DotsDyn<'m> {
         for (a, &c) in self.acc.iter_mut().zip(row) {
             *a += x * c;
         }
+        self.n2 += x as f64 * x as f64;
         self.n += 1;
         if self.n % BLOCK == 0 {
             self.flush();
@@ -89,10 +135,10 @@ impl<'m> DotsDyn<'m> {
             *a = 0.0;
         }
     }
-    fn distances(mut self, norm2: f64) -> Vec<f64> {
+    fn distances(mut self) -> Result<Vec<f64>, NoSignature> {
         self.flush();
-        let inv = 1.0 / norm2.sqrt();
-        self.sum.iter().map(|d| 1.0 - d * inv).collect()
+        let inv = 1.0 / unit_norm(self.n2)?;
+        Ok(self.sum.iter().map(|d| 1.0 - d * inv).collect())
     }
 }
 
@@ -114,13 +160,13 @@ fn counts_impl<I: SparseIndex, T: CountValue>(set: &CentroidSet, spec: &Signatur
     with_dots!(set.num_workers(), set.centroids_t(), |dots| {
         match counts {
             Counts::Dense(c) => {
-                let n2 = spec.fold_dense(c, |j, x| dots.add(j, x))?;
-                Ok(dots.distances(n2))
+                spec.fold_dense(c, |j, x| dots.add(j, x))?;
+                dots.distances()
             }
             Counts::Sparse(idx, c) => {
-                let (n2, ascending) = spec.fold_sparse(idx, c, |j, x| dots.add(j, x))?;
+                let ascending = spec.fold_sparse(idx, c, |j, x| dots.add(j, x))?;
                 if ascending {
-                    Ok(dots.distances(n2))
+                    dots.distances()
                 } else {
                     // Unsorted or repeated indices: merge first (rare; prefill sends them sorted).
                     signature_impl(set, &spec.from_sparse(idx, c)?)
@@ -136,7 +182,7 @@ fn signature_impl(set: &CentroidSet, sig: &SparseSignature) -> Result<Vec<f64>, 
         for (&j, &x) in sig.index.iter().zip(&sig.value) {
             dots.add(j, x);
         }
-        Ok(dots.distances(sig.norm * sig.norm))
+        dots.distances()
     })
 }
 
@@ -211,4 +257,87 @@ pub fn from_dense_signature(set: &CentroidSet, s: &[f32]) -> Result<Vec<f64>, No
     }
     sig.norm = n2.sqrt();
     from_signature(set, &sig)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::centroid_file::CentroidWriter;
+    use proptest::prelude::*;
+
+    fn set(k: usize, seed: u64, dir: &std::path::Path) -> CentroidSet {
+        let (l, e) = (5usize, 12usize);
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let weights: Vec<f32> = (0..l).map(|i| if i == 0 { 0.0 } else { 0.5 + next() }).collect();
+        let idf: Vec<f32> = (0..l * e).map(|_| next() * 3.0).collect();
+        let cents: Vec<f32> = (0..k * 4 * e).map(|_| next().powi(3) + 1e-3).collect();
+        let p = dir.join(format!("k{k}-{seed}.eldr"));
+        CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| i.to_string()).collect(), provenance: "" }
+            .write(&p)
+            .unwrap();
+        CentroidSet::open(&p).unwrap()
+    }
+
+    /// Straightforward f64 distances from a materialized unit signature.
+    fn reference(set: &CentroidSet, sig: &SparseSignature) -> Vec<f64> {
+        let (k, m) = (set.num_workers(), set.centroids_t());
+        let unit = sig.unit_values();
+        (0..k).map(|c| 1.0 - sig.index.iter().zip(&unit).map(|(&j, &v)| v * m[j as usize * k + c] as f64).sum::<f64>()).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn fused_matches_reference(k in prop::sample::select(vec![1usize, 3, 4, 8, 16, 32]), counts in prop::collection::vec(0u32..40, 60), seed in 0u64..1000, shuffle in any::<bool>()) {
+            let dir = tempfile::tempdir().unwrap();
+            let set = set(k, seed, dir.path());
+            let spec = set.spec();
+            match spec.from_dense(&counts) {
+                Err(why) => {
+                    prop_assert_eq!(from_counts::<u32, u32>(&set, Counts::Dense(&counts)), Err(why));
+                }
+                Ok(sig) => {
+                    let want = reference(&set, &sig);
+                    let dense = from_counts::<u32, u32>(&set, Counts::Dense(&counts)).unwrap();
+                    let (mut idx, mut val): (Vec<i64>, Vec<f32>) =
+                        counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| (i as i64, c as f32)).unzip();
+                    if shuffle && idx.len() > 1 {
+                        idx.reverse();
+                        val.reverse();
+                        // and a repeated index split in two halves
+                        let (i0, v0) = (idx[0], val[0]);
+                        val[0] = v0 / 2.0;
+                        idx.push(i0);
+                        val.push(v0 / 2.0);
+                    }
+                    let sparse = from_counts(&set, Counts::Sparse(&idx, &val)).unwrap();
+                    let via_sig = from_signature(&set, &sig).unwrap();
+                    for c in 0..k {
+                        prop_assert!((dense[c] - want[c]).abs() < 1e-6, "dense {} vs {}", dense[c], want[c]);
+                        prop_assert!((sparse[c] - want[c]).abs() < 1e-6, "sparse {} vs {}", sparse[c], want[c]);
+                        prop_assert!((via_sig[c] - want[c]).abs() < 1e-6);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_values_are_typed() {
+        let dir = tempfile::tempdir().unwrap();
+        let set = set(4, 1, dir.path());
+        let mut c = vec![1f32; 60];
+        c[30] = f32::NAN;
+        assert_eq!(from_counts::<u32, f32>(&set, Counts::Dense(&c)), Err(NoSignature::NonFinite));
+        c[30] = -2.0;
+        assert_eq!(from_counts::<u32, f32>(&set, Counts::Dense(&c)), Err(NoSignature::Negative));
+        assert_eq!(from_counts::<u32, f32>(&set, Counts::Dense(&c[..59])), Err(NoSignature::Shape));
+        assert_eq!(from_counts(&set, Counts::Sparse(&[60i64], &[1u32])), Err(NoSignature::OutOfRange));
+        assert_eq!(from_counts(&set, Counts::Sparse(&[3i64], &[1u32])), Err(NoSignature::Empty)); // masked layer 0
+        assert_eq!(from_counts(&set, Counts::Sparse(&[20i64], &[f32::INFINITY])), Err(NoSignature::NonFinite));
+        assert_eq!(from_dense_signature(&set, &vec![0f32; set.dim()]), Err(NoSignature::Empty));
+    }
 }

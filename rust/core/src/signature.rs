@@ -57,13 +57,20 @@ impl std::error::Error for NoSignature {}
 
 /// A count value read from numpy (integer counts or float weights).
 pub trait CountValue: Copy + Send + Sync {
-    fn to_f64(self) -> f64;
+    /// Whether a value of this type can be negative or NaN (and so must be checked).
+    const MAY_BE_INVALID: bool;
+    fn to_f32(self) -> f32;
 }
 
 macro_rules! impl_count {
-    ($($t:ty),*) => {$(impl CountValue for $t { #[inline] fn to_f64(self) -> f64 { self as f64 } })*};
+    ($check:expr => $($t:ty),*) => {$(impl CountValue for $t {
+        const MAY_BE_INVALID: bool = $check;
+        #[inline(always)]
+        fn to_f32(self) -> f32 { self as f32 }
+    })*};
 }
-impl_count!(u8, u16, u32, u64, i16, i32, i64, f32, f64);
+impl_count!(false => u8, u16, u32, u64);
+impl_count!(true => i16, i32, i64, f32, f64);
 
 /// An integer index into the flat `L * E` count space, read from numpy.
 pub trait SparseIndex: Copy + Send + Sync {
@@ -116,8 +123,8 @@ pub struct SignatureSpec {
     experts: usize,
     layer_weights: Vec<f32>,
     idf: Vec<f32>,
-    /// `w_l * idf[l][e]` for every flat index `l*E + e` (0 on masked layers).
-    scale: Vec<f64>,
+    /// `w_l * idf[l][e]` for every flat index `l*E + e` (0 on masked layers), computed in f64.
+    scale: Vec<f32>,
     /// Output index of flat index `l*E + e`, or `u32::MAX` on masked layers.
     out_index: Vec<u32>,
     selected: Vec<usize>,
@@ -144,11 +151,11 @@ impl SignatureSpec {
         if selected.is_empty() {
             return Err("no layer is selected: every layer weight is 0".into());
         }
-        let mut scale = vec![0f64; layers * experts];
+        let mut scale = vec![0f32; layers * experts];
         let mut out_index = vec![u32::MAX; layers * experts];
         for (slot, &l) in selected.iter().enumerate() {
             for e in 0..experts {
-                scale[l * experts + e] = layer_weights[l] as f64 * idf[l * experts + e] as f64;
+                scale[l * experts + e] = (layer_weights[l] as f64 * idf[l * experts + e] as f64) as f32;
                 out_index[l * experts + e] = (slot * experts + e) as u32;
             }
         }
@@ -175,35 +182,30 @@ impl SignatureSpec {
     }
 
     /// Validate and weight dense `[L, E]` counts, passing each nonzero weighted value
-    /// `(output index, w_l * idf * c)` to `sink` in ascending order. Returns the squared norm.
+    /// `(output index, w_l * idf * c)` to `sink` in ascending order. The consumer computes
+    /// the norm (the router fuses it into its distance kernel).
     /// This is the one implementation of the formula: the materialized signatures below and
     /// the router's fused distance kernel both run through it.
     #[inline(always)]
-    pub fn fold_dense<T: CountValue>(&self, counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<f64, NoSignature> {
+    pub fn fold_dense<T: CountValue>(&self, counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<(), NoSignature> {
         if counts.len() != self.scale.len() {
             return Err(NoSignature::Shape);
         }
-        let mut n2 = 0f64;
         for (j, &c) in counts.iter().enumerate() {
-            let c = c.to_f64();
-            if c == 0.0 {
-                continue;
-            }
-            n2 += self.weigh(j, c, &mut sink)?;
+            self.weigh(j, c, &mut sink)?;
         }
-        Self::check_norm(n2)
+        Ok(())
     }
 
-    /// Like [`Self::fold_dense`] for `(flat index l*E+e, count)` pairs. Also returns whether
-    /// the indices were strictly ascending; if not, repeated indices have not been merged and
-    /// the returned norm is not the signature's (use [`Self::from_sparse`]).
+    /// Like [`Self::fold_dense`] for `(flat index l*E+e, count)` pairs. Returns whether the
+    /// indices were strictly ascending; if not, repeated indices have not been merged and
+    /// the values are not yet the signature's (use [`Self::from_sparse`]).
     #[inline(always)]
-    pub fn fold_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<(f64, bool), NoSignature> {
+    pub fn fold_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<bool, NoSignature> {
         if index.len() != counts.len() {
             return Err(NoSignature::Shape);
         }
         let n = self.scale.len();
-        let mut n2 = 0f64;
         let mut ascending = true;
         let mut next = 0usize; // smallest index that keeps the order strictly ascending
         for (&i, &c) in index.iter().zip(counts) {
@@ -213,62 +215,62 @@ impl SignatureSpec {
             };
             ascending &= j >= next;
             next = j + 1;
-            n2 += self.weigh(j, c.to_f64(), &mut sink)?;
+            self.weigh(j, c, &mut sink)?;
         }
-        Ok((Self::check_norm(n2)?, ascending))
+        Ok(ascending)
     }
 
     #[inline(always)]
-    fn weigh(&self, j: usize, c: f64, sink: &mut impl FnMut(u32, f32)) -> Result<f64, NoSignature> {
-        if !(c >= 0.0) {
-            return Err(if c.is_nan() { NoSignature::NonFinite } else { NoSignature::Negative });
+    fn weigh<T: CountValue>(&self, j: usize, c: T, sink: &mut impl FnMut(u32, f32)) -> Result<(), NoSignature> {
+        let c = c.to_f32();
+        if T::MAY_BE_INVALID {
+            if !(c >= 0.0) {
+                return Err(if c.is_nan() { NoSignature::NonFinite } else { NoSignature::Negative });
+            }
+            if c == f32::INFINITY {
+                return Err(NoSignature::NonFinite);
+            }
         }
-        if c == f64::INFINITY {
-            return Err(NoSignature::NonFinite);
+        let x = self.scale[j] * c;
+        if x != 0.0 {
+            sink(self.out_index[j], x);
         }
-        let x = (self.scale[j] * c) as f32;
-        if x == 0.0 {
-            return Ok(0.0);
-        }
-        sink(self.out_index[j], x);
-        Ok(x as f64 * x as f64)
+        Ok(())
     }
 
-    #[inline(always)]
-    fn check_norm(n2: f64) -> Result<f64, NoSignature> {
+    fn norm_of(values: &[f32]) -> Result<f64, NoSignature> {
+        let n2: f64 = values.iter().map(|&v| v as f64 * v as f64).sum();
         if !n2.is_finite() {
-            return Err(NoSignature::NonFinite);
+            Err(NoSignature::NonFinite)
+        } else if n2 > 0.0 {
+            Ok(n2.sqrt())
+        } else {
+            Err(NoSignature::Empty)
         }
-        if !(n2 > 0.0) {
-            return Err(NoSignature::Empty);
-        }
-        Ok(n2)
     }
 
     /// Dense `[L, E]` counts -> signature.
     pub fn from_dense<T: CountValue>(&self, counts: &[T]) -> Result<SparseSignature, NoSignature> {
         let mut sig = SparseSignature::with_capacity(counts.len().min(self.dim()));
-        let n2 = self.fold_dense(counts, |i, x| {
+        self.fold_dense(counts, |i, x| {
             sig.index.push(i);
             sig.value.push(x);
         })?;
-        sig.norm = n2.sqrt();
+        sig.norm = Self::norm_of(&sig.value)?;
         Ok(sig)
     }
 
     /// Sparse `(flat index l*E+e, count)` pairs -> signature. Repeated indices add up.
     pub fn from_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T]) -> Result<SparseSignature, NoSignature> {
         let mut sig = SparseSignature::with_capacity(index.len());
-        let (n2, ascending) = self.fold_sparse(index, counts, |i, x| {
+        let ascending = self.fold_sparse(index, counts, |i, x| {
             sig.index.push(i);
             sig.value.push(x);
         })?;
-        if ascending {
-            sig.norm = n2.sqrt();
-            return Ok(sig);
+        if !ascending {
+            sig = Self::sort_merge(sig);
         }
-        let mut sig = Self::sort_merge(sig);
-        sig.norm = Self::check_norm(sig.value.iter().map(|&v| v as f64 * v as f64).sum())?.sqrt();
+        sig.norm = Self::norm_of(&sig.value)?;
         Ok(sig)
     }
 
