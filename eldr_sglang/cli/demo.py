@@ -29,6 +29,7 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     p.add_argument("--concurrency", default="64,128,256,512", help="closed-loop loads to sweep (default 64,128,256,512)")
     p.add_argument("--tau", type=float, default=0.1, help="ELDR band width (default 0.1)")
+    p.add_argument("--taus", default="0,0.05,0.2", help="extra ELDR band widths shown at the middle load (default 0,0.05,0.2; '' for none)")
     p.add_argument("--uniform", action="store_true", help="uniform (no-locality) control workload instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress output")
@@ -104,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
         if c == main_load:
             main_pol, main_res = pol, res
 
+    taus = [float(x) for x in str(args.taus).split(",") if x.strip()]
+    tau_rows = {}
+    if taus:
+        wl = make_workload(replay, requests=eval_idx, arrival="closed", concurrency=main_load, seed=args.seed)
+        tspecs = parse_policies(",".join(f"eldr@{x:g}" for x in taus))
+        tau_rows, _ = run_comparison(replay, wl, tspecs, em, cfg, centroids=str(cpath), seed=args.seed,
+                                     progress=show, signatures=sigs)
     say("[4/4] writing results")
     print()
     print(f"ELDR demo: synthetic {'uniform' if args.uniform else 'domain-skewed'} {model.name}, fit on {n_fit} requests, "
@@ -111,7 +119,17 @@ def run(args: argparse.Namespace) -> int:
     print(paper_check(em))
     print()
     print(format_table(main_pol, title=f"closed loop, concurrency {main_load} ({main_load / K:.0f} per decode worker)"))
+    if tau_rows:
+        sq = main_pol["shortest_queue"]["tpot_ms"]
+        print()
+        print(f"tau sweep at concurrency {main_load} (small tau: more locality, less balance):")
+        for n, m in {"eldr@" + f"{args.tau:g}": main_pol["eldr"], **tau_rows}.items():
+            t = m["tpot_ms"]
+            print(f"  {n:10s} TPOT p50 {t['p50']:6.2f} ms ({(t['p50'] / sq['p50'] - 1) * 100:+5.1f}% vs shortest_queue), "
+                  f"p99 {t['p99']:6.2f} ms ({(t['p99'] / sq['p99'] - 1) * 100:+5.1f}%), "
+                  f"experts/layer/step {m['unique_experts_per_layer_step']:6.1f}, imbalance {m['load_imbalance']:.2f}")
     meta = {
+        "tau_sweep": {n: m["tpot_ms"] for n, m in tau_rows.items()},
         "model": em.describe(), "workers": K, "fit_requests": n_fit, "eval_requests": int(len(eval_idx)),
         "concurrency": main_load, "tau": args.tau, "uniform": args.uniform, "seed": args.seed,
         "fit_report": getattr(fit, "report", None) if isinstance(getattr(fit, "report", None), (dict, str)) else None,

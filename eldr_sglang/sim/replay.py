@@ -44,8 +44,8 @@ def touched_mask(ids: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def distinct_counter():
-    """The per-step distinct-expert counter: the Rust `distinct_per_layer` when the extension
-    is built, the numpy reference otherwise."""
+    """The per-step distinct-expert counter: the Rust `distinct_per_layer` (the same code the
+    serving side uses) when the extension is built, the numpy reference otherwise."""
     try:
         from eldr_sglang._core import distinct_per_layer
 
