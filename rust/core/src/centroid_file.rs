@@ -43,10 +43,28 @@ pub enum CentroidFileError {
     Invalid(String),
 }
 
+/// The bytes of a centroid file: the mmapped file, or an owned copy (8-byte aligned, so the
+/// f32 sections can be read in place either way).
+enum Storage {
+    Map(Mmap),
+    Owned(Vec<u64>, usize),
+}
+
+impl std::ops::Deref for Storage {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Storage::Map(m) => m,
+            // SAFETY: a Vec<u64> of `len.div_ceil(8)` words holds at least `len` initialized bytes.
+            Storage::Owned(v, len) => unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, *len) },
+        }
+    }
+}
+
 /// A validated centroid file, mmapped read-only. Immutable: a reload builds a new one.
 pub struct CentroidSet {
     path: PathBuf,
-    map: Mmap,
+    map: Storage,
     k: usize,
     tau: f32,
     centroid_offset: usize,
@@ -82,10 +100,18 @@ impl CentroidSet {
         // SAFETY: the map is read-only and validated before use. Writers replace the file by
         // rename (see `CentroidWriter::write`), so a mapped inode is never modified in place.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::validate(path.to_path_buf(), map)
+        Self::validate(path.to_path_buf(), Storage::Map(map))
     }
 
-    fn validate(path: PathBuf, map: Mmap) -> Result<Self, CentroidFileError> {
+    /// Validate a centroid file held in memory (copied into an aligned buffer).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, CentroidFileError> {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        // SAFETY: `words` has room for `bytes.len()` bytes; u64 has no invalid bit patterns.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), words.as_mut_ptr() as *mut u8, bytes.len()) };
+        Self::validate(PathBuf::from("<memory>"), Storage::Owned(words, bytes.len()))
+    }
+
+    fn validate(path: PathBuf, map: Storage) -> Result<Self, CentroidFileError> {
         let p = path.display().to_string();
         let b: &[u8] = &map;
         let trunc = |what: String| CentroidFileError::Truncated { path: p.clone(), what };
@@ -215,8 +241,9 @@ impl CentroidSet {
     /// The centroid matrix, feature-major `[D][K]`, straight from the mapping.
     pub fn centroids_t(&self) -> &[f32] {
         let bytes = &self.map[self.centroid_offset..self.centroid_offset + self.dim() * self.k * 4];
-        // SAFETY: the offset is 64-byte aligned within a page-aligned mapping (checked in
-        // `validate`), the length is a multiple of 4, and every bit pattern is a valid f32.
+        // SAFETY: the offset is 64-byte aligned (checked in `validate`) within a page-aligned
+        // mapping or an 8-byte-aligned buffer, so the pointer is f32-aligned; the length is a
+        // multiple of 4, and every bit pattern is a valid f32.
         unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
     }
 
