@@ -231,32 +231,35 @@ def checkpoint_path(out: str | os.PathLike) -> Path:
     return out.with_name(out.name + ".partial.jsonl")
 
 
-def read_checkpoint(path: Path) -> dict[str, dict]:
-    """key -> record; a torn (unparsable) last line is dropped and truncated away."""
+def read_checkpoint(path: Path, on_record: Callable[[dict], None] | None = None) -> dict[str, dict]:
+    """Stream the checkpoint: key -> {"index", "domain"} of every complete record, calling
+    `on_record(record)` on each (the raw response is not kept, so memory stays small). A torn
+    last line (no newline: an interrupted write) is truncated away; a bad line elsewhere is
+    an error."""
     done: dict[str, dict] = {}
     if not path.exists():
         return done
-    good_bytes = 0
+    good = 0
+    torn = False
     with open(path, "rb") as fh:
-        data = fh.read()
-    lines = data.split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            good_bytes += len(line) + (1 if i < len(lines) - 1 else 0)
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
-                raise ValueError
-        except (json.JSONDecodeError, ValueError, UnicodeDecodeError):
-            if i >= len(lines) - 2 and not any(x.strip() for x in lines[i + 1:]):
-                break  # torn tail from an interrupted write
-            raise ValueError(f"{path}:{i + 1}: corrupt checkpoint line; delete the file to start over") from None
-        done[rec["key"]] = rec
-        good_bytes += len(line) + 1
-    if good_bytes < len(data):
+        for n, line in enumerate(fh, 1):
+            if not line.endswith(b"\n"):
+                torn = True  # the last line, cut short
+                break
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
+                        raise ValueError
+                except (json.JSONDecodeError, ValueError, UnicodeDecodeError):
+                    raise ValueError(f"{path}:{n}: corrupt checkpoint line; delete the file to start over") from None
+                if on_record is not None:
+                    on_record(rec)
+                done[rec["key"]] = {"index": rec.get("index"), "domain": rec.get("domain")}
+            good += len(line)
+    if torn:
         with open(path, "r+b") as fh:
-            fh.truncate(good_bytes)
+            fh.truncate(good)
     return done
 
 
@@ -285,13 +288,22 @@ def collect(
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     reqs = [build_request(p, cfg) for p in prompts]
     keys = [request_key(ep, body) for ep, body in reqs]
-    done = read_checkpoint(ckpt)
-    # check what the checkpoint holds against the model before sending anything
+    # parse what the checkpoint holds (checked against the model before sending anything)
     parsed: dict[str, RequestRouting] = {}
-    for k in set(keys) & set(done):
-        parsed[k] = response_routing(done[k]["response"], cfg.spec, where=f"{ckpt.name} (index {done[k].get('index')})")
-    todo = [i for i, k in enumerate(keys) if k not in done]
-    reused = len(prompts) - len(todo)
+    wanted = set(keys)
+
+    def take(rec: dict) -> None:
+        if rec["key"] in wanted:
+            parsed[rec["key"]] = response_routing(rec["response"], cfg.spec,
+                                                  where=f"{ckpt.name} (prompt {rec.get('index')})")
+
+    read_checkpoint(ckpt, take)
+    todo, queued = [], set()
+    for i, k in enumerate(keys):  # a prompt repeated in the dataset is sent once
+        if k not in parsed and k not in queued:
+            todo.append(i)
+            queued.add(k)
+    reused = sum(1 for k in keys if k in parsed)
     bar, tick = None, None
     if callable(progress):
         tick = progress
@@ -373,6 +385,10 @@ def collect(
                     pending.clear()
                     break
                 submit_more()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {len(parsed)} answers are kept in {ckpt}; run the same command again to resume",
+              file=sys.stderr)
+        raise
     finally:
         # on an interruption, queued requests are dropped; running ones finish unrecorded
         if pool is not None:

@@ -210,3 +210,20 @@ def test_cli_collect_and_convert(tmp_path, capsys):
                "--top-k", "2", "--num-experts", "8"])
     assert rc == 0
     assert load_trace(tmp_path / "conv.npz").prefill_len.tolist() == [2]
+
+
+def test_repeated_prompt_is_sent_once(tmp_path):
+    path, recs = _dataset(tmp_path, n=4, extra=[{"prompt": "w0_0 w0_1", "domain": "d0"}])  # = record 0
+    out = tmp_path / "trace.npz"
+    with FakeSGLang() as srv:
+        collect(load_prompts(path), _cfg(srv.url), out, progress=False)
+        assert srv.received["w0_0 w0_1"] == 1
+    _check_trace(load_trace(out), recs)
+
+
+def test_corrupt_checkpoint_line_is_named(tmp_path):
+    path, _ = _dataset(tmp_path, n=2)
+    out = tmp_path / "trace.npz"
+    checkpoint_path(out).write_text('{"key": "a", "response": {}}\nnot json\n{"key": "b", "response": {}}\n')
+    with pytest.raises(ValueError, match=r"partial.jsonl:2: corrupt checkpoint line"):
+        collect(load_prompts(path), _cfg("http://127.0.0.1:9"), out, progress=False)
