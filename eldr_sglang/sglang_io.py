@@ -23,9 +23,10 @@ and its `--output-file` JSONL (one summary object per run; with `--output-detail
 per-request arrays `input_lens`, `output_lens`, `ttfts`, `itls`, `generated_texts`,
 `errors`) holds no routed experts. `read_bench_serving_output` therefore reads a per-request
 `routed_experts` list from such a record when a client that keeps them wrote it (the same
-record with one more details array, aligned with `input_lens`/`output_lens`), and otherwise
-fails with an error saying what to do instead (`eldr collect`, or save the /generate
-responses as JSONL).
+record with one more details array, aligned with `input_lens`/`output_lens`; the optional
+patches/optional/sglang-0.5.23-bench-serving-routed-experts.patch makes the stock client do
+that), and otherwise fails with an error saying what to do instead (`eldr collect`, that
+patch, or save the /generate responses as JSONL).
 """
 
 from __future__ import annotations
@@ -313,7 +314,8 @@ def read_bench_serving_output(path: str | os.PathLike, spec: ModelSpec, run: int
         raise RoutedExpertsError(
             f"{path}: the record holds no per-request routed_experts{hint}. sglang.benchmark.serving "
             "0.5.23 sends return_routed_experts but does not store the answers; collect them with "
-            "`eldr collect` or save the /generate responses as JSONL and read those")
+            "`eldr collect`, apply patches/optional/sglang-0.5.23-bench-serving-routed-experts.patch "
+            "to the client, or save the /generate responses as JSONL and read those")
     re_list, ins, outs = rec["routed_experts"], rec.get("input_lens"), rec.get("output_lens")
     if not isinstance(re_list, list) or not isinstance(ins, list) or not isinstance(outs, list):
         raise RoutedExpertsError(f"{path}: routed_experts, input_lens and output_lens must be lists")
