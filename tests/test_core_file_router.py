@@ -198,3 +198,23 @@ def test_unsupported_dtype_is_a_type_error(tmp_path):
     make(p)
     with pytest.raises(TypeError, match="unsupported input complex64"):
         Router("eldr", centroids=str(p)).route_dense(np.ones((6, 8), np.complex64))
+
+
+def test_bounded_loads_keep_bursts_off_one_worker(tmp_path):
+    p = tmp_path / "c.eldr"
+    make(p, K=4)
+    counts = np.ones((6, 8), np.uint32)  # a burst: every request has the same signature
+    plain = Router("eldr", centroids=str(p), tau=0.0)
+    bounded = Router("eldr", centroids=str(p), tau=0.0, load_factor=0.25)
+    assert bounded.load_factor == 0.25 and plain.load_factor is None
+    held = {"plain": [], "bounded": []}
+    for _ in range(40):
+        held["plain"].append(plain.acquire(plain.route_dense(counts)))
+        held["bounded"].append(bounded.acquire(bounded.route_dense(counts)))
+    assert max(plain.loads()) == 40  # the paper's rule at tau=0: all on the nearest worker
+    loads = bounded.loads()
+    assert sum(loads) == 40 and max(loads) <= int(np.ceil(1.25 * 40 / 4))
+    bounded.load_factor = None
+    assert bounded.load_factor is None
+    with pytest.raises(ValueError, match="load_factor"):
+        bounded.load_factor = -1.0

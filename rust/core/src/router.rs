@@ -37,6 +37,8 @@ pub struct Router {
     tracker: Arc<QueueTracker>,
     store: Option<CentroidStore>,
     tau_bits: AtomicU64,
+    /// f64 bits of the bounded-load factor; NaN = off (the paper's rule).
+    load_factor_bits: AtomicU64,
     auto_reload: bool,
 }
 
@@ -72,6 +74,7 @@ impl Router {
             tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
             store,
             tau_bits: AtomicU64::new(tau.to_bits()),
+            load_factor_bits: AtomicU64::new(f64::NAN.to_bits()),
             auto_reload: reload_interval_ms > 0,
         })
     }
@@ -94,6 +97,20 @@ impl Router {
     pub fn set_tau(&self, tau: f64) -> Result<(), String> {
         check_tau(tau)?;
         self.tau_bits.store(tau.to_bits(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Bounded loads for ELDR (see `policies::eldr`); None restores the paper's rule.
+    pub fn load_factor(&self) -> Option<f64> {
+        Some(f64::from_bits(self.load_factor_bits.load(Ordering::Relaxed))).filter(|f| !f.is_nan())
+    }
+    pub fn set_load_factor(&self, factor: Option<f64>) -> Result<(), String> {
+        if let Some(f) = factor {
+            if !(f.is_finite() && f >= 0.0) {
+                return Err(format!("load_factor must be finite and >= 0, got {f}"));
+            }
+        }
+        self.load_factor_bits.store(factor.unwrap_or(f64::NAN).to_bits(), Ordering::Relaxed);
         Ok(())
     }
 
@@ -134,7 +151,8 @@ impl Router {
                 }
             }
         }
-        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, explain };
+        let load_factor = self.load_factor();
+        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, load_factor, explain };
         let decision = self.policy.choose(&ctx);
         if decision.worker.is_none() {
             return Err(RouteError::NoHealthyWorker);

@@ -506,7 +506,8 @@ fn route_topk_t<T: Element + ExpertId>(v: View<'_, T>, r: &PyRouter, py: Python<
 #[pymethods]
 impl PyRouter {
     #[new]
-    #[pyo3(signature = (policy="eldr", num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000))]
+    #[pyo3(signature = (policy="eldr", num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         policy: &str,
         num_workers: Option<usize>,
@@ -515,6 +516,7 @@ impl PyRouter {
         seed: u64,
         reload_interval_ms: u64,
         load_report_ttl_ms: u64,
+        load_factor: Option<f64>,
     ) -> PyResult<Self> {
         let inner = eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms).map_err(|m| {
             if m.contains("centroid") || centroids.as_ref().is_some_and(|p| m.contains(&p.display().to_string())) {
@@ -523,7 +525,16 @@ impl PyRouter {
                 PyValueError::new_err(m)
             }
         })?;
+        inner.set_load_factor(load_factor).map_err(PyValueError::new_err)?;
         Ok(PyRouter { inner })
+    }
+    #[getter]
+    fn get_load_factor(&self) -> Option<f64> {
+        self.inner.load_factor()
+    }
+    #[setter]
+    fn set_load_factor(&self, value: Option<f64>) -> PyResult<()> {
+        self.inner.set_load_factor(value).map_err(PyValueError::new_err)
     }
     #[getter]
     fn policy(&self) -> &'static str {

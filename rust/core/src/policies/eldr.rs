@@ -1,6 +1,13 @@
 //! ELDR's band rule (ELDR.md): d_k = 1 - cos(s, mu_k), d* = min over healthy k, band =
 //! {k healthy : d_k <= d* + tau}; choose the band member with the shortest queue, ties to the
 //! smaller d_k (then the lower index). Without a usable signature: shortest queue.
+//!
+//! Optional bounded loads (beyond the paper; off unless `load_factor` is set): when a burst of
+//! one domain arrives, the band rule keeps sending it to the same few workers. As in
+//! consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), a
+//! worker is a candidate only while its load is below `ceil((1 + f) * (total + 1) / n)`; the
+//! band rule then runs over the candidates. The least-loaded worker is always a candidate, so
+//! no worker ever exceeds (1 + f) times the mean load plus one.
 
 use super::{shortest_healthy, Decision, Policy, Reason, RouteContext};
 
@@ -19,14 +26,19 @@ impl Policy for Eldr {
         let Some(d) = ctx.distances else {
             return Decision { worker: shortest_healthy(ctx.loads, ctx.healthy), reason: ctx.fallback, d_star: None, band: None };
         };
-        let d_star = (0..d.len()).filter(|&k| ctx.healthy[k]).map(|k| d[k]).fold(f64::INFINITY, f64::min);
+        let cap = ctx.load_factor.map(|f| {
+            let (n, total) = (0..d.len()).filter(|&k| ctx.healthy[k]).fold((0i64, 0i64), |(n, t), k| (n + 1, t + ctx.loads[k]));
+            ((1.0 + f) * (total + 1) as f64 / n.max(1) as f64).ceil() as i64
+        });
+        let eligible = |k: usize| ctx.healthy[k] && cap.is_none_or(|c| ctx.loads[k] < c);
+        let d_star = (0..d.len()).filter(|&k| eligible(k)).map(|k| d[k]).fold(f64::INFINITY, f64::min);
         if !d_star.is_finite() {
             return Decision { worker: None, reason: Reason::Band, d_star: None, band: None };
         }
         let limit = d_star + ctx.tau;
         let mut best: Option<usize> = None;
         for k in 0..d.len() {
-            if !ctx.healthy[k] || d[k] > limit {
+            if !eligible(k) || d[k] > limit {
                 continue;
             }
             best = match best {
@@ -34,7 +46,7 @@ impl Policy for Eldr {
                 _ => Some(k),
             };
         }
-        let band = ctx.explain.then(|| (0..d.len()).filter(|&k| ctx.healthy[k] && d[k] <= limit).collect());
+        let band = ctx.explain.then(|| (0..d.len()).filter(|&k| eligible(k) && d[k] <= limit).collect());
         Decision { worker: best, reason: Reason::Band, d_star: Some(d_star), band }
     }
 }

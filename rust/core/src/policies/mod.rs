@@ -52,6 +52,9 @@ pub struct RouteContext<'a> {
     pub distances: Option<&'a [f64]>,
     pub fallback: Reason,
     pub tau: f64,
+    /// ELDR with bounded loads: only workers below `ceil((1 + f) * (total load + 1) / healthy)`
+    /// are candidates. None = the paper's band rule exactly.
+    pub load_factor: Option<f64>,
     /// Fill in the band (costs an allocation); off on the hot path.
     pub explain: bool,
 }

@@ -3,7 +3,7 @@ use proptest::prelude::*;
 use super::*;
 
 fn ctx<'a>(loads: &'a [i64], healthy: &'a [bool], d: Option<&'a [f64]>, tau: f64) -> RouteContext<'a> {
-    RouteContext { loads, healthy, distances: d, fallback: Reason::NoCentroids, tau, explain: true }
+    RouteContext { loads, healthy, distances: d, fallback: Reason::NoCentroids, tau, load_factor: None, explain: true }
 }
 
 fn case() -> impl Strategy<Value = (Vec<i64>, Vec<bool>, Vec<f64>, f64)> {
@@ -38,6 +38,21 @@ proptest! {
         for k in 0..d.len() {
             prop_assert_eq!(band.contains(&k), healthy[k] && d[k] <= d_star + tau);
         }
+    }
+
+    #[test]
+    fn bounded_loads_cap_the_chosen_worker((loads, mut healthy, d, tau) in case(), f in 0.0f64..1.0) {
+        healthy[0] = true;
+        let mut c = ctx(&loads, &healthy, Some(&d), tau);
+        c.load_factor = Some(f);
+        let w = Eldr.choose(&c).worker.unwrap();
+        let (n, total) = (0..d.len()).filter(|&k| healthy[k]).fold((0i64, 0i64), |(n, t), k| (n + 1, t + loads[k]));
+        let cap = ((1.0 + f) * (total + 1) as f64 / n as f64).ceil() as i64;
+        prop_assert!(healthy[w] && loads[w] < cap, "load {} cap {}", loads[w], cap);
+        // with a huge factor it is the plain band rule
+        c.load_factor = Some(1e9);
+        let plain = Eldr.choose(&ctx(&loads, &healthy, Some(&d), tau)).worker;
+        prop_assert_eq!(Eldr.choose(&c).worker, plain);
     }
 
     #[test]
