@@ -25,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     from eldr_sglang.router.app import serve
 
     try:
+        import uvloop  # optional: a faster event loop when installed
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
         asyncio.run(serve(cfg))
     except KeyboardInterrupt:
         return 0

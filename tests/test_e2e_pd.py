@@ -288,3 +288,22 @@ def test_no_queue_slot_leaks_after_1000_requests(router, cluster):
     text = _metrics(router)
     assert metric(text, "eldr_router_client_disconnects_total") >= 1
     assert metric(text, "eldr_router_worker_errors_total", role="decode", kind="http_500") >= 100
+
+
+def test_baseline_policy_binds_early_with_the_same_room(cluster, workdir):
+    proc, base = start_router(cluster, workdir, ["--disagg-router", "round_robin", "--load-monitor-interval", "0",
+                                                 "--health-check-interval-secs", "0"])
+    try:
+        workers, rooms = [], []
+        for i in range(8):
+            status, headers, _ = post(base + "/generate", {"text": f"rr {i}", "sampling_params": {"max_new_tokens": 2},
+                                                           "emulator": {"trace_request": i}})
+            assert status == 200 and headers["X-ELDR-Reason"] == "policy"
+            workers.append(int(headers["X-ELDR-Decode-Worker"]))
+            rooms.append((int(headers["X-ELDR-Bootstrap-Room"]), int(headers["X-ELDR-Prefill-Worker"]), workers[-1]))
+        assert workers == [0, 1, 2, 3, 0, 1, 2, 3]
+        for room, p, d in rooms:
+            assert any(e["event"] == "kv_fetched" and e["room"] == room for e in _log(cluster["prefill"][p][0]))
+            assert any(e["event"] == "decode_start" and e["room"] == room for e in _log(cluster["decode"][d]))
+    finally:
+        proc.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import sys
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled time (<1: faster)")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--no-signature", action="store_true", help="prefill: behave like an unpatched worker")
+        p.add_argument("--assign", choices=["hash", "sequential"], default="hash",
+                       help="prefill: map prompts to trace requests by hash, or in arrival (trace) order")
         p.add_argument("--max-running-requests", type=int, default=256, help="decode batch limit")
         p.add_argument("--bootstrap-timeout-secs", type=float, default=300.0)
         p.add_argument("--log-level", default="warning")
@@ -65,6 +68,7 @@ async def _run(args) -> None:
         runners.append(runner)
 
     urls = {"prefill": [], "decode": []}
+    sequence = itertools.count() if args.assign == "sequential" else None
     if args.role == "cluster":
         plan = [("prefill", args.base_port + i, args.base_port + 100 + i) for i in range(args.prefill)]
         plan += [("decode", args.base_port + 10 + j, None) for j in range(args.decode)]
@@ -74,7 +78,8 @@ async def _run(args) -> None:
         plan = [("decode", args.port, None)]
     for role, port, bport in plan:
         if role == "prefill":
-            w = PrefillWorker(spec, signature=not args.no_signature, bootstrap_timeout_s=args.bootstrap_timeout_secs)
+            w = PrefillWorker(spec, signature=not args.no_signature, bootstrap_timeout_s=args.bootstrap_timeout_secs,
+                              sequence=sequence)
             await site(w.app(), port)
             await site(w.bootstrap_app(), bport)
             urls["prefill"].append([f"http://{args.host}:{port}", bport])
@@ -93,6 +98,12 @@ async def _run(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    try:
+        import uvloop  # optional: a faster event loop when installed
+
+        uvloop.install()
+    except ImportError:
+        pass
     try:
         asyncio.run(_run(args))
     except KeyboardInterrupt:

@@ -1,8 +1,10 @@
 """Emulated SGLang PD workers that speak the patched-SGLang protocol, in real time.
 
 Which trace request a prompt is: `emulator.trace_request` in the body when given (tests),
-else a stable hash of the prompt, modulo the trace's request count. Prefill and decode agree,
-so a request's signature and its decode routing come from the same trace request.
+else (`--assign sequential`) the next one in trace order, counted over all prefill workers of
+the process, so a benchmark replays the trace's domain sequence, else (`--assign hash`) a
+stable hash of the prompt. Only the prefill decides; decode learns it with the KV, so a
+request's signature and its decode routing come from the same trace request.
 
 Prefill worker (`--enable-eldr-signature --enable-eldr-late-binding` emulated):
   POST /generate | /v1/completions | /v1/chat/completions with bootstrap_host/port/room:
@@ -166,8 +168,9 @@ class _Parked:
 
 class PrefillWorker:
     def __init__(self, spec: WorkerSpec, *, signature: bool = True, max_bytes: int = 16384,
-                 bootstrap_timeout_s: float = 300.0):
+                 bootstrap_timeout_s: float = 300.0, sequence=None):
         self.spec, self.signature, self.max_bytes = spec, signature, max_bytes
+        self.sequence = sequence  # shared counter: assign trace requests in arrival order
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.log = EventLog()
         self.rooms: dict[int, _Parked] = {}
@@ -244,7 +247,10 @@ class PrefillWorker:
             return _json_err(400, "a PD prefill request needs bootstrap_host, bootstrap_port and an integer bootstrap_room")
         ctl = body.get("emulator") if isinstance(body.get("emulator"), dict) else {}
         room = body["bootstrap_room"]
-        r = trace_request_of(body, self._R)
+        if self.sequence is not None and not isinstance(ctl.get("trace_request"), int):
+            r = next(self.sequence) % self._R
+        else:
+            r = trace_request_of(body, self._R)
         self.log.add("prefill_recv", room=room, trace_request=r)
         if isinstance(ctl.get("prefill_status"), int):
             return _json_err(ctl["prefill_status"], "emulated prefill failure")

@@ -1,0 +1,178 @@
+"""Latency the ELDR PD router adds per request, against a direct connection, on loopback.
+
+Setup: emulated prefill and decode workers with (nearly) zero modelled time, so what is
+measured is protocol and proxy cost, and the router (`--disagg-router eldr`, late binding).
+Two clients send the same open-loop Poisson stream (default 500 req/s):
+
+- direct: the client speaks the PD protocol itself (what the router does, minus the hop):
+  POST the prefill (streamed), wait for its signature event, POST the decode with the same
+  bootstrap room, read the answer;
+- router: the client POSTs /generate to the router.
+
+Phases alternate (direct, router, direct, ...) so drift in machine load hits both. Reported:
+p50/p99/mean end-to-end latency of each, and the difference router - direct (the added
+latency; target p99 <= 2 ms). Loopback only, bounded run.
+
+    python benchmarks/bench_router_overhead.py [--rate 500] [--requests 3000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import aiohttp  # noqa: E402
+
+from pd_cluster import start_cluster, start_router  # noqa: E402
+
+
+async def _direct(s: aiohttp.ClientSession, prefill: str, bport: int, decode: str, body: dict) -> None:
+    room = random.getrandbits(63)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": room}
+    presp = await s.post(prefill + "/generate", json={**body, **boot, "stream": True})
+    try:
+        async for line in presp.content:
+            if b"eldr_signature" in line:
+                json.loads(line[5:])  # the router parses it too
+                break
+        drain = asyncio.ensure_future(presp.read())
+        async with s.post(decode + "/generate", json={**body, **boot}) as d:
+            await d.read()
+            assert d.status == 200
+        await drain
+    finally:
+        presp.release()
+
+
+async def _via_router(s: aiohttp.ClientSession, router: str, body: dict) -> None:
+    async with s.post(router + "/generate", json=body) as r:
+        await r.read()
+        assert r.status == 200, r.status
+
+
+async def _phase(fn, n: int, rate: float, rng: random.Random) -> list[float]:
+    """n requests: open-loop Poisson at `rate`, or one after another when rate is 0."""
+    lat: list[float] = []
+    tasks = []
+    t_next = time.perf_counter()
+
+    async def one(i):
+        body = {"text": f"bench {i}", "sampling_params": {"max_new_tokens": 1}, "emulator": {"trace_request": i % 50}}
+        t0 = time.perf_counter()
+        await fn(body)
+        lat.append(time.perf_counter() - t0)
+
+    if rate <= 0:
+        for i in range(n):
+            await one(i)
+        return lat
+    for i in range(n):
+        t_next += rng.expovariate(rate)
+        delay = t_next - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(i)))
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+    return lat
+
+
+def _stats(x: list[float]) -> dict:
+    a = np.asarray(x) * 1e3
+    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+            "mean_ms": float(a.mean())}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _run(args, urls, router, router_pid) -> dict:
+    prefill, bport = urls["prefill"][0]
+    decode = urls["decode"][0]
+    rng = random.Random(args.seed)
+    conn = aiohttp.TCPConnector(limit=0)
+    res = {"direct": [], "router": []}
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        warm = max(50, args.requests // 20)
+        await _phase(lambda b: _direct(s, prefill, bport, decode, b), warm, args.rate, rng)
+        await _phase(lambda b: _via_router(s, router, b), warm, args.rate, rng)
+        per = args.requests // args.rounds
+        cpu = 0.0
+        for _ in range(args.rounds):
+            res["direct"] += await _phase(lambda b: _direct(s, prefill, bport, decode, b), per, args.rate, rng)
+            c0 = _cpu_s(router_pid)
+            res["router"] += await _phase(lambda b: _via_router(s, router, b), per, args.rate, rng)
+            cpu += _cpu_s(router_pid) - c0
+    d, r = _stats(res["direct"]), _stats(res["router"])
+    added = {k: r[k] - d[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
+    return {"rate_rps": args.rate, "requests_per_mode": per * args.rounds, "direct": d, "router": r, "added": added,
+            "router_cpu_ms_per_request": 1e3 * cpu / (per * args.rounds),
+            "target_p99_added_ms": 2.0, "meets_target": added["p99_ms"] <= 2.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, default=500.0, help="requests per second (open loop, Poisson); 0: sequential")
+    ap.add_argument("--requests", type=int, default=3000, help="measured requests per mode")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating direct/router phases")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    args = ap.parse_args(argv)
+    if not 0 <= args.rate <= 5000 or not 0 < args.requests <= 100000:
+        ap.error("--rate must lie in [0, 5000] and --requests in (0, 100000]")
+    from eldr_sglang.offline.fit import fit_trace
+    from eldr_sglang.synth import generate
+    from eldr_sglang.traces import save_trace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        trace = generate(model="gpt-oss-20b", requests=50, seed=1, prompt_len=(32, 64), output_len=8)
+        save_trace(trace, tmp / "t.npz")
+        fit_trace(trace, workers=1).write(tmp / "c.eldr")
+        cluster, urls = start_cluster(tmp / "t.npz", tmp, prefill=1, decode=1, time_scale=1e-9)
+        router_proc = None
+        try:
+            router_proc, router = start_router(urls, tmp, ["--disagg-router", "eldr", "--eldr-centroids", str(tmp / "c.eldr"),
+                                                           "--load-monitor-interval", "1", "--log-level", "warning"])
+            try:
+                import uvloop
+
+                uvloop.install()
+            except ImportError:
+                pass
+            out = asyncio.run(_run(args, urls, router, router_proc.p.pid))
+        finally:
+            if router_proc:
+                router_proc.stop()
+            cluster.stop()
+    mode = f"{out['rate_rps']:.0f} req/s open loop" if out["rate_rps"] > 0 else "sequential (one request at a time)"
+    print(f"router overhead on loopback, {mode}, {out['requests_per_mode']} requests per mode")
+    print(f"{'':8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    for k in ("direct", "router", "added"):
+        s = out[k]
+        print(f"{k:8} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {s['mean_ms']:8.3f}")
+    print(f"router CPU per request: {out['router_cpu_ms_per_request']:.3f} ms (user+system, all its threads)")
+    print(f"target: added p99 <= 2 ms -> {'met' if out['meets_target'] else 'NOT met'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
