@@ -307,3 +307,25 @@ def test_baseline_policy_binds_early_with_the_same_room(cluster, workdir):
             assert any(e["event"] == "decode_start" and e["room"] == room for e in _log(cluster["decode"][d]))
     finally:
         proc.stop()
+
+
+def test_unpatched_prefill_is_detected_and_not_waited_for(trace_files, workdir):
+    _, tpath, cpath = trace_files
+    cproc, urls = start_cluster(tpath, workdir, prefill=1, decode=4, time_scale=TIME_SCALE, extra=["--no-signature"])
+    try:
+        # a long signature timeout: waiting for it would show up as reason 'timeout'
+        rproc, base = start_router(urls, workdir, ["--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+                                                   "--eldr-signature-timeout-secs", "120", "--load-monitor-interval", "0"])
+    except BaseException:
+        cproc.stop()
+        raise
+    try:
+        assert get_json(base + "/eldr/status")["prefill_signatures"] == [False]
+        status, headers, _ = post(base + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert status == 200 and headers["X-ELDR-Reason"].startswith("no_signature")
+        text = _metrics(base)
+        assert metric(text, "eldr_router_fallbacks_total", reason="prefill_no_signature") == 1
+        assert metric(text, "eldr_router_fallbacks_total", reason="timeout") == 0
+    finally:
+        rproc.stop()
+        cproc.stop()

@@ -10,7 +10,13 @@ import aiohttp
 from aiohttp import web
 
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.loads import check_health, poll_loads, reload_centroids, wait_for_workers
+from eldr_sglang.router.loads import (
+    check_health,
+    poll_loads,
+    probe_prefill_signature,
+    reload_centroids,
+    wait_for_workers,
+)
 from eldr_sglang.router.pd import ENDPOINTS, PDRouter
 
 logger = logging.getLogger("eldr.router")
@@ -77,6 +83,8 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
         await pd.start()
         if cfg.worker_startup_timeout_s > 0:
             await wait_for_workers(pd, cfg.worker_startup_timeout_s)
+        if cfg.late_binding:
+            await asyncio.gather(*(probe_prefill_signature(pd, i) for i in range(len(cfg.prefill))))
         tasks = []
         if cfg.load_monitor_interval_s > 0:
             tasks.append(asyncio.ensure_future(poll_loads(pd, cfg.load_monitor_interval_s)))

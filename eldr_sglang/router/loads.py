@@ -52,6 +52,25 @@ async def poll_loads(pd, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+async def probe_prefill_signature(pd, i: int) -> None:
+    """Does prefill i stream signatures? Its /server_info lists the patched flag
+    `enable_eldr_signature`; absent (unpatched SGLang) or false means no, and the router then
+    binds decode at once for that worker instead of waiting for a signature that never comes."""
+    try:
+        async with pd.session.get(f"{pd.cfg.prefill[i].url}/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                return
+            info = await r.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return  # unknown: keep waiting for signatures (bounded by the timeout)
+    if isinstance(info, dict):
+        signs = bool(info.get("enable_eldr_signature", False))
+        if pd.prefill_signs[i] is not signs and not signs:
+            logger.warning("prefill worker %d (%s) does not stream ELDR signatures (unpatched, or without "
+                           "--enable-eldr-signature): its requests are routed without one", i, pd.cfg.prefill[i].url)
+        pd.prefill_signs[i] = signs
+
+
 async def check_health(pd, interval: float, threshold: int) -> None:
     """Mark workers unhealthy after `threshold` failed /health calls in a row, healthy on success."""
     timeout = aiohttp.ClientTimeout(total=max(0.1, min(interval, 5.0)))
@@ -66,6 +85,11 @@ async def check_health(pd, interval: float, threshold: int) -> None:
                 ok = False
             key = (role, i)
             fails[key] = 0 if ok else fails[key] + 1
+            if role == "prefill" and ok and (fails.get(("probe", i)) or pd.prefill_signs[i] is None):
+                await probe_prefill_signature(pd, i)
+                fails[("probe", i)] = 0
+            if not ok:
+                fails[("probe", i)] = 1  # re-probe when it comes back (it may have been restarted)
             pd.set_healthy(role, i, fails[key] < threshold)
 
         await asyncio.gather(

@@ -137,6 +137,7 @@ class PDRouter:
         self.prefill_healthy = [True] * P
         self.decode_healthy = [True] * D
         self.reported: list[int | None] = [None] * D
+        self.prefill_signs: list[bool | None] = [None] * P  # None: not known yet
         self._rr = 0
         self._rng = random.Random(cfg.seed)
         self.session: aiohttp.ClientSession | None = None
@@ -162,6 +163,7 @@ class PDRouter:
             "decode_reported": list(self.reported),
             "decode_healthy": list(self.decode_healthy),
             "prefill_healthy": list(self.prefill_healthy),
+            "prefill_signatures": list(self.prefill_signs),
             "centroid_generation": int(self.router.centroid_generation),
             "tau": float(self.router.tau),
         }
@@ -309,6 +311,9 @@ class PDRouter:
         dbody = {**body, **boot}
         pbody = {**body, **boot}
         late = self.cfg.late_binding
+        no_sig = late and self.prefill_signs[p] is False
+        if no_sig:
+            late = False  # this prefill never streams a signature: do not wait for one
         if late:
             pbody["stream"] = True
         purl = f"{self.cfg.prefill[p].url}{request.path}"
@@ -337,7 +342,7 @@ class PDRouter:
                 drain = asyncio.ensure_future(_drain(presp))
                 decision = self.route(sig)
                 return await self._decode(request, kind, p, boot, dbody, decision, client_stream, drain)
-            decision = self.route(None)
+            decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
             drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p))
             return await self._decode(request, kind, p, boot, dbody, decision, client_stream, drain)
         finally:
