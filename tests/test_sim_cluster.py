@@ -154,3 +154,21 @@ def test_offload_mode_counts_misses(small):
     assert res.offload_misses > 0
     base = simulate(small, wl, make_policy("round_robin", 2), _em(), ClusterConfig(num_decode=2))
     assert res.step_dt.sum() > base.step_dt.sum()
+
+
+def test_random_mix_yardstick():
+    from eldr_sglang.sim.cluster import random_mix_distinct
+
+    # every token picks 2 of 4 experts, uniformly: p = 1/2 each
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.permutation(4)[:2] for _ in range(3)]) for _ in range(4000)]).astype(np.int16)
+    rp = TraceReplay(make_trace(ids, [2000, 2000], [10, 10], num_experts=4))
+    null = random_mix_distinct(rp, np.array([1, 2, 3]))
+    assert null == pytest.approx([4 * (1 - 0.5**b) for b in (1, 2, 3)], rel=0.02)
+
+
+def test_locality_near_one_without_locality(small):
+    """Round robin over real requests: batches look like random mixes (locality ~ 1)."""
+    wl = make_workload(small, arrival="closed", concurrency=32, requests=np.random.default_rng(0).permutation(small.num_requests))
+    m = compute_metrics(simulate(small, wl, make_policy("round_robin", 2), _em(), ClusterConfig(num_decode=2)))
+    assert 0.93 < m["expert_locality"] < 1.02

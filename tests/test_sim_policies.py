@@ -164,6 +164,8 @@ def test_eldr_lowers_distinct_experts_on_the_constructed_case(dom, tmp_path):
     assert res["eldr"]["unique_experts_per_layer_step"] <= 4.0
     assert res["round_robin"]["unique_experts_per_layer_step"] > res["eldr"]["unique_experts_per_layer_step"]
     assert res["eldr"]["tpot_ms"]["p50"] < res["round_robin"]["tpot_ms"]["p50"]
+    # batch-size-controlled: ELDR's batches share experts, round robin's mixes do not
+    assert res["eldr"]["expert_locality"] < 0.8 * res["round_robin"]["expert_locality"]
 
 
 def test_eldr_without_signature_falls_back_to_shortest_queue(dom, tmp_path):

@@ -60,6 +60,7 @@ class SimResult:
     step_batch: np.ndarray
     step_distinct: np.ndarray  # mean over MoE layers of distinct experts in the step
     distinct_layer_sum: np.ndarray  # [L] sum over steps of distinct experts
+    step_null_distinct: np.ndarray  # expected step_distinct if the batch's tokens were random trace tokens
     offload_misses: int = 0
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -83,6 +84,37 @@ class _Worker:
         self.leases: dict = {}
         self.cache = None
         self.wake_at = float("inf")
+
+
+def routing_marginals(replay: TraceReplay) -> np.ndarray:
+    """[L, E]: probability that one token of the trace selects expert e at layer l."""
+    cached = getattr(replay, "_marginals", None)
+    if cached is not None:
+        return cached
+    try:
+        from eldr_sglang._core import count_topk
+
+        counts = np.asarray(count_topk(replay.expert_ids, replay.num_experts), dtype=np.float64)
+    except ImportError:  # pragma: no cover
+        counts = np.zeros((replay.num_layers, replay.num_experts))
+        for l in range(replay.num_layers):
+            counts[l] = np.bincount(replay.expert_ids[:, l].ravel(), minlength=replay.num_experts)
+    p = counts / max(len(replay.expert_ids), 1)
+    replay._marginals = p
+    return p
+
+
+def random_mix_distinct(replay: TraceReplay, batch: np.ndarray) -> np.ndarray:
+    """Expected distinct experts per MoE layer of a step of `batch[i]` tokens drawn
+    independently from the trace's routing marginals (no locality at all): the yardstick
+    that separates locality from mere batch-size effects."""
+    if len(batch) == 0:
+        return np.zeros(0, np.float32)
+    p = routing_marginals(replay)
+    ub, inv = np.unique(batch, return_inverse=True)
+    log1m = np.log1p(-np.clip(p, 0.0, 1.0 - 1e-12))  # [L, E]
+    vals = np.array([(1.0 - np.exp(b * log1m)).sum(axis=1).mean() for b in ub])
+    return vals[inv].astype(np.float32)
 
 
 def simulate(
@@ -315,6 +347,8 @@ def simulate(
         bar.update(bar_pending)
         bar.close()
 
+    sb = np.asarray(s_batch, np.int64)
+    null = random_mix_distinct(replay, sb)
     return SimResult(
         policy=policy.name,
         config=cfg,
@@ -332,6 +366,7 @@ def simulate(
         step_dt=np.asarray(s_dt),
         step_batch=np.asarray(s_batch, np.int32),
         step_distinct=np.asarray(s_distinct, np.float32),
+        step_null_distinct=null,
         distinct_layer_sum=layer_sum,
         offload_misses=misses_total,
         wall_s=time.perf_counter() - t_wall,

@@ -5,6 +5,10 @@ layer per decode step, expert reuse and per-worker load.
   sglang.benchmark.serving computes it; requests with one output token have none.
 - ITL: every decode step gives each request in the batch one token, `step_dt` after its
   previous one, so the ITL distribution is the step durations weighted by batch size.
+- Expert locality = sum over steps of distinct experts / the same for random mixing (each
+  step's tokens drawn independently from the trace's routing marginals, same batch size):
+  1.0 means no better than random batching, lower means batches share experts. Unlike raw
+  distinct experts per step it is not lowered by merely running smaller batches.
 - Expert reuse ratio = sum over steps and MoE layers of (batch x top_k) / distinct experts:
   how many token-expert selections each loaded expert serves on average.
 """
@@ -90,6 +94,8 @@ def compute_metrics(res: SimResult, warmup_frac: float = 0.0) -> dict:
         "mean_batch": float(batch.mean()) if steps else 0.0,
         "unique_experts_per_layer_step": dsum / (steps * L) if steps else float("nan"),
         "unique_experts_per_layer": (res.distinct_layer_sum / steps).tolist() if steps else [],
+        "expert_locality": float(res.step_distinct.astype(np.float64).sum() / res.step_null_distinct.astype(np.float64).sum())
+        if steps else float("nan"),
         "expert_reuse_ratio": float(batch.sum() * k * L / dsum) if dsum else float("nan"),
         "load_imbalance": float(req_counts.max() / req_counts.mean()) if req_counts.mean() > 0 else float("nan"),
         "per_worker": per_worker,

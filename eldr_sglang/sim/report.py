@@ -26,7 +26,7 @@ def format_table(policies: dict[str, dict], title: str | None = None) -> str:
     best = min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
     head = [
         "policy", "TPOT mean", "TPOT p50", "TPOT p99", "TTFT p50", "TTFT p99", "ITL p99",
-        "tok/s", "experts/layer/step", "reuse", "imbal", "dTPOT p50", "dTPOT p99",
+        "tok/s", "experts/layer/step", "locality", "reuse", "imbal", "dTPOT p50", "dTPOT p99",
     ]
     rows = []
     for name, m in policies.items():
@@ -39,7 +39,7 @@ def format_table(policies: dict[str, dict], title: str | None = None) -> str:
         rows.append([
             name, _f(t["mean"]), _f(t["p50"]), _f(t["p99"]), _f(m["ttft_ms"]["p50"], 1), _f(m["ttft_ms"]["p99"], 1),
             _f(m["itl_ms"]["p99"]), f"{m['throughput_tok_s']:.0f}", _f(m["unique_experts_per_layer_step"]),
-            _f(m["expert_reuse_ratio"]), _f(m["load_imbalance"]), d50, d99,
+            _f(m["expert_locality"], 3), _f(m["expert_reuse_ratio"]), _f(m["load_imbalance"]), d50, d99,
         ])
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
@@ -49,7 +49,9 @@ def format_table(policies: dict[str, dict], title: str | None = None) -> str:
     out.append(line(head))
     out.append("  ".join("-" * w for w in widths))
     out.extend(line(r) for r in rows)
-    out.append("times in ms; dTPOT = change vs the best load balancer" + (f" ({best})" if best else ""))
+    out.append("times in ms; locality = distinct experts / expectation for randomly mixed batches of the same size "
+               "(1 = none); imbal = max/mean requests per worker; dTPOT = change vs the best load balancer"
+               + (f" ({best})" if best else ""))
     return "\n".join(out)
 
 
@@ -57,15 +59,15 @@ def markdown_table(policies: dict[str, dict]) -> str:
     lbs = [p for p in policies if p in LOAD_BALANCERS]
     best = min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
     lines = [
-        "| policy | TPOT mean | TPOT p50 | TPOT p99 | TTFT p50 | tok/s | experts/layer/step | reuse | dTPOT p50 vs best LB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| policy | TPOT mean | TPOT p50 | TPOT p99 | TTFT p50 | tok/s | experts/layer/step | locality | reuse | dTPOT p50 vs best LB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in policies.items():
         t = m["tpot_ms"]
         d = "-" if best is None or name == best else f"{pct_change(t['p50'], policies[best]['tpot_ms']['p50']):+.1f}%"
         lines.append(
             f"| {name} | {_f(t['mean'])} | {_f(t['p50'])} | {_f(t['p99'])} | {_f(m['ttft_ms']['p50'], 1)} | "
-            f"{m['throughput_tok_s']:.0f} | {_f(m['unique_experts_per_layer_step'])} | {_f(m['expert_reuse_ratio'])} | {d} |"
+            f"{m['throughput_tok_s']:.0f} | {_f(m['unique_experts_per_layer_step'])} | {_f(m['expert_locality'], 3)} | {_f(m['expert_reuse_ratio'])} | {d} |"
         )
     return "\n".join(lines)
 
