@@ -124,3 +124,27 @@ def test_kmeans_sparse_equals_dense():
     b = spherical_kmeans(sp.csr_matrix(X), 4, seed=3, n_init=1)
     assert np.array_equal(a.assignment, b.assignment)
     assert a.objective == pytest.approx(b.objective, rel=1e-5)
+
+
+def test_threaded_row_blocks_match_direct_products():
+    from eldr_sglang.offline.balanced_kmeans import _Data
+
+    rng = np.random.default_rng(2)
+    X = sp.random(25_000, 40, density=0.2, format="csr", random_state=2, dtype=np.float32)
+    M = rng.random((5, 40)).astype(np.float32)
+    assign = rng.integers(0, 5, size=25_000)
+    data = _Data(X)
+    assert len(data.blocks) > 1
+    np.testing.assert_allclose(data.dots(M), (X @ M.T).T, rtol=1e-6)
+    direct = np.stack([np.asarray(X[assign == k].sum(axis=0)).ravel() for k in range(5)])
+    np.testing.assert_allclose(data.sums(assign, 5), direct, rtol=1e-5)
+
+
+def test_restarts_on_subsample_are_deterministic():
+    rng = np.random.default_rng(4)
+    X = _unit_rows(rng, 3000, 16, k_latent=5)
+    a = spherical_kmeans(X, 5, seed=0, n_init=3, restart_sample=500)
+    b = spherical_kmeans(X, 5, seed=0, n_init=3, restart_sample=500)
+    assert a.restarts_on_subsample == 500
+    assert np.array_equal(a.assignment, b.assignment)
+    assert sorted(np.bincount(a.assignment).tolist()) == [600] * 5

@@ -31,6 +31,7 @@ import numpy as np
 import scipy.sparse as sp
 
 _DEBUG = False
+BULK_CAP = 4096  # candidates per edge considered by one bulk cycle cancel
 
 
 def balanced_sizes(n: int, k: int) -> tuple[int, int]:
@@ -208,11 +209,11 @@ class _ClusterGraph:
             self.Widx[a] = m[am]
         self.W[a, a] = np.inf
 
-    def move(self, i: int, a: int, b: int) -> None:
-        self.assign[i] = b
+    def move_many(self, pts: np.ndarray, a: int, b: int) -> None:
+        self.assign[pts] = b
         ma = self.members[a]
-        self.members[a] = ma[ma != i]
-        self.members[b] = np.append(self.members[b], i)
+        self.members[a] = ma[~np.isin(ma, pts)] if len(pts) > 1 else ma[ma != pts[0]]
+        self.members[b] = np.concatenate([self.members[b], pts])
 
 
 def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> list[int] | None:
@@ -252,8 +253,9 @@ def _cancel_cycles(CT, assign, q, r, tol, max_cycles):
     g = _ClusterGraph(CT, assign)
     sizes = np.bincount(assign, minlength=K)
     cycles = 0
+    rounds = 0
     S = K
-    while cycles < max_cycles:
+    while rounds < max_cycles:
         Wf = np.full((K + 1, K + 1), np.inf)
         Wf[:K, :K] = g.W
         if r:
@@ -266,18 +268,37 @@ def _cancel_cycles(CT, assign, q, r, tol, max_cycles):
         weight = sum(Wf[u, v] for u, v in edges)
         if not weight < -tol:
             return assign, cycles, True  # only float noise left
-        touched = set()
-        for u, v in edges:
-            if u == S or v == S:
-                continue
-            i = int(g.Widx[u, v])
-            g.move(i, u, v)
-            sizes[u] -= 1
-            sizes[v] += 1
-            touched.update((u, v))
-        for a in touched:
+        real = [(u, v) for u, v in edges if u != S and v != S]
+        if len(real) < len(edges):
+            # through the slack node: the size freedom allows exactly one unit
+            moves = [(u, v, np.array([g.Widx[u, v]])) for u, v in real]
+            m = 1
+        else:
+            # Bulk cancel: the m-th best point of every edge, for every m whose cycle is
+            # still negative. Each edge's list is sorted, so the per-m cycle sums rise
+            # with m; every one of these cancellations is itself a negative cycle.
+            cap = min(BULK_CAP, min(g.members[u].size for u, _ in real))
+            lists = []
+            for u, v in real:
+                mem = g.members[u]
+                d = CT[v, mem] - CT[u, mem]
+                if cap < d.size:
+                    part = np.argpartition(d, cap - 1)[:cap]
+                    order = part[np.argsort(d[part], kind="stable")]
+                else:
+                    order = np.argsort(d, kind="stable")
+                lists.append((mem[order], d[order]))
+            tot = np.sum([d for _, d in lists], axis=0)
+            m = max(1, int(np.count_nonzero(tot < -tol)))
+            moves = [(u, v, pts[:m]) for (u, v), (pts, _) in zip(real, lists)]
+        for u, v, pts in moves:
+            g.move_many(pts, u, v)
+            sizes[u] -= len(pts)
+            sizes[v] += len(pts)
+        for a in {x for u, v, _ in moves for x in (u, v)}:
             g._row(a)
-        cycles += 1
+        cycles += m
+        rounds += 1
     return assign, cycles, False
 
 
@@ -366,28 +387,101 @@ def _normalize_rows(M: np.ndarray) -> np.ndarray:
     return (M / n).astype(np.float32)
 
 
+# Sparse products run on fixed row blocks in a small thread pool (scipy's sparse kernels
+# release the GIL). The block split depends only on N, so results do not depend on the
+# number of threads; sums over blocks are added in block order (deterministic).
+N_BLOCKS = 4
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=max(1, min(N_BLOCKS, os.cpu_count() or 1)))
+    return _POOL
+
+
+def _row_blocks(X) -> list[tuple[int, int, object]]:
+    N = X.shape[0]
+    if N < 20_000:
+        return [(0, N, X)]
+    edges = np.linspace(0, N, N_BLOCKS + 1).astype(np.int64)
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        if sp.issparse(X):
+            lo, hi = X.indptr[a], X.indptr[b]
+            blk = sp.csr_matrix(
+                (X.data[lo:hi], X.indices[lo:hi], X.indptr[a : b + 1] - lo), shape=(int(b - a), X.shape[1]), copy=False
+            )
+        else:
+            blk = X[a:b]
+        out.append((int(a), int(b), blk))
+    return out
+
+
+class _Data:
+    """Unit rows X with the two products Lloyd's iterations need."""
+
+    def __init__(self, X):
+        self.X = X
+        self.N = X.shape[0]
+        self.sparse = sp.issparse(X)
+        self.blocks = _row_blocks(X) if self.sparse else [(0, self.N, X)]
+
+    def dots(self, M: np.ndarray) -> np.ndarray:
+        """[K, N] float64 inner products <mu_k, s_i>."""
+        if not self.sparse:
+            return np.asarray(M @ self.X.T, dtype=np.float64)
+        out = np.empty((M.shape[0], self.N), dtype=np.float64)
+        MT = np.ascontiguousarray(M.T, dtype=np.float32)
+
+        def one(args):
+            a, b, blk = args
+            out[:, a:b] = (blk @ MT).T
+
+        list(_pool().map(one, self.blocks)) if len(self.blocks) > 1 else one(self.blocks[0])
+        return out
+
+    def sums(self, assign: np.ndarray, K: int) -> np.ndarray:
+        """[K, D] float64 sum of the rows of each cluster."""
+
+        def one(args):
+            a, b, blk = args
+            n = b - a
+            oh = sp.csr_matrix((np.ones(n, dtype=np.float32), (assign[a:b], np.arange(n))), shape=(K, n))
+            r = oh @ blk
+            return np.asarray(r.toarray() if sp.issparse(r) else r, dtype=np.float64)
+
+        if len(self.blocks) == 1:
+            return one(self.blocks[0])
+        parts = list(_pool().map(one, self.blocks))
+        total = parts[0]
+        for p_ in parts[1:]:
+            total = total + p_
+        return total
+
+
 def _dots(X, M: np.ndarray) -> np.ndarray:
     """[K, N] float64 inner products <mu_k, s_i>."""
-    if sp.issparse(X):
-        return np.asarray((X @ M.T).T, dtype=np.float64)
-    return np.asarray(M @ X.T, dtype=np.float64)
+    return _Data(X).dots(M)
 
 
 def _cluster_sums(X, assign: np.ndarray, K: int) -> np.ndarray:
-    N = assign.shape[0]
-    onehot = sp.csr_matrix((np.ones(N, dtype=np.float32), (assign, np.arange(N))), shape=(K, N))
-    out = onehot @ X
-    return np.asarray(out.toarray() if sp.issparse(out) else out, dtype=np.float64)
+    return _Data(X).sums(assign, K)
 
 
 def kmeanspp(X, K: int, rng: np.random.Generator) -> np.ndarray:
     """k-means++ seeding under cosine distance (d = 2 - 2 cos = squared distance)."""
     N = X.shape[0]
+    data = _Data(X)
     first = int(rng.integers(N))
     rows = [first]
     row = X[first]
     c = np.asarray(row.toarray() if sp.issparse(row) else row, dtype=np.float32).reshape(1, -1)
-    d2 = np.maximum(2.0 - 2.0 * _dots(X, c)[0], 0.0)
+    d2 = np.maximum(2.0 - 2.0 * data.dots(c)[0], 0.0)
     for _ in range(1, K):
         tot = d2.sum()
         if tot <= 0:
@@ -398,7 +492,7 @@ def kmeanspp(X, K: int, rng: np.random.Generator) -> np.ndarray:
         rows.append(nxt)
         row = X[nxt]
         c = np.asarray(row.toarray() if sp.issparse(row) else row, dtype=np.float32).reshape(1, -1)
-        d2 = np.minimum(d2, np.maximum(2.0 - 2.0 * _dots(X, c)[0], 0.0))
+        d2 = np.minimum(d2, np.maximum(2.0 - 2.0 * data.dots(c)[0], 0.0))
     M = X[rows]
     M = np.asarray(M.toarray() if sp.issparse(M) else M, dtype=np.float64)
     return _normalize_rows(M)
@@ -409,14 +503,60 @@ class KMeansResult:
     centroids: np.ndarray  # [K, D] float32 unit rows
     assignment: np.ndarray  # [N] int64
     objective: float  # sum ||s_i - mu_c(i)||^2 = sum (2 - 2 cos)
-    iterations: int
+    iterations: int  # of the winning (final) run
     restart: int  # index of the winning restart
-    restart_objectives: list[float]
+    restart_objectives: list[float]  # per restart (on the subsample when restarts_on_subsample)
+    restarts_on_subsample: int  # 0, or the subsample size the restarts were compared on
     balanced: bool
     optimal_assignment: bool  # last balanced assignment carried an optimality certificate
     seconds: float
     assign_seconds: float
     history: list[dict]
+
+
+def _lloyd(X, K, M, *, balanced, max_iter, rtol, stats, tag, progress):
+    """Lloyd iterations from centroids M. Returns (M, assign, objective, iterations, optimal)."""
+    data = X if isinstance(X, _Data) else _Data(X)
+    X = data.X
+    N = data.N
+    prices = None
+    assign = None
+    obj = np.inf
+    opt = True
+    it = 0
+    ar = np.arange(N)
+    for it in range(1, max_iter + 1):
+        CT = -data.dots(M)
+        if balanced:
+            ta = time.perf_counter()
+            new, prices, info = balanced_assign(CT, prices, transposed=True)
+            stats["assign_seconds"] += time.perf_counter() - ta
+            opt = info.optimal
+            stats["history"].append({"run": tag, "iter": it, **dataclasses.asdict(info)})
+        else:
+            new = np.argmin(CT, axis=0).astype(np.int64)
+        new_obj = float(2.0 * N + 2.0 * CT[new, ar].sum())
+        changed = assign is None or not np.array_equal(new, assign)
+        assign = new
+        sums = true_sums = data.sums(assign, K)
+        empty = ~np.any(sums != 0, axis=1)
+        if empty.any():  # plain K-means only: reseed an empty cluster at the worst point
+            far = np.argsort(CT[assign, ar])[::-1]
+            sums = sums.copy()
+            for j, k in enumerate(np.flatnonzero(empty)):
+                row = X[far[j]]
+                sums[k] = np.asarray(row.toarray() if sp.issparse(row) else row).ravel()
+        M = _normalize_rows(sums)
+        if progress:
+            progress(f"k-means {tag} iter {it} objective {new_obj:.6f}")
+        done = not changed or (np.isfinite(obj) and obj - new_obj <= rtol * abs(new_obj))
+        obj = new_obj
+        if done:
+            break
+    # objective of the final assignment against the final (updated) centroids:
+    # sum_i <s_i, mu_a(i)> = sum_k <sums_k, mu_k>
+    obj = float(2.0 * N - 2.0 * np.einsum("kd,kd->", true_sums, M.astype(np.float64)))
+    return M, assign, obj, it, opt
 
 
 def spherical_kmeans(
@@ -428,13 +568,17 @@ def spherical_kmeans(
     max_iter: int = 50,
     balanced: bool = True,
     rtol: float = 1e-7,
+    restart_sample: int = 20_000,
     progress: Callable[[str], None] | None = None,
 ) -> KMeansResult:
     """Spherical K-means on unit rows X ([N, D] ndarray or scipy.sparse CSR).
 
     ``balanced=True`` uses the exact balanced assignment (sizes floor/ceil N/K);
     ``balanced=False`` is plain spherical K-means (for comparison). Restart r seeds its
-    generator with (seed, r): results are deterministic for a seed.
+    k-means++ with the generator (seed, r), so results are deterministic for a seed.
+    When N > restart_sample, the n_init restarts are run and compared on one seeded
+    subsample of restart_sample points, and only the winner is refined on all N points
+    (the restarts then cost O(restart_sample) each instead of O(N)).
     """
     t0 = time.perf_counter()
     N = X.shape[0]
@@ -443,54 +587,37 @@ def spherical_kmeans(
         X = X.tocsr().astype(np.float32)
     else:
         X = np.ascontiguousarray(X, dtype=np.float32)
-    best: KMeansResult | None = None
+    stats = {"assign_seconds": 0.0, "history": []}
+    kw = dict(balanced=balanced, max_iter=max_iter, rtol=rtol, stats=stats, progress=progress)
+    on_sub = n_init > 1 and N > restart_sample >= K
+    Xr = X
+    if on_sub:
+        sub = np.sort(np.random.default_rng([int(seed), 0x5AB]).choice(N, restart_sample, replace=False))
+        Xr = X[sub]
     objs: list[float] = []
-    assign_s = 0.0
-    history: list[dict] = []
+    best = None
     for rs in range(n_init):
         rng = np.random.default_rng([int(seed), rs])
-        M = kmeanspp(X, K, rng)
-        prices = None
-        assign = None
-        obj = np.inf
-        opt = True
-        it = 0
-        for it in range(1, max_iter + 1):
-            CT = -_dots(X, M)
-            if balanced:
-                ta = time.perf_counter()
-                new, prices, info = balanced_assign(CT, prices, transposed=True)
-                assign_s += time.perf_counter() - ta
-                opt = info.optimal
-                history.append({"restart": rs, "iter": it, **dataclasses.asdict(info)})
-            else:
-                new = np.argmin(CT, axis=0).astype(np.int64)
-            new_obj = float(2.0 * N + 2.0 * CT[new, np.arange(N)].sum())
-            changed = assign is None or not np.array_equal(new, assign)
-            assign = new
-            sums = _cluster_sums(X, assign, K)
-            empty = ~np.any(sums != 0, axis=1)
-            if empty.any():  # plain K-means only: reseed an empty cluster at the worst point
-                far = np.argsort(CT[assign, np.arange(N)])[::-1]
-                for j, k in enumerate(np.flatnonzero(empty)):
-                    row = X[far[j]]
-                    sums[k] = np.asarray(row.toarray() if sp.issparse(row) else row).ravel()
-            M = _normalize_rows(sums)
-            if progress:
-                progress(f"restart {rs + 1}/{n_init} iter {it} objective {new_obj:.6f}")
-            if not changed or (np.isfinite(obj) and obj - new_obj <= rtol * abs(new_obj)):
-                obj = new_obj
-                break
-            obj = new_obj
-        # final objective with the final centroids and the final assignment
-        CT = -_dots(X, M)
-        obj = float(2.0 * N + 2.0 * CT[assign, np.arange(N)].sum())
+        M0 = kmeanspp(Xr, K, rng)
+        M, assign, obj, it, opt = _lloyd(Xr, K, M0, tag=f"restart {rs + 1}/{n_init}", **kw)
         objs.append(obj)
-        if best is None or obj < best.objective - 1e-12 * abs(obj):
-            best = KMeansResult(M, assign.copy(), obj, it, rs, objs, balanced, opt, 0.0, 0.0, history)
+        if best is None or obj < best[2] - 1e-12 * abs(obj):
+            best = (M, assign, obj, it, opt, rs)
     assert best is not None
-    best.restart_objectives = objs
-    best.seconds = time.perf_counter() - t0
-    best.assign_seconds = assign_s
-    best.history = history
-    return best
+    M, assign, obj, it, opt, rs = best
+    if on_sub:
+        M, assign, obj, it, opt = _lloyd(X, K, M, tag="final (all points)", **kw)
+    return KMeansResult(
+        centroids=M,
+        assignment=assign,
+        objective=obj,
+        iterations=it,
+        restart=rs,
+        restart_objectives=objs,
+        restarts_on_subsample=restart_sample if on_sub else 0,
+        balanced=balanced,
+        optimal_assignment=opt,
+        seconds=time.perf_counter() - t0,
+        assign_seconds=stats["assign_seconds"],
+        history=stats["history"],
+    )

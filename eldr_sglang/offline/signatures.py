@@ -50,9 +50,13 @@ def iter_chunks(
     requests: np.ndarray | None = None,
     part: str = "prefill",
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Yield (request indices, ids [T_chunk, L, k], offsets [R_chunk+1]) for the given part
-    ("prefill", "decode" or "all") of each request, in bounded chunks."""
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Yield (request indices, ids [T_chunk, L, k], offsets [R_chunk+1], prefix_len or None)
+    for the given part ("prefill", "decode" or "all") of each request, in bounded chunks.
+
+    Request r of the chunk is ids[offsets[r] : offsets[r] + prefix_len[r]] (the whole span
+    when prefix_len is None). A run of consecutive prefill requests is passed as a view of
+    the trace (no copy); anything else is gathered, at most chunk_tokens rows at a time."""
     req = np.arange(trace.num_requests) if requests is None else np.asarray(requests, dtype=np.int64)
     off = trace.req_offsets
     pl = trace.prefill_len.astype(np.int64)
@@ -71,14 +75,28 @@ def iter_chunks(
         base = csum[j - 1] if j else 0
         # take requests until the chunk holds chunk_tokens tokens (at least one request)
         e = int(np.searchsorted(csum, base + chunk_tokens, side="right"))
-        e = max(e, j + 1)
-        e = min(e, n)
+        e = min(max(e, j + 1), n)
+        rj = req[j:e]
         lj = lens[j:e]
-        rows = _gather_rows(starts[j:e], lj)
-        offsets = np.zeros(e - j + 1, dtype=np.int64)
-        np.cumsum(lj, out=offsets[1:])
-        yield req[j:e], trace.expert_ids[rows], offsets
+        if part in ("prefill", "all") and rj[-1] - rj[0] == e - 1 - j and np.all(np.diff(rj) == 1):
+            lo, hi = int(off[rj[0]]), int(off[rj[-1] + 1])
+            offsets = off[rj[0] : rj[-1] + 2] - lo
+            yield rj, trace.expert_ids[lo:hi], offsets, (lj if part == "prefill" else None)
+        else:
+            rows = _gather_rows(starts[j:e], lj)
+            offsets = np.zeros(e - j + 1, dtype=np.int64)
+            np.cumsum(lj, out=offsets[1:])
+            yield rj, trace.expert_ids[rows], offsets, None
         j = e
+
+
+def _dense_to_csr(a: np.ndarray) -> sp.csr_matrix:
+    mask = a != 0
+    counts = mask.sum(axis=1)
+    indptr = np.zeros(a.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    indices = np.nonzero(mask)[1].astype(np.int32)
+    return sp.csr_matrix((a[mask].astype(np.float32), indices, indptr), shape=a.shape)
 
 
 def compute_signatures(
@@ -104,9 +122,9 @@ def compute_signatures(
     blocks: list[sp.csr_matrix] = []
     valids: list[np.ndarray] = []
     try:
-        for idx, ids, offsets in iter_chunks(trace, requests, "prefill", chunk_tokens):
-            sig, valid = spec.batch_from_topk(ids, offsets)
-            blocks.append(sp.csr_matrix(np.asarray(sig, dtype=np.float32)))
+        for idx, ids, offsets, prefix in iter_chunks(trace, requests, "prefill", chunk_tokens):
+            sig, valid = spec.batch_from_topk(ids, offsets, prefix)
+            blocks.append(_dense_to_csr(np.asarray(sig, dtype=np.float32)))
             valids.append(np.asarray(valid, dtype=bool))
             if bar is not None:
                 bar.update(len(idx))
@@ -166,7 +184,7 @@ def decode_profiles(trace: Trace, requests=None, chunk_tokens=DEFAULT_CHUNK_TOKE
     out = np.zeros((len(req), L, E), dtype=np.float32)
     has = np.zeros(len(req), dtype=bool)
     pos = 0
-    for idx, ids, offsets in iter_chunks(trace, req, "decode", chunk_tokens):
+    for idx, ids, offsets, _ in iter_chunks(trace, req, "decode", chunk_tokens):
         lens = np.diff(offsets)
         r_of_tok = np.repeat(np.arange(len(idx)), lens)
         lay = np.broadcast_to(np.arange(L)[None, :, None], ids.shape)
