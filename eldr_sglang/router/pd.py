@@ -141,6 +141,7 @@ class PDRouter:
         self._rr = 0
         self._rng = random.Random(cfg.seed)
         self.session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task] = set()
         self.metrics = RouterMetrics(self.state)
 
     # ------------------------------------------------------------------ state
@@ -186,6 +187,9 @@ class PDRouter:
         )
 
     async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
 
@@ -319,7 +323,8 @@ class PDRouter:
         purl = f"{self.cfg.prefill[p].url}{request.path}"
         self.prefill_inflight[p] += 1
         presp: aiohttp.ClientResponse | None = None
-        drain: asyncio.Task | None = None
+        drain: asyncio.Future | None = None
+        ok = False
         try:
             if late:
                 t0 = time.perf_counter()
@@ -341,16 +346,36 @@ class PDRouter:
                 self.metrics.sig_wait.observe(sig.wait_s)
                 drain = asyncio.ensure_future(_drain(presp))
                 decision = self.route(sig)
-                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, drain)
-            decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
-            drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p))
-            return await self._decode(request, kind, p, boot, dbody, decision, client_stream, drain)
+            else:
+                decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
+                drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p))
+            resp = await self._decode(request, kind, p, boot, dbody, decision, client_stream)
+            ok = True
+            return resp
         finally:
             self.prefill_inflight[p] -= 1
             if drain is not None and not drain.done():
-                drain.cancel()
+                if ok:  # the prefill's last event may trail the decode's answer: let it end
+                    self._finish_later(drain, presp)
+                    presp = None
+                else:  # error or client gone: closing the stream aborts the prefill request
+                    drain.cancel()
             if presp is not None:
                 presp.release()
+
+    def _finish_later(self, drain: asyncio.Future, presp: aiohttp.ClientResponse | None) -> None:
+        async def finish():
+            try:
+                await asyncio.wait_for(drain, timeout=60)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+            finally:
+                if presp is not None:
+                    presp.release()
+
+        task = asyncio.ensure_future(finish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _early_prefill(self, url: str, body: dict, p: int) -> None:
         try:
@@ -361,7 +386,7 @@ class PDRouter:
         except aiohttp.ClientError:
             self.metrics.worker_errors.labels("prefill", str(p), "connect").inc()
 
-    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, drain) -> web.StreamResponse:
+    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream) -> web.StreamResponse:
         w = decision.worker
         headers = {}
         if self.cfg.explain_headers:
