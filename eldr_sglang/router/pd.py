@@ -34,6 +34,10 @@ logger = logging.getLogger("eldr.router")
 
 ENDPOINTS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# a write to a client that went away (aiohttp >= 3.10 has its own subclass)
+_CLIENT_GONE = (ConnectionResetError,) + tuple(
+    e for e in (getattr(aiohttp, "ClientConnectionResetError", None),) if e is not None
+)
 
 
 class BadRequest(ValueError):
@@ -296,7 +300,7 @@ class PDRouter:
             status = 499
             self.metrics.disconnects.inc()
             raise
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except _CLIENT_GONE:
             status = 499
             self.metrics.disconnects.inc()
             raise
