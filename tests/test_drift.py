@@ -1,0 +1,363 @@
+"""Drift detection, the signature reservoir, centroid remapping and online refits.
+
+Every random stream is seeded; the statistical claims and their tolerances are stated where
+they are asserted."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from eldr_sglang import _core
+from eldr_sglang.drift import (
+    DriftMonitor,
+    RefitController,
+    RefitError,
+    SignatureReservoir,
+    baseline_from_provenance,
+    js_divergence,
+    refit_file,
+    remap_to_workers,
+)
+
+K = 8
+BASE = {"mean_d_star": 0.12, "std_d_star": 0.05, "nearest_share": [1 / K] * K}
+
+
+def _stream(rng, n, mean, std, shares):
+    d = np.clip(rng.normal(mean, std, n), 0.0, 2.0)
+    k = rng.choice(len(shares), size=n, p=np.asarray(shares) / np.sum(shares))
+    return d, k
+
+
+# ---------------------------------------------------------------------------------- monitor
+def test_monitor_false_positive_rate_on_stationary_stream():
+    """400 windows of 256 requests drawn from the baseline distribution itself. The window
+    mean's s.d. is 1/sqrt(256) = 0.0625 baseline s.d., so d_shift never nears 1; the JS of a
+    256-draw share vector against the truth is ~0.007 (measured max below 0.03), far below
+    0.1. Measured: 0 of 400 windows out of profile. We assert <= 1% and never drift."""
+    rng = np.random.default_rng(1)
+    m = DriftMonitor(BASE, window=256)
+    d, k = _stream(rng, 400 * 256, BASE["mean_d_star"], BASE["std_d_star"], BASE["nearest_share"])
+    for x, y in zip(d, k):
+        m.observe(float(x), int(y))
+        assert not m.drifted()[0]
+    assert m.windows_closed == 400
+    assert m.windows_out / 400 <= 0.01, f"{m.windows_out} of 400 stationary windows out of profile"
+    assert max(abs(x["d_shift"]) for x in m.windows()) < 0.5
+    assert max(x["js"] for x in m.windows()) < 0.05
+
+
+@pytest.mark.parametrize("kind", ["distance", "shares"])
+def test_monitor_fires_on_shifted_stream(kind):
+    rng = np.random.default_rng(2)
+    m = DriftMonitor(BASE, window=256, patience=2)
+    d, k = _stream(rng, 1024, BASE["mean_d_star"], BASE["std_d_star"], BASE["nearest_share"])
+    if kind == "distance":  # traffic 1.5 s.d. farther from every centroid, same shares
+        d2, k2 = _stream(rng, 4 * 256, BASE["mean_d_star"] + 1.5 * BASE["std_d_star"], BASE["std_d_star"], BASE["nearest_share"])
+    else:  # same distances, traffic on half of the centroids
+        d2, k2 = _stream(rng, 4 * 256, BASE["mean_d_star"], BASE["std_d_star"], [2, 2, 2, 2, 0.1, 0.1, 0.1, 0.1])
+    for x, y in zip(d, k):
+        m.observe(float(x), int(y))
+    assert not m.drifted()[0]
+    fired_at = None
+    for i, (x, y) in enumerate(zip(d2, k2)):
+        m.observe(float(x), int(y))
+        if fired_at is None and m.drifted()[0]:
+            fired_at = i + 1
+    assert fired_at == 2 * 256, "drift must be reported exactly when the second shifted window closes"
+    ok, why = m.drifted()
+    assert ok and ("s.d." in why if kind == "distance" else "JS" in why)
+    assert m.drift_since == 1024  # the first out-of-profile window began at the shift
+    snap = m.snapshot()
+    assert snap["drifted"] and snap["observations"] == 2048 and snap["out_of_profile_windows"] == 4
+
+
+def test_one_bursty_window_is_not_drift():
+    rng = np.random.default_rng(3)
+    m = DriftMonitor(BASE, window=256, patience=2)
+    for shares in ([1] * K, [30, 1, 1, 1, 1, 1, 1, 1], [1] * K, [1, 1, 1, 1, 1, 1, 1, 30], [1] * K):
+        d, k = _stream(rng, 256, BASE["mean_d_star"], BASE["std_d_star"], shares)
+        for x, y in zip(d, k):
+            m.observe(float(x), int(y))
+    assert [w["out_of_profile"] for w in m.windows()] == [False, True, False, True, False]
+    assert not m.drifted()[0]
+
+
+def test_monitor_decisions_generation_rebase_and_bad_baselines(tmp_path):
+    C = np.eye(K, 16, dtype=np.float32)
+    prov = {"baseline": {**BASE, "p90_d_star": 0.2}}
+    path = str(tmp_path / "c.eldr")
+    _core.write_centroids(path, C, np.ones(2, np.float32), np.ones((2, 8), np.float32), 0.1, None, json.dumps(prov))
+    r = _core.Router(policy="eldr", centroids=path, reload_interval_ms=0)
+    new_base = {**BASE, "mean_d_star": 0.5}
+    m = DriftMonitor.from_centroid_set(r.centroid_set(), window=8, baseline_loader=lambda: {"baseline": new_base})
+    sig = C[3]
+    for _ in range(3):
+        m.observe_decision(r.route_signature(sig, explain=True))
+    m.observe_decision(r.route_signature(None, explain=True))
+    assert m.observations == 3 and m.no_signature == 1 and m.generation == 1
+    _core.write_centroids(path, C[::-1].copy(), np.ones(2, np.float32), np.ones((2, 8), np.float32), 0.1, None, json.dumps(prov))
+    r.reload()
+    m.observe_decision(r.route_signature(sig, explain=True))
+    assert m.generation == 2 and m.rebases == 1 and m.snapshot()["baseline_mean_d_star"] == 0.5
+    assert m.snapshot()["window_fill"] == 1  # the window restarted with the new centroids
+    with pytest.raises(ValueError, match="no drift baseline"):
+        baseline_from_provenance("{}")
+    with pytest.raises(ValueError, match="not JSON"):
+        baseline_from_provenance("{oops")
+    with pytest.raises(ValueError, match="nearest_share"):
+        DriftMonitor({"mean_d_star": 0.1, "std_d_star": 0.1, "nearest_share": [0, 0]})
+    assert js_divergence([1, 0], [1, 0]) == 0.0
+    assert abs(js_divergence([1, 0], [0, 1]) - np.log(2)) < 1e-12
+
+
+# -------------------------------------------------------------------------------- reservoir
+def test_reservoir_inclusion_is_uniform_over_the_horizon():
+    """capacity 64 in 8 buckets over a horizon of 512: after a 1000-item stream the horizon
+    is items 512..999 (seven full buckets of 64 and one of 40) and each must be in the
+    sample with probability 8/64. Over 300 seeded runs we count inclusions in 15 groups of
+    ~32 items and apply a chi-square goodness-of-fit test; we require p > 0.001. We also
+    require that nothing older than the horizon is ever returned."""
+    T, runs = 1000, 300
+    counts = np.zeros(T)
+    for seed in range(runs):
+        r = SignatureReservoir(1, capacity=64, horizon=512, buckets=8, seed=seed)
+        for i in range(T):
+            r.add([float(i)])
+        s = r.sample(seed=seed).ravel().astype(int)
+        assert len(s) == r.expected_sample_size() == 7 * 8 + 5  # 40 * 8/64 = 5 from the filling bucket
+        assert len(np.unique(s)) == len(s)
+        counts[s] += 1
+    lo = 512
+    assert counts[:lo].sum() == 0, "an item older than the horizon was sampled"
+    obs = counts[lo:]
+    groups = np.array_split(obs, 15)
+    g_obs = np.array([g.sum() for g in groups])
+    g_exp = np.array([len(g) * runs * 8 / 64 for g in groups])
+    assert abs(g_obs.sum() - g_exp.sum()) < 1e-6  # fixed sample sizes: totals agree exactly
+    p = stats.chisquare(g_obs, g_exp).pvalue
+    assert p > 1e-3, f"inclusion not uniform over the horizon (chi-square p={p:.2g})"
+
+
+def test_reservoir_last_and_bad_input():
+    r = SignatureReservoir(2, capacity=16, horizon=64, buckets=4, seed=0)
+    for i in range(100):
+        r.add([i, 1.0])
+    recent = r.sample(last=40)[:, 0]
+    assert recent.size and recent.min() >= 60  # only buckets within the latest 40 observations
+    assert r.stats()["stored"] <= 16 and r.stats()["total_seen"] == 100
+    with pytest.raises(ValueError, match="dims"):
+        r.add([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="horizon"):
+        SignatureReservoir(4, capacity=64, horizon=32)
+    assert SignatureReservoir(3).sample().shape == (0, 3)
+
+
+# ---------------------------------------------------------------------------------- remap
+def test_remap_identity_and_permutation():
+    rng = np.random.default_rng(4)
+    C = rng.normal(size=(K, 32))
+    C /= np.linalg.norm(C, axis=1, keepdims=True)
+    perm, sim = remap_to_workers(C, C)
+    assert perm.tolist() == list(range(K)) and np.allclose(sim, 1.0)
+    p = rng.permutation(K)
+    noisy = C[p] + 0.05 * rng.normal(size=C.shape)  # new cluster j is old worker p[j]'s, perturbed
+    perm, sim = remap_to_workers(C, noisy)
+    assert (p[perm] == np.arange(K)).all()  # worker k gets back the cluster that was its own
+    assert sim.min() > 0.9
+    with pytest.raises(RefitError):
+        remap_to_workers(C, C[:3])
+
+
+# ------------------------------------------------------------------------ refit (real fit)
+@pytest.fixture(scope="module")
+def drift_setup(tmp_path_factory):
+    """A small synthetic GPT-OSS-shaped trace: 1000 calibration requests and 1024 requests of
+    phase A from domains 0-3, then 1024 of phase B from domains 4-7; fitted on calibration."""
+    from eldr_sglang.drift.sim import drifting_trace
+    from eldr_sglang.offline.fit import fit_trace
+
+    tr, cal, ph = drifting_trace([([0, 1, 2, 3], 1024), ([4, 5, 6, 7], 1024)], calibration=1000, seed=0,
+                                 prompt_len=(32, 96), output_len=8)
+    fit = fit_trace(tr, workers=K, requests=cal, seed=0, n_init=1)
+    d = tmp_path_factory.mktemp("drift")
+    path = str(d / "c.eldr")
+    fit.write(path)
+    cs = _core.CentroidSet.open(path)
+    S, valid = cs.spec().batch_from_topk(tr.expert_ids, tr.req_offsets.astype(np.int64), tr.prefill_len.astype(np.int64))
+    return {"path": path, "S": S, "valid": valid, "phase": ph, "dir": d}
+
+
+def test_monitor_on_a_real_fit_fires_on_the_new_mix_only(drift_setup):
+    cs = _core.CentroidSet.open(drift_setup["path"])
+    C = cs.centroids()
+    out = {}
+    for phase in (0, 1):
+        m = DriftMonitor.from_centroid_set(cs)  # defaults: windows of 512, patience 2
+        idx = np.flatnonzero((drift_setup["phase"] == phase) & drift_setup["valid"])
+        d = 1.0 - drift_setup["S"][idx] @ C.T
+        for row in d:
+            m.observe(float(row.min()), int(row.argmin()))
+        out[phase] = m
+    assert not out[0].drifted()[0], out[0].windows()
+    assert out[1].drifted()[0]
+    assert min(w["d_shift"] for w in out[1].windows()) > max(w["d_shift"] for w in out[0].windows())
+
+
+def test_refit_file_keeps_spec_records_provenance_and_remaps(drift_setup, tmp_path):
+    parent = _core.CentroidSet.open(drift_setup["path"])
+    A = drift_setup["S"][(drift_setup["phase"] == 0) & drift_setup["valid"]]
+    out = str(tmp_path / "refit.eldr")
+    summary = refit_file(drift_setup["path"], A, out, reason="test", seed=0)
+    new = _core.CentroidSet.open(out)
+    assert np.array_equal(new.layer_weights(), parent.layer_weights()) and np.array_equal(new.idf(), parent.idf())
+    assert new.worker_names == parent.worker_names and new.tau == parent.tau
+    prov = json.loads(new.provenance_json)
+    assert prov["tool"] == "eldr refit" and prov["refit"]["parent_checksum"] == parent.checksum
+    assert prov["lineage"][-1]["checksum"] == parent.checksum
+    DriftMonitor.from_centroid_set(new)  # the new baseline is usable
+    # same traffic as the fit -> the refit lands on (nearly) the same centroids, same workers
+    assert summary["mapping"] != [] and summary["mean_centroid_similarity"] > 0.9
+    # least disturbance: no other worker order of the new centroids is closer to the old ones
+    assert remap_to_workers(parent.centroids(), new.centroids())[0].tolist() == list(range(K))
+    assert sum(summary["cluster_sizes"]) == summary["n_signatures"]
+    assert max(summary["cluster_sizes"]) - min(summary["cluster_sizes"]) <= 1  # balanced
+    with pytest.raises(RefitError, match="needs at least"):
+        refit_file(drift_setup["path"], A[:10], out)
+    with pytest.raises(RefitError, match="must be"):
+        refit_file(drift_setup["path"], A[:, :5], out)
+
+
+def test_live_router_picks_up_refits_while_routing_from_threads(drift_setup, tmp_path):
+    """4 threads route continuously (each request acquires and releases its slot) while 3
+    refits replace the file; the router auto-reloads. No route may fail, every decision must
+    name a valid worker, and the router must end on the last refit's generation."""
+    import shutil
+
+    path = str(tmp_path / "live.eldr")
+    shutil.copyfile(drift_setup["path"], path)
+    router = _core.Router(policy="eldr", centroids=path, reload_interval_ms=1)
+    S = drift_setup["S"][drift_setup["valid"]]
+    stop = threading.Event()
+    errors: list = []
+    routed = [0] * 4
+    gens: set = set()
+
+    def work(t):
+        i = t
+        while not stop.is_set():
+            try:
+                dec = router.route_signature(S[i % len(S)], explain=True)
+                assert 0 <= dec.worker < K and dec.reason == "band"
+                gens.add(dec.generation)
+                with router.acquire(dec.worker, 1):
+                    pass
+                routed[t] += 1
+            except Exception as exc:  # pragma: no cover - the assertion below reports it
+                errors.append(repr(exc))
+                return
+            i += 4
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    try:
+        for j in range(3):
+            sample = S[(np.arange(len(S)) * 3 + j) % len(S)][:300]
+            refit_file(path, sample, path, reason=f"live {j}", seed=j, n_init=1, max_iter=10)
+            deadline = time.monotonic() + 10
+            while router.centroid_generation < j + 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert not errors, errors[:3]
+    assert router.centroid_generation == 4 and router.last_reload_error is None
+    assert {1, 4} <= gens and min(routed) > 0
+    assert router.inflight() == [0] * K  # every slot released
+
+
+def test_controller_manual_cooldown_and_errors(drift_setup, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "ctl.eldr")
+    shutil.copyfile(drift_setup["path"], path)
+    router = _core.Router(policy="eldr", centroids=path, reload_interval_ms=0)
+    now = [0.0]
+    ctl = RefitController(path, router=router, executor="inline", cooldown_s=10, clock=lambda: now[0],
+                          reservoir_kw=dict(capacity=1024, horizon=2048), monitor_kw=dict(window=128))
+    r = ctl.request()
+    assert not r["accepted"] and r["why"] == "too_few" and "needs" in r["message"]
+    S = drift_setup["S"][(drift_setup["phase"] == 0) & drift_setup["valid"]]
+    for s in S[:600]:
+        ctl.observe(router.route_signature(s, explain=True), s)
+    r = ctl.request("manual")
+    assert r["accepted"], r
+    st = ctl.status()
+    assert st["refits"] == 1 and st["last_ok"] and st["last_reason"] == "manual" and router.centroid_generation == 2
+    r = ctl.request("again")
+    assert not r["accepted"] and r["why"] == "cooldown"
+    assert ctl.request("forced", force=True)["accepted"]
+    # a failing refit is reported in the status, never raised into routing
+    ctl.path = str(tmp_path / "missing.eldr")
+    now[0] = 100.0
+    assert ctl.request("broken")["accepted"]
+    st = ctl.status()
+    assert st["last_ok"] is False and "cannot open" in st["last_error"] and st["failures"] == 1
+    dec = router.route_signature(S[0], explain=True)  # routing goes on with the last good set
+    assert dec.reason == "band"
+
+
+def test_controller_refits_on_drift_and_rebases(drift_setup, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "drift.eldr")
+    shutil.copyfile(drift_setup["path"], path)
+    router = _core.Router(policy="eldr", centroids=path, reload_interval_ms=0)
+    count = [0]
+    ctl = RefitController(path, router=router, executor="inline", cooldown_s=10_000, clock=lambda: float(count[0]),
+                          reservoir_kw=dict(capacity=1024, horizon=2048, buckets=8), monitor_kw=dict(window=128))
+    S, ph, valid = drift_setup["S"], drift_setup["phase"], drift_setup["valid"]
+    fired = []
+    for i in np.flatnonzero(ph >= 0):
+        if not valid[i]:
+            continue
+        count[0] += 1
+        why = ctl.observe(router.route_signature(S[i], explain=True), S[i])
+        if why:
+            fired.append((int(ph[i]), why))
+    assert len(fired) == 1 and fired[0][0] == 1 and fired[0][1].startswith("drift"), fired
+    st = ctl.status()
+    assert st["last_ok"] and router.centroid_generation == 2
+    assert st["monitor"]["rebases"] == 1 and st["monitor"]["generation"] == 2
+    # after the refit phase B traffic is back in profile against the refit's baseline
+    assert not st["monitor"]["drifted"]
+
+
+def test_controller_background_process(drift_setup, tmp_path):
+    """The process executor really runs the refit in another process and the router reloads."""
+    import shutil
+
+    path = str(tmp_path / "bg.eldr")
+    shutil.copyfile(drift_setup["path"], path)
+    router = _core.Router(policy="eldr", centroids=path, reload_interval_ms=0)
+    ctl = RefitController(path, router=router, executor="process", cooldown_s=0,
+                          reservoir_kw=dict(capacity=512, horizon=512))
+    try:
+        S = drift_setup["S"][drift_setup["valid"]][:400]
+        ctl.reservoir.add_many(S)
+        assert ctl.request("bg")["accepted"]
+        assert ctl.request("bg2")["why"] == "running" or ctl.status()["refits"] == 1
+        st = ctl.wait(timeout=120)
+        assert st["last_ok"], st
+        assert router.centroid_generation == 2
+        assert json.loads(router.centroid_set().provenance_json)["refit"]["reason"] == "bg"
+    finally:
+        ctl.close()
