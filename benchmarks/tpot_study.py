@@ -49,6 +49,20 @@ SHARED = Path(os.environ.get("ELDR_SHARED_TRACES", ROOT.parent / "shared" / "tra
 POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr,oracle"
 
 
+def provenance() -> str:
+    """Commit of the code that produced the numbers, and whether the inputs were modified."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "eldr_sglang", "rust"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.split("\n")
+        dirty = [ln[3:] for ln in dirty if ln.strip() and not ln.startswith("??")]
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"commit {head}" + (f", with uncommitted changes to {', '.join(dirty)}" if dirty else ", clean")
+
+
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
@@ -117,7 +131,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     specs = parse_policies(POLICIES, args.tau)
     results = {"meta": {"command": "python benchmarks/tpot_study.py" + (" --quick" if quick else ""),
-                        "Ks": Ks, "clients_per_worker": per_worker, "tau_load": tau_load, "taus": taus, "tau": args.tau, "seed": args.seed},
+                        "code": provenance(), "Ks": Ks, "clients_per_worker": per_worker, "tau_load": tau_load, "taus": taus, "tau": args.tau, "seed": args.seed},
                "workloads": {}}
     tmp = tempfile.mkdtemp(prefix="eldr-study-")
     for w in workloads(quick):
@@ -191,7 +205,7 @@ def targets(wres, skewed: bool):
 def render_markdown(res) -> str:
     m = res["meta"]
     L = ["# TPOT study: ELDR vs load balancers (simulated)", "",
-         f"Command: `{m['command']}` (runtime {m['runtime_s']:.0f} s on {os.cpu_count()} CPUs).", "",
+         f"Command: `{m['command']}` (runtime {m['runtime_s']:.0f} s on {os.cpu_count()} CPUs; code: {m.get('code', 'unknown')}).", "",
          "Closed-loop clients (load = clients per decode worker), requests replayed in trace order. "
          "Cells are ELDR's TPOT change against each policy (negative = ELDR faster); `best LB` is the best of "
          "random/round_robin/shortest_queue/power_of_two for that cell. tau = "
