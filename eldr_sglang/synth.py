@@ -10,8 +10,11 @@ The generative model (a hierarchical "topic" model of routing):
   A few *generalist* experts get a large shared logit and no concept-specific part, so all
   domains use them. `s_l` (the concept spread) sets how domain-specific a layer is; the
   calibrated profile makes middle layers more specific than early/late ones.
-- **Domains** are Dirichlet mixtures over concepts (`alpha_domain`); **requests** draw their
-  own mixture around their domain's (`request_concentration`). Every prompt token draws one
+- **Domains** are mixtures over concepts: `domain_focus` of the mass on the domain's own
+  (disjoint) home concepts, the rest a sparse Dirichlet(`alpha_domain`); **requests** draw their
+  own mixture around their domain's (Dirichlet with concentration `request_concentration`,
+  log-normally spread across requests by `concentration_spread`: some requests stay close to
+  their domain, others fixate on a few concepts). Every prompt token draws one
   concept from its request's mixture, shared by all its layers (a token's "topic"), and at
   each layer a top-k set sampled *without replacement* from that concept's distribution
   (Gumbel top-k).
@@ -67,10 +70,16 @@ MODEL_SHAPES: dict[str, dict] = {
 # evenly spaced relative depths 0..1 and interpolated for models with other layer counts.
 CALIBRATED_CONCEPTS = 32
 CALIBRATED_ALPHA_DOMAIN = 0.3
-CALIBRATED_REQUEST_CONCENTRATION = 8.0
+CALIBRATED_REQUEST_CONCENTRATION = 3.0
 CALIBRATED_DECODE_MIX = 0.9
-CALIBRATED_BASE_SCALE = (0.5,) * 24
-CALIBRATED_CONCEPT_SCALE = (1.0,) * 24
+CALIBRATED_CONCENTRATION_SPREAD = 1.0
+CALIBRATED_DOMAIN_FOCUS = 0.5
+CALIBRATED_BASE_SCALE = (0.4519, 0.6349, 1.0096, 1.7029, 1.6876, 1.0629, 0.7888, 0.7722, 0.9241, 2.1316,
+                         3.5144, 3.5144, 3.5144, 4.0, 1.1418, 0.8565, 1.3051,
+                         1.6708, 0.891, 1.3108, 0.9107, 2.3616, 2.0168, 3.4822)
+CALIBRATED_CONCEPT_SCALE = (1.1345, 1.8032, 2.4768, 4.4153, 4.0158, 3.3045, 2.2392, 1.842, 2.6903, 6.0938,
+                            8.0, 8.0, 8.0, 8.0, 2.513, 2.0187, 2.2056, 3.5855,
+                            1.9605, 3.0146, 2.4966, 6.5795, 4.1405, 7.9199)
 # ---------------------------------------------------------------------------------------
 
 
@@ -82,6 +91,8 @@ class SynthParams:
     alpha_domain: float = CALIBRATED_ALPHA_DOMAIN
     request_concentration: float = CALIBRATED_REQUEST_CONCENTRATION
     decode_mix: float = CALIBRATED_DECODE_MIX
+    concentration_spread: float = CALIBRATED_CONCENTRATION_SPREAD  # log-normal s.d. of per-request concentration
+    domain_focus: float = CALIBRATED_DOMAIN_FOCUS  # mass of a domain's mixture on its own "home" concepts
     generalist_frac: float = 1.0 / 16.0
     generalist_boost: float = 1.5
     base_scale: tuple = CALIBRATED_BASE_SCALE
@@ -94,6 +105,10 @@ class SynthParams:
         for name in ("alpha_domain", "request_concentration"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.concentration_spread <= 5.0:
+            raise ValueError(f"concentration_spread must lie in [0, 5], got {self.concentration_spread}")
+        if not 0.0 <= self.domain_focus <= 1.0:
+            raise ValueError(f"domain_focus must lie in [0, 1], got {self.domain_focus}")
         if not 0.0 <= self.decode_mix <= 1.0:
             raise ValueError(f"decode_mix must lie in [0, 1], got {self.decode_mix}")
         if not 0.0 <= self.generalist_frac < 1.0:
@@ -301,12 +316,31 @@ def _dirichlet(alpha: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return x / s
 
 
+def domain_mixtures(D: int, params: SynthParams, rng: np.random.Generator) -> np.ndarray:
+    """[D, C] concept mixtures: domain_focus of the mass on the domain's own home concepts
+    (a disjoint share of the concepts, Dirichlet(1) inside), the rest Dirichlet(alpha_domain)
+    over all concepts. Disjoint homes keep how distinct the domains are stable from seed to
+    seed; a plain sparse Dirichlet makes it a lottery of overlaps."""
+    C = params.concepts
+    spread = _dirichlet(np.full((D, C), params.alpha_domain), rng)
+    if params.domain_focus <= 0:
+        return spread
+    perm = rng.permutation(C)
+    home = np.zeros((D, C))
+    for d in range(D):
+        own = perm[d::D] if D <= C else perm[[d % C]]
+        home[d, own] = rng.gamma(1.0, size=len(own))
+        home[d] /= home[d].sum()
+    return params.domain_focus * home + (1.0 - params.domain_focus) * spread
+
+
 def token_concepts(wl: Workload, params: SynthParams, rng: np.random.Generator) -> np.ndarray:
     """int32 [T]: the concept of every token row (prefill rows draw from the request's own
     mixture, decode rows from decode_mix * own + (1 - decode_mix) * domain)."""
     C, D, R = params.concepts, len(wl.domain_weights), len(wl.domain)
-    w_dom = _dirichlet(np.full((D, C), params.alpha_domain), rng)
-    w_req = _dirichlet(params.request_concentration * w_dom[wl.domain] + 1e-6, rng)
+    w_dom = domain_mixtures(D, params, rng)
+    conc = params.request_concentration * np.exp(params.concentration_spread * rng.standard_normal(R))
+    w_req = _dirichlet(conc[:, None] * w_dom[wl.domain] + 1e-6, rng)
     w_dec = params.decode_mix * w_req + (1.0 - params.decode_mix) * w_dom[wl.domain]
     W = np.concatenate([w_req, w_dec])  # rows 0..R-1 prefill, R..2R-1 decode
     cdf = np.cumsum(W, axis=1)
