@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from eldr_sglang.sim.cost_model import ExecutionModel
     from eldr_sglang.sim.profiles import get_hardware, get_model
     from eldr_sglang.sim.replay import TraceReplay
-    from eldr_sglang.sim.report import format_table, json_summary, plot_runs, plot_sweep, write_json
+    from eldr_sglang.sim.report import format_table, format_workers, json_summary, plot_runs, plot_sweep, write_json
     from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison
     from eldr_sglang.sim.workload import make_workload
     from eldr_sglang.traces import load_trace
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         load_txt = f"concurrency {value}" if arrival == "closed" else (f"{arrival} {value} req/s" if value else "trace arrivals")
         print()
         print(format_table(pol, title=f"[{load_txt}] {wl.num_requests} requests, {wl.total_output_tokens()} output tokens"))
+        print(format_workers(pol))
         for name, m in pol.items():
             sweep[name].append((value if value is not None else 0, m))
         runs.append({"load": {"arrival": arrival, "value": value}, "workload": wl.describe(), "policies": pol})

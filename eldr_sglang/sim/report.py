@@ -55,6 +55,16 @@ def format_table(policies: dict[str, dict], title: str | None = None) -> str:
     return "\n".join(out)
 
 
+def format_workers(policies: dict[str, dict]) -> str:
+    """Per-worker load: requests served, mean batch and busy fraction of each decode worker."""
+    out = ["per-worker load (requests / mean batch / busy %):"]
+    width = max(len(n) for n in policies)
+    for name, m in policies.items():
+        cells = [f"{w['requests']}/{w['mean_batch']:.0f}/{100 * w['busy_frac']:.0f}" for w in m["per_worker"]]
+        out.append(f"  {name.ljust(width)}  " + "  ".join(cells))
+    return "\n".join(out)
+
+
 def markdown_table(policies: dict[str, dict]) -> str:
     lbs = [p for p in policies if p in LOAD_BALANCERS]
     best = min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
