@@ -214,6 +214,27 @@ def render_markdown(res) -> str:
          "policy merely leaves some workers with small batches (load imbalance); `locality` controls for that: it is "
          "the distinct experts per step over the expectation for randomly mixed batches of the same size "
          "(1.000 = no locality, lower = batches share experts).", ""]
+    L += ["## Summary", "",
+          "Per workload, over all K and loads: ELDR's TPOT change against the best load balancer of each cell "
+          "(median of cells, and range), against shortest_queue, its expert locality next to shortest_queue's and the "
+          "oracle's (mean of cells), and how many cells meet the target.", "",
+          "| workload | p50 vs best LB: median (min..max) | p99 vs best LB: median (min..max) | p50 vs shortest_queue: median | locality ELDR / SQ / oracle | target met |",
+          "|---|---|---|---|---|---|"]
+    for name, w in res["workloads"].items():
+        ok = targets(w, "uniform" not in name)
+        d50, d99, dsq, loc = [], [], [], []
+        for r in w["runs"]:
+            p = r["policies"]
+            e = p["eldr"]["tpot_ms"]
+            d50.append(pct_change(e["p50"], min(p[b]["tpot_ms"]["p50"] for b in LOAD_BALANCERS)))
+            d99.append(pct_change(e["p99"], min(p[b]["tpot_ms"]["p99"] for b in LOAD_BALANCERS)))
+            dsq.append(pct_change(e["p50"], p["shortest_queue"]["tpot_ms"]["p50"]))
+            loc.append([p[x]["expert_locality"] for x in ("eldr", "shortest_queue", "oracle")])
+        loc = np.mean(loc, axis=0)
+        L.append(f"| {name} | {fmt_pct(float(np.median(d50)))} ({fmt_pct(min(d50))}..{fmt_pct(max(d50))}) | "
+                 f"{fmt_pct(float(np.median(d99)))} ({fmt_pct(min(d99))}..{fmt_pct(max(d99))}) | {fmt_pct(float(np.median(dsq)))} | "
+                 f"{loc[0]:.3f} / {loc[1]:.3f} / {loc[2]:.3f} | {sum(ok)} of {len(ok)} |")
+    L.append("")
     for name, w in res["workloads"].items():
         skewed = "uniform" not in name
         ok = targets(w, skewed)
