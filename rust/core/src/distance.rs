@@ -1,15 +1,17 @@
 //! Signature-to-centroid distances `d_k = 1 - cos(s, mu_k)`, the hot loop of a route.
 //!
-//! From raw counts the signature is never materialized: [`SignatureSpec::fold_dense`] /
-//! `fold_sparse` stream each weighted value into K-wide dot products against the
-//! feature-major centroid matrix (one contiguous row per feature), and the norm divides at
-//! the end. Products are summed in f32 lanes, which vectorize, and flushed into f64 every
-//! `BLOCK` features, which keeps the error near f64's (the parity tests hold distances to
-//! 1e-6). AVX2 is used when the CPU has it (detected once at run time), so a portable build
-//! stays fast.
+//! A route fills a reused, per-thread signature buffer from the raw counts
+//! ([`SignatureSpec::fill_dense`] / `fill_sparse`), then dots each nonzero value into its
+//! K-wide row of the feature-major centroid matrix. The dot loop keeps four independent
+//! accumulators (so the adds pipeline instead of waiting on each other), sums in f32 and
+//! flushes into f64 every `BLOCK` features, which keeps the error near f64's (the parity
+//! tests hold distances to 1e-6). With AVX2 (detected once at run time) and K in
+//! {4, 8, 16, 32, 64} it runs on explicit SIMD lanes; otherwise on portable code.
+
+use std::cell::RefCell;
 
 use crate::centroid_file::CentroidSet;
-use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
+use crate::signature::{CountValue, NoSignature, SparseIndex, SparseSignature};
 
 const BLOCK: usize = 64;
 
@@ -20,215 +22,43 @@ pub enum Counts<'a, I, T> {
     Sparse(&'a [I], &'a [T]),
 }
 
-/// K-wide dot-product accumulator. Values are buffered per block of `BLOCK` features, then
-/// summed with four independent f32 accumulators (so the adds pipeline instead of waiting on
-/// each other) and flushed into f64 totals, together with the squared norm.
-struct Dots<'m, const K: usize> {
-    m: &'m [f32],
-    buf_j: [u32; BLOCK],
-    buf_x: [f32; BLOCK],
-    len: usize,
-    sum: [f64; K],
-    n2: f64,
+thread_local! {
+    static SCRATCH: RefCell<SparseSignature> = RefCell::new(SparseSignature::default());
 }
 
-impl<'m, const K: usize> Dots<'m, K> {
-    #[inline(always)]
-    fn new(m: &'m [f32]) -> Self {
-        Dots { m, buf_j: [0; BLOCK], buf_x: [0.0; BLOCK], len: 0, sum: [0.0; K], n2: 0.0 }
-    }
-    #[inline(always)]
-    fn add(&mut self, j: u32, x: f32) {
-        self.buf_j[self.len] = j;
-        self.buf_x[self.len] = x;
-        self.len += 1;
-        if self.len == BLOCK {
-            self.flush();
-        }
-    }
-    #[inline(always)]
-    fn row(&self, t: usize) -> &[f32; K] {
-        let j = self.buf_j[t] as usize;
-        self.m[j * K..(j + 1) * K].try_into().unwrap()
-    }
-    #[inline(always)]
-    fn flush(&mut self) {
-        let mut a = [[0f32; K]; 4];
-        let mut q = [0f32; 4];
-        let full = self.len / 4 * 4;
-        let mut t = 0;
-        while t < full {
-            for u in 0..4 {
-                let x = self.buf_x[t + u];
-                let row = self.row(t + u);
-                for i in 0..K {
-                    a[u][i] += x * row[i];
-                }
-                q[u] += x * x;
-            }
-            t += 4;
-        }
-        while t < self.len {
-            let x = self.buf_x[t];
-            let row = self.row(t);
-            for i in 0..K {
-                a[0][i] += x * row[i];
-            }
-            q[0] += x * x;
-            t += 1;
-        }
-        for i in 0..K {
-            self.sum[i] += ((a[0][i] + a[1][i]) + (a[2][i] + a[3][i])) as f64;
-        }
-        self.n2 += ((q[0] + q[1]) + (q[2] + q[3])) as f64;
-        self.len = 0;
-    }
-    #[inline(always)]
-    fn distances(mut self) -> Result<Vec<f64>, NoSignature> {
-        self.flush();
-        let inv = 1.0 / unit_norm(self.n2)?;
-        Ok(self.sum.iter().map(|d| 1.0 - d * inv).collect())
-    }
-}
-
-/// The norm of a signature from its squared norm, or why there is no signature.
-#[inline]
-fn unit_norm(n2: f64) -> Result<f64, NoSignature> {
-    if !n2.is_finite() {
-        Err(NoSignature::NonFinite)
-    } else if n2 > 0.0 {
-        Ok(n2.sqrt())
-    } else {
-        Err(NoSignature::Empty)
-    }
-}
-
-/// The same for any K (no const-generic specialization).
-struct DotsDyn<'m> {
-    m: &'m [f32],
-    k: usize,
-    acc: Vec<f32>,
-    sum: Vec<f64>,
-    n: usize,
-    n2: f64,
-}
-
-impl<'m> DotsDyn<'m> {
-    fn new(m: &'m [f32], k: usize) -> Self {
-        DotsDyn { m, k, acc: vec![0.0; k], sum: vec![0.0; k], n: 0, n2: 0.0 }
-    }
-    #[inline(always)]
-    fn add(&mut self, j: u32, x: f32) {
-        let row = &self.m[j as usize * self.k..(j as usize + 1) * self.k];
-        for (a, &c) in self.acc.iter_mut().zip(row) {
-            *a += x * c;
-        }
-        self.n2 += x as f64 * x as f64;
-        self.n += 1;
-        if self.n % BLOCK == 0 {
-            self.flush();
-        }
-    }
-    fn flush(&mut self) {
-        for (s, a) in self.sum.iter_mut().zip(self.acc.iter_mut()) {
-            *s += *a as f64;
-            *a = 0.0;
-        }
-    }
-    fn distances(mut self) -> Result<Vec<f64>, NoSignature> {
-        self.flush();
-        let inv = 1.0 / unit_norm(self.n2)?;
-        Ok(self.sum.iter().map(|d| 1.0 - d * inv).collect())
-    }
-}
-
-/// One kernel body, instantiated per K and per CPU feature level.
-macro_rules! with_dots {
-    ($k:expr, $m:expr, |$dots:ident| $body:expr) => {
-        match $k {
-            4 => { let mut $dots = Dots::<4>::new($m); $body }
-            8 => { let mut $dots = Dots::<8>::new($m); $body }
-            16 => { let mut $dots = Dots::<16>::new($m); $body }
-            32 => { let mut $dots = Dots::<32>::new($m); $body }
-            k => { let mut $dots = DotsDyn::new($m, k); $body }
-        }
-    };
-}
-
-#[inline(always)]
-fn counts_impl<I: SparseIndex, T: CountValue>(set: &CentroidSet, spec: &SignatureSpec, counts: Counts<'_, I, T>) -> Result<Vec<f64>, NoSignature> {
-    with_dots!(set.num_workers(), set.centroids_t(), |dots| {
-        match counts {
-            Counts::Dense(c) => {
-                spec.fold_dense(c, |j, x| dots.add(j, x))?;
-                dots.distances()
-            }
-            Counts::Sparse(idx, c) => {
-                let ascending = spec.fold_sparse(idx, c, |j, x| dots.add(j, x))?;
-                if ascending {
-                    dots.distances()
-                } else {
-                    // Unsorted or repeated indices: merge first (rare; prefill sends them sorted).
-                    signature_impl(set, &spec.from_sparse(idx, c)?)
-                }
-            }
-        }
-    })
-}
-
-#[inline(always)]
-fn signature_impl(set: &CentroidSet, sig: &SparseSignature) -> Result<Vec<f64>, NoSignature> {
-    with_dots!(set.num_workers(), set.centroids_t(), |dots| {
-        for (&j, &x) in sig.index.iter().zip(&sig.value) {
-            dots.add(j, x);
-        }
-        dots.distances()
-    })
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn counts_avx2<I: SparseIndex, T: CountValue>(set: &CentroidSet, spec: &SignatureSpec, counts: Counts<'_, I, T>) -> Result<Vec<f64>, NoSignature> {
-    counts_impl(set, spec, counts)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn signature_avx2(set: &CentroidSet, sig: &SparseSignature) -> Result<Vec<f64>, NoSignature> {
-    signature_impl(set, sig)
-}
-
-#[inline]
-fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Distances from raw counts (fused: no signature is materialized).
+/// Distances from raw counts, without allocating a signature.
 pub fn from_counts<I: SparseIndex, T: CountValue>(set: &CentroidSet, counts: Counts<'_, I, T>) -> Result<Vec<f64>, NoSignature> {
-    let spec = set.spec();
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 was detected on this CPU.
-        return unsafe { counts_avx2(set, spec, counts) };
-    }
-    counts_impl(set, spec, counts)
+    SCRATCH.with(|cell| {
+        let mut sig = cell.borrow_mut();
+        match counts {
+            Counts::Dense(c) => set.spec().fill_dense(c, &mut sig)?,
+            Counts::Sparse(i, c) => set.spec().fill_sparse(i, c, &mut sig)?,
+        }
+        // fill_* only emits indices below D: no range check needed.
+        Ok(distances_unchecked(set, &sig))
+    })
 }
 
-/// Distances from a materialized signature (e.g. from top-k ids).
+/// Distances from a signature (its values need not be unit: the norm divides).
 pub fn from_signature(set: &CentroidSet, sig: &SparseSignature) -> Result<Vec<f64>, NoSignature> {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 was detected on this CPU.
-        return unsafe { signature_avx2(set, sig) };
+    let (k, m) = (set.num_workers(), set.centroids_t());
+    if !(sig.norm > 0.0 && sig.norm.is_finite()) {
+        return Err(NoSignature::Empty);
     }
-    signature_impl(set, sig)
+    let d = m.len() / k;
+    if sig.index.len() != sig.value.len() || sig.index.iter().any(|&j| j as usize >= d) {
+        return Err(NoSignature::OutOfRange);
+    }
+    Ok(distances_unchecked(set, sig))
+}
+
+/// `sig` must have a positive finite norm and every index below D.
+fn distances_unchecked(set: &CentroidSet, sig: &SparseSignature) -> Vec<f64> {
+    let (k, m) = (set.num_workers(), set.centroids_t());
+    let mut dots = vec![0f64; k];
+    dot_rows(&sig.index, &sig.value, m, &mut dots);
+    let inv = 1.0 / sig.norm;
+    dots.into_iter().map(|v| 1.0 - v * inv).collect()
 }
 
 /// Distances from a signature already in the centroids' D-dim space (any positive scale).
@@ -237,7 +67,6 @@ pub fn from_dense_signature(set: &CentroidSet, s: &[f32]) -> Result<Vec<f64>, No
         return Err(NoSignature::Shape);
     }
     let mut sig = SparseSignature::default();
-    let mut n2 = 0f64;
     for (j, &v) in s.iter().enumerate() {
         if v == 0.0 {
             continue;
@@ -248,17 +77,108 @@ pub fn from_dense_signature(set: &CentroidSet, s: &[f32]) -> Result<Vec<f64>, No
         if v < 0.0 {
             return Err(NoSignature::Negative);
         }
-        n2 += v as f64 * v as f64;
         sig.index.push(j as u32);
         sig.value.push(v);
     }
-    if !(n2 > 0.0) {
-        return Err(NoSignature::Empty);
-    }
-    sig.norm = n2.sqrt();
+    sig.norm = crate::signature::norm_of(&sig.value)?;
     from_signature(set, &sig)
 }
 
+/// `dots[k] += sum_t value[t] * m[index[t] * K + k]`. Every index must be below `m.len() / K`.
+fn dot_rows(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
+    let k = dots.len();
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected; indices were checked against the matrix by the caller.
+        match k {
+            4 => return unsafe { dot_rows_k4(index, value, m, dots) },
+            8 => return unsafe { dot_rows_avx2::<1>(index, value, m, dots) },
+            16 => return unsafe { dot_rows_avx2::<2>(index, value, m, dots) },
+            32 => return unsafe { dot_rows_avx2::<4>(index, value, m, dots) },
+            64 => return unsafe { dot_rows_avx2::<8>(index, value, m, dots) },
+            _ => {}
+        }
+    }
+    dot_rows_portable(index, value, m, dots);
+}
+
+fn dot_rows_portable(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
+    let k = dots.len();
+    let mut acc = vec![0f32; 4 * k];
+    for (ib, vb) in index.chunks(BLOCK).zip(value.chunks(BLOCK)) {
+        for (t, (&j, &x)) in ib.iter().zip(vb).enumerate() {
+            let row = &m[j as usize * k..(j as usize + 1) * k];
+            let a = &mut acc[(t % 4) * k..(t % 4 + 1) * k];
+            for (a, &c) in a.iter_mut().zip(row) {
+                *a += x * c;
+            }
+        }
+        for i in 0..k {
+            dots[i] += ((acc[i] + acc[k + i]) + (acc[2 * k + i] + acc[3 * k + i])) as f64;
+        }
+        acc.iter_mut().for_each(|a| *a = 0.0);
+    }
+}
+
+/// K = 4: one 128-bit lane per row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_rows_k4(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
+    use std::arch::x86_64::*;
+    let base = m.as_ptr();
+    let mut out = [0f32; 4];
+    for (ib, vb) in index.chunks(BLOCK).zip(value.chunks(BLOCK)) {
+        let mut a = [_mm_setzero_ps(); 4];
+        for (t, (&j, &x)) in ib.iter().zip(vb).enumerate() {
+            let u = t & 3;
+            a[u] = _mm_add_ps(a[u], _mm_mul_ps(_mm_set1_ps(x), _mm_loadu_ps(base.add(j as usize * 4))));
+        }
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_add_ps(_mm_add_ps(a[0], a[1]), _mm_add_ps(a[2], a[3])));
+        for i in 0..4 {
+            dots[i] += out[i] as f64;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_rows_avx2<const LANES: usize>(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
+    use std::arch::x86_64::*;
+    let k = 8 * LANES;
+    let base = m.as_ptr();
+    let mut out = [0f32; 8];
+    for (ib, vb) in index.chunks(BLOCK).zip(value.chunks(BLOCK)) {
+        let mut a = [[_mm256_setzero_ps(); LANES]; 4];
+        let n = ib.len();
+        let full = n / 4 * 4;
+        let mut t = 0;
+        while t < full {
+            for u in 0..4 {
+                let xv = _mm256_set1_ps(*vb.get_unchecked(t + u));
+                let row = base.add(*ib.get_unchecked(t + u) as usize * k);
+                for l in 0..LANES {
+                    a[u][l] = _mm256_add_ps(a[u][l], _mm256_mul_ps(xv, _mm256_loadu_ps(row.add(8 * l))));
+                }
+            }
+            t += 4;
+        }
+        while t < n {
+            let xv = _mm256_set1_ps(*vb.get_unchecked(t));
+            let row = base.add(*ib.get_unchecked(t) as usize * k);
+            for l in 0..LANES {
+                a[0][l] = _mm256_add_ps(a[0][l], _mm256_mul_ps(xv, _mm256_loadu_ps(row.add(8 * l))));
+            }
+            t += 1;
+        }
+        for l in 0..LANES {
+            let v = _mm256_add_ps(_mm256_add_ps(a[0][l], a[1][l]), _mm256_add_ps(a[2][l], a[3][l]));
+            _mm256_storeu_ps(out.as_mut_ptr(), v);
+            for i in 0..8 {
+                dots[8 * l + i] += out[i] as f64;
+            }
+        }
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -74,18 +74,24 @@ impl_count!(true => i16, i32, i64, f32, f64);
 
 /// An integer index into the flat `L * E` count space, read from numpy.
 pub trait SparseIndex: Copy + Send + Sync {
-    /// The index, or None when negative.
-    fn to_index(self) -> Option<usize>;
+    /// The index as u64; a negative index wraps to a huge value, so one `< n` check covers
+    /// both ends of the range.
+    fn as_u64(self) -> u64;
 }
 
 macro_rules! impl_index {
     ($($t:ty),*) => {$(impl SparseIndex for $t {
-        #[inline]
-        #[allow(unused_comparisons)]
-        fn to_index(self) -> Option<usize> { if self < 0 { None } else { Some(self as usize) } }
+        #[inline(always)]
+        fn as_u64(self) -> u64 { self as i64 as u64 }
     })*};
 }
-impl_index!(u16, u32, u64, i32, i64);
+impl_index!(u16, u32, i32, i64);
+impl SparseIndex for u64 {
+    #[inline(always)]
+    fn as_u64(self) -> u64 {
+        self
+    }
+}
 
 /// A signature in sparse form: indices into the `D`-dim signature space (ascending) and the
 /// weighted values before normalization, with their L2 norm. The unit signature is
@@ -98,10 +104,6 @@ pub struct SparseSignature {
 }
 
 impl SparseSignature {
-    fn with_capacity(n: usize) -> Self {
-        SparseSignature { index: Vec::with_capacity(n), value: Vec::with_capacity(n), norm: 0.0 }
-    }
-
     /// The unit signature's nonzero values.
     pub fn unit_values(&self) -> Vec<f64> {
         self.value.iter().map(|&v| v as f64 / self.norm).collect()
@@ -181,47 +183,75 @@ impl SignatureSpec {
         &self.idf
     }
 
-    /// Validate and weight dense `[L, E]` counts, passing each nonzero weighted value
-    /// `(output index, w_l * idf * c)` to `sink` in ascending order. The consumer computes
-    /// the norm (the router fuses it into its distance kernel).
-    /// This is the one implementation of the formula: the materialized signatures below and
-    /// the router's fused distance kernel both run through it.
-    #[inline(always)]
-    pub fn fold_dense<T: CountValue>(&self, counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<(), NoSignature> {
+    /// Validate and weight dense `[L, E]` counts into `out` (cleared first): each nonzero
+    /// `w_l * idf[l][e] * c` with its output index, ascending. This and [`Self::fill_sparse`]
+    /// are the one implementation of the formula; `out` can be reused across calls, so the
+    /// router's hot path does not allocate.
+    pub fn fill_dense<T: CountValue>(&self, counts: &[T], out: &mut SparseSignature) -> Result<(), NoSignature> {
+        out.index.clear();
+        out.value.clear();
         if counts.len() != self.scale.len() {
             return Err(NoSignature::Shape);
         }
-        for (j, &c) in counts.iter().enumerate() {
-            self.weigh(j, c, &mut sink)?;
-        }
+        // SAFETY: j < counts.len() == scale.len() == out_index.len().
+        let len = unsafe { self.compact(out, counts.len(), |j| Ok((j, Self::check(*counts.get_unchecked(j))?)))? };
+        out.norm = norm_of(&out.value[..len])?;
         Ok(())
     }
 
-    /// Like [`Self::fold_dense`] for `(flat index l*E+e, count)` pairs. Returns whether the
-    /// indices were strictly ascending; if not, repeated indices have not been merged and
-    /// the values are not yet the signature's (use [`Self::from_sparse`]).
-    #[inline(always)]
-    pub fn fold_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T], mut sink: impl FnMut(u32, f32)) -> Result<bool, NoSignature> {
+    /// Like [`Self::fill_dense`] for `(flat index l*E+e, count)` pairs. Repeated or unsorted
+    /// indices are merged (sorted) before the norm is taken.
+    pub fn fill_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T], out: &mut SparseSignature) -> Result<(), NoSignature> {
+        out.index.clear();
+        out.value.clear();
         if index.len() != counts.len() {
             return Err(NoSignature::Shape);
         }
-        let n = self.scale.len();
-        let mut ascending = true;
-        let mut next = 0usize; // smallest index that keeps the order strictly ascending
-        for (&i, &c) in index.iter().zip(counts) {
-            let j = match i.to_index() {
-                Some(j) if j < n => j,
-                _ => return Err(NoSignature::OutOfRange),
-            };
-            ascending &= j >= next;
-            next = j + 1;
-            self.weigh(j, c, &mut sink)?;
+        // Range and order first, in two tight passes (both vectorize), so the weighting
+        // loop below runs without checks.
+        let n = self.scale.len() as u64;
+        if index.iter().fold(false, |bad, i| bad | (i.as_u64() >= n)) {
+            return Err(NoSignature::OutOfRange);
         }
-        Ok(ascending)
+        let ascending = index.windows(2).fold(true, |ok, w| ok & (w[1].as_u64() > w[0].as_u64()));
+        // SAFETY: t < index.len() == counts.len(), and every index is below n (checked above).
+        unsafe { self.compact(out, index.len(), |t| Ok((index.get_unchecked(t).as_u64() as usize, Self::check(*counts.get_unchecked(t))?)))? };
+        if !ascending {
+            Self::sort_merge(out);
+        }
+        out.norm = norm_of(&out.value)?;
+        Ok(())
+    }
+
+    /// Append `(out_index[j], scale[j] * c)` for `(j, c) = item(t)`, t in 0..candidates,
+    /// keeping only nonzero values (branch-free: a zero's slot is overwritten by the next).
+    /// Writes through raw pointers into capacity reserved up front, with the length in a
+    /// register; returns the new length.
+    ///
+    /// # Safety
+    /// `item(t)` must return `j < self.scale.len()` for every t in 0..candidates.
+    #[inline(always)]
+    unsafe fn compact(&self, out: &mut SparseSignature, candidates: usize, item: impl Fn(usize) -> Result<(usize, f32), NoSignature>) -> Result<usize, NoSignature> {
+        out.index.reserve(candidates);
+        out.value.reserve(candidates);
+        let (ip, vp) = (out.index.as_mut_ptr(), out.value.as_mut_ptr());
+        let (scale, outi) = (self.scale.as_ptr(), self.out_index.as_ptr());
+        let mut len = 0usize;
+        for t in 0..candidates {
+            let (j, c) = item(t)?;
+            let x = *scale.add(j) * c;
+            ip.add(len).write(*outi.add(j));
+            vp.add(len).write(x);
+            // x != 0.0 as an integer test (x is finite or +inf here, never NaN)
+            len += (x.to_bits() << 1 != 0) as usize;
+        }
+        out.index.set_len(len);
+        out.value.set_len(len);
+        Ok(len)
     }
 
     #[inline(always)]
-    fn weigh<T: CountValue>(&self, j: usize, c: T, sink: &mut impl FnMut(u32, f32)) -> Result<(), NoSignature> {
+    fn check<T: CountValue>(c: T) -> Result<f32, NoSignature> {
         let c = c.to_f32();
         if T::MAY_BE_INVALID {
             if !(c >= 0.0) {
@@ -231,46 +261,20 @@ impl SignatureSpec {
                 return Err(NoSignature::NonFinite);
             }
         }
-        let x = self.scale[j] * c;
-        if x != 0.0 {
-            sink(self.out_index[j], x);
-        }
-        Ok(())
-    }
-
-    fn norm_of(values: &[f32]) -> Result<f64, NoSignature> {
-        let n2: f64 = values.iter().map(|&v| v as f64 * v as f64).sum();
-        if !n2.is_finite() {
-            Err(NoSignature::NonFinite)
-        } else if n2 > 0.0 {
-            Ok(n2.sqrt())
-        } else {
-            Err(NoSignature::Empty)
-        }
+        Ok(c)
     }
 
     /// Dense `[L, E]` counts -> signature.
     pub fn from_dense<T: CountValue>(&self, counts: &[T]) -> Result<SparseSignature, NoSignature> {
-        let mut sig = SparseSignature::with_capacity(counts.len().min(self.dim()));
-        self.fold_dense(counts, |i, x| {
-            sig.index.push(i);
-            sig.value.push(x);
-        })?;
-        sig.norm = Self::norm_of(&sig.value)?;
+        let mut sig = SparseSignature::default();
+        self.fill_dense(counts, &mut sig)?;
         Ok(sig)
     }
 
     /// Sparse `(flat index l*E+e, count)` pairs -> signature. Repeated indices add up.
     pub fn from_sparse<I: SparseIndex, T: CountValue>(&self, index: &[I], counts: &[T]) -> Result<SparseSignature, NoSignature> {
-        let mut sig = SparseSignature::with_capacity(index.len());
-        let ascending = self.fold_sparse(index, counts, |i, x| {
-            sig.index.push(i);
-            sig.value.push(x);
-        })?;
-        if !ascending {
-            sig = Self::sort_merge(sig);
-        }
-        sig.norm = Self::norm_of(&sig.value)?;
+        let mut sig = SparseSignature::default();
+        self.fill_sparse(index, counts, &mut sig)?;
         Ok(sig)
     }
 
@@ -284,19 +288,43 @@ impl SignatureSpec {
         self.from_dense(&counts)
     }
 
-    fn sort_merge(sig: SparseSignature) -> SparseSignature {
-        let mut pairs: Vec<(u32, f32)> = sig.index.into_iter().zip(sig.value).collect();
+    fn sort_merge(sig: &mut SparseSignature) {
+        let mut pairs: Vec<(u32, f32)> = sig.index.iter().copied().zip(sig.value.iter().copied()).collect();
         pairs.sort_unstable_by_key(|p| p.0);
-        let mut out = SparseSignature::with_capacity(pairs.len());
+        sig.index.clear();
+        sig.value.clear();
         for (i, v) in pairs {
-            if out.index.last() == Some(&i) {
-                *out.value.last_mut().unwrap() += v;
+            if sig.index.last() == Some(&i) {
+                *sig.value.last_mut().unwrap() += v;
             } else {
-                out.index.push(i);
-                out.value.push(v);
+                sig.index.push(i);
+                sig.value.push(v);
             }
         }
-        out
+    }
+}
+
+/// The L2 norm of a signature's values, or why there is no signature. Eight independent f32
+/// lanes (which vectorize) flushed into f64 every 64 values.
+pub fn norm_of(values: &[f32]) -> Result<f64, NoSignature> {
+    let mut n2 = 0f64;
+    for block in values.chunks(64) {
+        let mut lanes = [0f32; 8];
+        let mut chunks = block.chunks_exact(8);
+        for c in &mut chunks {
+            for i in 0..8 {
+                lanes[i] += c[i] * c[i];
+            }
+        }
+        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+        n2 += lanes.iter().map(|&v| v as f64).sum::<f64>() + tail as f64;
+    }
+    if !n2.is_finite() {
+        Err(NoSignature::NonFinite)
+    } else if n2 > 0.0 {
+        Ok(n2.sqrt())
+    } else {
+        Err(NoSignature::Empty)
     }
 }
 
