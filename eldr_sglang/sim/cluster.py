@@ -87,19 +87,21 @@ class _Worker:
 
 
 def routing_marginals(replay: TraceReplay) -> np.ndarray:
-    """[L, E]: probability that one token of the trace selects expert e at layer l."""
+    """[L, E]: probability that one replayed decode token selects expert e at layer l."""
     cached = getattr(replay, "_marginals", None)
     if cached is not None:
         return cached
+    L, E = replay.num_layers, replay.num_experts
     try:
         from eldr_sglang._core import count_topk
-
-        counts = np.asarray(count_topk(replay.expert_ids, replay.num_experts), dtype=np.float64)
     except ImportError:  # pragma: no cover
-        counts = np.zeros((replay.num_layers, replay.num_experts))
-        for l in range(replay.num_layers):
-            counts[l] = np.bincount(replay.expert_ids[:, l].ravel(), minlength=replay.num_experts)
-    p = counts / max(len(replay.expert_ids), 1)
+        def count_topk(ids, e):
+            return np.stack([np.bincount(ids[:, l].ravel(), minlength=e) for l in range(ids.shape[1])])
+    counts = np.zeros((L, E), dtype=np.float64)
+    ids = replay.expert_ids
+    for s, n in zip(replay.dec_start.tolist(), replay.dec_len.tolist()):
+        counts += np.asarray(count_topk(ids[s : s + n], E))
+    p = counts / max(int(replay.dec_len.sum()), 1)
     replay._marginals = p
     return p
 
