@@ -1,9 +1,9 @@
 """Per-request expert counts, accumulated on the device during prefill (torch).
 
 The MoE layers already produce each token's top-k expert ids. `capture(layer, topk_ids)`
-adds them into a device tensor `counts[slot, moe_layer, expert]` with one `index_add_`, where
-`slot` is the request's row in SGLang's ReqToTokenPool (stable across chunked-prefill
-chunks). Nothing is read back per token: the host reads one [L, E] row per request when its
+adds them into a device tensor `counts[slot, moe_layer, expert]` with one accumulating
+`index_put_`, where `slot` is the request's row in SGLang's ReqToTokenPool (stable across
+chunked-prefill chunks). Nothing is read back per token: the host reads one [L, E] row per request when its
 prefill completes (`take`).
 
 - Dense layers never call the capture hook in SGLang; a layer id outside `moe_layers` is
@@ -144,7 +144,9 @@ class SignatureAccumulator:
         ids = topk_ids.to(torch.int64)
         ids = torch.where((ids >= 0) & (ids < self.num_experts), ids, self.num_experts)
         base = (self._token_slot[:n] * L + row) * E1
-        self._flat.index_add_(0, (base[:, None] + ids).reshape(-1), self._ones[: n * k])
+        # index_put_(accumulate=True) has a deterministic kernel, so this also runs under
+        # torch.use_deterministic_algorithms (integer sums are exact either way).
+        self._flat.index_put_(((base[:, None] + ids).reshape(-1),), self._ones[: n * k], accumulate=True)
 
     # ------------------------------------------------------------------ readout
     def take(self, slots: list[int]) -> tuple[np.ndarray, list[bool], list[int]]:
