@@ -191,7 +191,10 @@ def drift_setup(tmp_path_factory):
     fit.write(path)
     cs = _core.CentroidSet.open(path)
     S, valid = cs.spec().batch_from_topk(tr.expert_ids, tr.req_offsets.astype(np.int64), tr.prefill_len.astype(np.int64))
-    return {"path": path, "S": S, "valid": valid, "phase": ph, "dir": d}
+    from eldr_sglang.traces import save_trace
+
+    save_trace(tr, str(d / "t.npz"))
+    return {"path": path, "S": S, "valid": valid, "phase": ph, "dir": d, "trace": str(d / "t.npz")}
 
 
 def test_monitor_on_a_real_fit_fires_on_the_new_mix_only(drift_setup):
@@ -213,8 +216,9 @@ def test_monitor_on_a_real_fit_fires_on_the_new_mix_only(drift_setup):
 def test_refit_file_keeps_spec_records_provenance_and_remaps(drift_setup, tmp_path):
     parent = _core.CentroidSet.open(drift_setup["path"])
     A = drift_setup["S"][(drift_setup["phase"] == 0) & drift_setup["valid"]]
+    cal = drift_setup["S"][(drift_setup["phase"] == -1) & drift_setup["valid"]]
     out = str(tmp_path / "refit.eldr")
-    summary = refit_file(drift_setup["path"], A, out, reason="test", seed=0)
+    summary = refit_file(drift_setup["path"], cal, out, reason="test", seed=0)
     new = _core.CentroidSet.open(out)
     assert np.array_equal(new.layer_weights(), parent.layer_weights()) and np.array_equal(new.idf(), parent.idf())
     assert new.worker_names == parent.worker_names and new.tau == parent.tau
@@ -222,8 +226,9 @@ def test_refit_file_keeps_spec_records_provenance_and_remaps(drift_setup, tmp_pa
     assert prov["tool"] == "eldr refit" and prov["refit"]["parent_checksum"] == parent.checksum
     assert prov["lineage"][-1]["checksum"] == parent.checksum
     DriftMonitor.from_centroid_set(new)  # the new baseline is usable
-    # same traffic as the fit -> the refit lands on (nearly) the same centroids, same workers
-    assert summary["mapping"] != [] and summary["mean_centroid_similarity"] > 0.9
+    # refit on the fit's own calibration set -> near the fit's centroids (K-means may settle in
+    # another local optimum for a cluster or two, hence a mean rather than a minimum)
+    assert sorted(summary["mapping"]) == list(range(K)) and summary["mean_centroid_similarity"] > 0.8, summary
     # least disturbance: no other worker order of the new centroids is closer to the old ones
     assert remap_to_workers(parent.centroids(), new.centroids())[0].tolist() == list(range(K))
     assert sum(summary["cluster_sizes"]) == summary["n_signatures"]
@@ -361,3 +366,25 @@ def test_controller_background_process(drift_setup, tmp_path):
         assert json.loads(router.centroid_set().provenance_json)["refit"]["reason"] == "bg"
     finally:
         ctl.close()
+
+
+# ------------------------------------------------------------------------------------ CLI
+def test_cli_drift_check_and_refit(drift_setup, tmp_path, capsys):
+    from eldr_sglang.cli.refit import main
+
+    ph = drift_setup["phase"]
+    a0, a1 = int(np.argmax(ph == 0)), int(np.argmax(ph == 1))
+    assert main(["drift-check", drift_setup["path"], "--trace", drift_setup["trace"], "--requests", f"{a0}:{a1}"]) == 0
+    assert "no drift reported" in capsys.readouterr().out
+    assert main(["drift-check", drift_setup["path"], "--trace", drift_setup["trace"], "--requests", f"{a0}:", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["drift_at_request"] is not None and out["drift_at_request"] >= a1
+    new = str(tmp_path / "new.eldr")
+    assert main(["refit", drift_setup["path"], "--trace", drift_setup["trace"], "--requests", f"{a1}:", "--out", new]) == 0
+    assert "refitted" in capsys.readouterr().out
+    assert json.loads(_core.CentroidSet.open(new).provenance_json)["refit"]["requests"] == [a1, len(ph)]
+    assert main(["refit", drift_setup["path"], "--trace", drift_setup["trace"], "--requests", "9:3"]) == 1
+    err = capsys.readouterr().err
+    assert "outside" in err and "Traceback" not in err
+    assert main(["drift-check", str(tmp_path / "nope.eldr"), "--trace", drift_setup["trace"]]) == 1
+    assert "error" in capsys.readouterr().err
