@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -334,11 +334,14 @@ def domain_mixtures(D: int, params: SynthParams, rng: np.random.Generator) -> np
     return params.domain_focus * home + (1.0 - params.domain_focus) * spread
 
 
-def token_concepts(wl: Workload, params: SynthParams, rng: np.random.Generator) -> np.ndarray:
+def token_concepts(wl: Workload, params: SynthParams, rng: np.random.Generator,
+                   w_dom: np.ndarray | None = None) -> np.ndarray:
     """int32 [T]: the concept of every token row (prefill rows draw from the request's own
-    mixture, decode rows from decode_mix * own + (1 - decode_mix) * domain)."""
+    mixture, decode rows from decode_mix * own + (1 - decode_mix) * domain). The domain
+    mixtures are drawn from rng first unless given."""
     C, D, R = params.concepts, len(wl.domain_weights), len(wl.domain)
-    w_dom = domain_mixtures(D, params, rng)
+    if w_dom is None:
+        w_dom = domain_mixtures(D, params, rng)
     conc = params.request_concentration * np.exp(params.concentration_spread * rng.standard_normal(R))
     w_req = _dirichlet(conc[:, None] * w_dom[wl.domain] + 1e-6, rng)
     w_dec = params.decode_mix * w_req + (1.0 - params.decode_mix) * w_dom[wl.domain]
@@ -353,6 +356,73 @@ def token_concepts(wl: Workload, params: SynthParams, rng: np.random.Generator) 
     u = rng.random(req.size)
     idx = np.searchsorted(flat, row + u, side="right")
     return np.minimum(idx - row * C, C - 1).astype(np.int32)
+
+
+@dataclass
+class _Setup:
+    shape: dict
+    params: SynthParams
+    wl: Workload
+    model: RoutingModel
+    pools: list
+    dtype: type
+    meta: dict
+    names: np.ndarray
+    rng_concept: np.random.Generator
+    rng_tok: np.random.Generator
+
+
+def _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
+           regime_len, burst_prob, burst_rate, domain_weights, params) -> _Setup:
+    shape = model_shape(model)
+    params = params or SynthParams()
+    params.validate()
+    L, E, k = shape["num_layers"], shape["num_experts"], shape["top_k"]
+    ss = np.random.SeedSequence(int(seed))
+    rng_work, rng_model, rng_concept, rng_pool, rng_tok = (np.random.default_rng(s) for s in ss.spawn(5))
+    wl = make_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
+                       regime_len, burst_prob, burst_rate, domain_weights)
+    dtype = np.uint8 if E <= 256 else np.int16
+    rm = RoutingModel.uniform(L, E) if uniform else RoutingModel.sample(L, E, params, rng_model)
+    P = params.pool_size
+    pools = [_row_view(rm.pools(l, k, P, rng_pool).astype(dtype)) for l in range(L)]
+    meta = {
+        "model": shape["hf_id"],
+        "num_layers": L,
+        "num_experts": E,
+        "top_k": k,
+        "source": "eldr synth",
+        "note": ("synthetic uniform (no-locality) control" if uniform else
+                 "synthetic domain-skewed routing; domain labels are for evaluation only"),
+        "synth": {
+            "model": model, "requests": int(requests), "domains": int(domains), "uniform": bool(uniform),
+            "seed": int(seed), "burstiness": float(burstiness), "rate": float(rate),
+            "regime_len": float(regime_len), "burst_prob": float(burst_prob), "burst_rate": float(burst_rate),
+            "params": dataclasses.asdict(params),
+        },
+    }
+    names = np.array([f"domain{d}" for d in range(domains)])
+    return _Setup(shape, params, wl, rm, pools, dtype, meta, names, rng_concept, rng_tok)
+
+
+def _fill(st: _Setup, tok_c: np.ndarray, rng_tok: np.random.Generator, progress, chunk_tokens: int) -> np.ndarray:
+    """[T, L, k] ids: every token row gathers a pre-sampled top-k set of its concept's pool."""
+    L, k = st.shape["num_layers"], st.shape["top_k"]
+    T, P = tok_c.size, st.params.pool_size
+    ids = np.empty((T, L, k), dtype=st.dtype)
+    if T == 0:
+        return ids
+    rows = _row_view(ids.reshape(T * L, k)).reshape(T, L)
+    base_idx = tok_c.astype(np.int64) * P
+    for start in range(0, T, chunk_tokens):
+        stop = min(T, start + chunk_tokens)
+        b = base_idx[start:stop]
+        for l in range(L):
+            j = rng_tok.integers(0, P, size=stop - start, dtype=np.int64)
+            rows[start:stop, l] = st.pools[l][b + j]
+        if progress is not None:
+            progress(stop - start)
+    return ids
 
 
 def generate(
@@ -381,60 +451,68 @@ def generate(
     decodes exactly that many tokens), a (lo, hi) pair or one integer per request.
     `progress(n)` is called with the number of token rows just finished.
     """
-    shape = model_shape(model)
-    params = params or SynthParams()
-    params.validate()
-    L, E, k = shape["num_layers"], shape["num_experts"], shape["top_k"]
-    ss = np.random.SeedSequence(int(seed))
-    rng_work, rng_model, rng_concept, rng_pool, rng_tok = (np.random.default_rng(s) for s in ss.spawn(5))
-    wl = make_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
-                       regime_len, burst_prob, burst_rate, domain_weights)
-    off = wl.req_offsets
-    T = int(off[-1])
-    dtype = np.uint8 if E <= 256 else np.int16
-    ids = np.empty((T, L, k), dtype=dtype)
-    if uniform:
-        rm = RoutingModel.uniform(L, E)
-        tok_c = np.zeros(T, dtype=np.int32)
-    else:
-        rm = RoutingModel.sample(L, E, params, rng_model)
-        tok_c = token_concepts(wl, params, rng_concept)
-    P = params.pool_size
-    pools = [_row_view(rm.pools(l, k, P, rng_pool).astype(dtype)) for l in range(L)]
-    rows = _row_view(ids.reshape(T * L, k)).reshape(T, L) if T else None
-    base_idx = tok_c.astype(np.int64) * P
-    for start in range(0, T, chunk_tokens):
-        stop = min(T, start + chunk_tokens)
-        b = base_idx[start:stop]
-        for l in range(L):
-            j = rng_tok.integers(0, P, size=stop - start, dtype=np.int64)
-            rows[start:stop, l] = pools[l][b + j]
-        if progress is not None:
-            progress(stop - start)
-    names = np.array([f"domain{d}" for d in range(domains)])
-    meta = {
-        "model": shape["hf_id"],
-        "num_layers": L,
-        "num_experts": E,
-        "top_k": k,
-        "source": "eldr synth",
-        "note": ("synthetic uniform (no-locality) control" if uniform else
-                 "synthetic domain-skewed routing; domain labels are for evaluation only"),
-        "synth": {
-            "model": model, "requests": int(requests), "domains": int(domains), "uniform": bool(uniform),
-            "seed": int(seed), "burstiness": float(burstiness), "rate": float(rate),
-            "regime_len": float(regime_len), "burst_prob": float(burst_prob), "burst_rate": float(burst_rate),
-            "params": dataclasses.asdict(params),
-        },
-    }
+    st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
+                regime_len, burst_prob, burst_rate, domain_weights, params)
+    wl = st.wl
+    T = int(wl.req_offsets[-1])
+    tok_c = np.zeros(T, dtype=np.int32) if uniform else token_concepts(wl, st.params, st.rng_concept)
+    ids = _fill(st, tok_c, st.rng_tok, progress, chunk_tokens)
     return Trace(
         expert_ids=ids,
-        req_offsets=off,
+        req_offsets=wl.req_offsets,
         prefill_len=wl.prefill_len.astype(np.int32),
-        meta=meta,
-        domain=names[wl.domain],
+        meta=st.meta,
+        domain=st.names[wl.domain],
         arrival_s=wl.arrival_s.astype(np.float64),
     )
+
+
+def iter_generate(
+    model: str = "gpt-oss-20b",
+    requests: int = 1000,
+    domains: int = 8,
+    uniform: bool = False,
+    seed: int = 0,
+    prompt_len=(128, 512),
+    output_len=256,
+    burstiness: float = 0.7,
+    rate: float = 4.0,
+    *,
+    chunk_requests: int = 10000,
+    regime_len: float = 64.0,
+    burst_prob: float = 0.3,
+    burst_rate: float = 3.0,
+    domain_weights: Sequence[float] | None = None,
+    params: SynthParams | None = None,
+) -> Iterator[Trace]:
+    """The same workload as generate() (same arguments and seed: identical domains, lengths
+    and arrival times) as a stream of traces of at most `chunk_requests` requests each, for
+    request counts whose tokens do not fit in memory. One model instance serves all chunks;
+    the routing draws differ from generate()'s, and depend on chunk_requests."""
+    if chunk_requests < 1:
+        raise ValueError(f"chunk_requests must be >= 1, got {chunk_requests}")
+    st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
+                regime_len, burst_prob, burst_rate, domain_weights, params)
+    wl = st.wl
+    w_dom = None if uniform else domain_mixtures(len(wl.domain_weights), st.params, st.rng_concept)
+    R = len(wl.domain)
+    for ci, a in enumerate(range(0, R, chunk_requests)):
+        b = min(R, a + chunk_requests)
+        sub = Workload(domain=wl.domain[a:b], prefill_len=wl.prefill_len[a:b], decode_len=wl.decode_len[a:b],
+                       arrival_s=wl.arrival_s[a:b], regime=wl.regime[a:b], domain_weights=wl.domain_weights)
+        rng_c, rng_t = (np.random.default_rng(s) for s in np.random.SeedSequence([int(seed), 1, ci]).spawn(2))
+        T = int(sub.req_offsets[-1])
+        tok_c = np.zeros(T, dtype=np.int32) if uniform else token_concepts(sub, st.params, rng_c, w_dom)
+        meta = dict(st.meta)
+        meta["synth"] = {**st.meta["synth"], "chunk": ci, "first_request": a, "chunk_requests": chunk_requests}
+        yield Trace(
+            expert_ids=_fill(st, tok_c, rng_t, None, 1 << 20),
+            req_offsets=sub.req_offsets,
+            prefill_len=sub.prefill_len.astype(np.int32),
+            meta=meta,
+            domain=st.names[sub.domain],
+            arrival_s=sub.arrival_s.astype(np.float64),
+        )
 
 
 def workload_like(trace: Trace) -> dict:

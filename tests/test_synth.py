@@ -181,3 +181,24 @@ def test_cli_synth(tmp_path, capsys):
     assert main(["synth", "--model", "gpt-oss-20b", "--requests", "0", "--out", str(tmp_path / "x.npz")]) == 1
     assert "--requests must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "x.npz").exists()
+
+
+def test_iter_generate_streams_the_same_workload():
+    kw = dict(requests=260, domains=5, seed=11, prompt_len=(20, 60), output_len=24)
+    whole = synth.generate("gpt-oss-20b", **kw)
+    chunks = list(synth.iter_generate("gpt-oss-20b", chunk_requests=100, **kw))
+    assert [c.num_requests for c in chunks] == [100, 100, 60]
+    for c in chunks:
+        c.validate()
+    np.testing.assert_array_equal(np.concatenate([c.domain for c in chunks]), whole.domain)
+    np.testing.assert_array_equal(np.concatenate([c.arrival_s for c in chunks]), whole.arrival_s)
+    np.testing.assert_array_equal(np.concatenate([c.prefill_len for c in chunks]), whole.prefill_len)
+    # one model instance and the same domain mixtures: the routing statistics agree
+    from eldr_sglang.traces import Trace
+    ids = np.concatenate([c.expert_ids for c in chunks])
+    joined = Trace(ids, whole.req_offsets, whole.prefill_len, dict(whole.meta), domain=whole.domain)
+    mi_whole = ts.domain_mutual_information(whole).mean()
+    mi_joined = ts.domain_mutual_information(joined).mean()
+    assert abs(mi_joined - mi_whole) < 0.25 * mi_whole, (mi_joined, mi_whole)
+    with pytest.raises(ValueError, match="chunk_requests"):
+        next(synth.iter_generate("gpt-oss-20b", requests=3, chunk_requests=0))
