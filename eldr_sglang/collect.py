@@ -8,7 +8,8 @@ server applies the model's chat template (the routed experts then come back in
 (srt/managers/io_struct.py GenerateReqInput, srt/entrypoints/openai/protocol.py). The server
 must run with `--enable-return-routed-experts`.
 
-- Concurrency: a thread pool of `concurrency` workers, stdlib urllib only.
+- Concurrency: `concurrency` daemon worker threads, stdlib urllib only (Ctrl-C returns at
+  once; requests still running are dropped and re-sent on the next run).
 - Resumable: every answered request is appended (one JSON line, flushed) to a checkpoint
   `<out>.partial.jsonl` next to the output, keyed by a hash of the request it answers. A
   re-run skips every prompt whose request is already there; a torn last line (an
@@ -27,12 +28,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -317,7 +318,6 @@ def collect(
             tick = None
     failed: list[tuple[int, str]] = []
     fatal: list[str] = []
-    lock = threading.Lock()
     base = cfg.url.rstrip("/")
 
     def work(i: int) -> dict:
@@ -334,65 +334,70 @@ def collect(
         raise AssertionError("unreachable")
 
     sent = 0
-    pool = None
+    # Daemon worker threads fed through queues (not a ThreadPoolExecutor, whose non-daemon
+    # workers would hold Ctrl-C until every in-flight request finished or timed out).
+    tasks: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+
+    def worker() -> None:
+        while True:
+            i = tasks.get()
+            if i is None:
+                return
+            try:
+                results.put((i, work(i), None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                results.put((i, None, exc))
+
+    threads = [threading.Thread(target=worker, daemon=True, name=f"eldr-collect-{n}")
+               for n in range(min(cfg.concurrency, max(1, len(todo))))]
+    for t in threads:
+        t.start()
+    source = iter(todo)
+    in_flight = 0
     try:
-        pool = ThreadPoolExecutor(max_workers=cfg.concurrency)
         with open(ckpt, "a", encoding="utf-8") as fh:
-            pending: dict[Future, int] = {}
-            queue = iter(todo)
-
-            def submit_more():
-                while len(pending) < 2 * cfg.concurrency and not fatal:
-                    i = next(queue, None)
+            while True:
+                while not fatal and in_flight < 2 * len(threads):
+                    i = next(source, None)
                     if i is None:
-                        return
-                    pending[pool.submit(work, i)] = i
-
-            submit_more()
-            while pending:
-                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    i = pending.pop(fut)
-                    sent += 1
-                    try:
-                        resp = fut.result()
-                    except (_Transient, _Permanent) as exc:
-                        failed.append((i, str(exc)))
-                        if isinstance(exc, _Transient) and "cannot reach" in str(exc):
-                            fatal.append(str(exc))
-                        continue
-                    rec = {"key": keys[i], "index": i, "domain": prompts[i].domain, "response": _compact(resp)}
-                    with lock:
-                        fh.write(json.dumps(rec) + "\n")
-                        fh.flush()
-                    try:
-                        resp_for_parse = dict(rec["response"])
-                        parsed[keys[i]] = response_routing(resp_for_parse, cfg.spec, where=f"prompt {i}")
-                    except RoutedExpertsError as exc:
-                        fatal.append(str(exc))
-                    if tick:
-                        tick(1)
-                if fatal:
-                    for f in pending:
-                        f.cancel()
-                    # wait for the requests already running, then stop
-                    for f in list(pending):
-                        if not f.cancelled():
-                            try:
-                                f.result()
-                            except Exception:
-                                pass
-                    pending.clear()
+                        break
+                    tasks.put(i)
+                    in_flight += 1
+                if in_flight == 0:
                     break
-                submit_more()
+                i, resp, exc = results.get()
+                in_flight -= 1
+                sent += 1
+                if exc is not None:
+                    if not isinstance(exc, (_Transient, _Permanent)):
+                        raise exc
+                    failed.append((i, str(exc)))
+                    if isinstance(exc, _Transient) and "cannot reach" in str(exc):
+                        fatal.append(str(exc))  # stop feeding; let the in-flight ones land
+                    continue
+                rec = {"key": keys[i], "index": i, "domain": prompts[i].domain, "response": _compact(resp)}
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                try:
+                    parsed[keys[i]] = response_routing(rec["response"], cfg.spec, where=f"prompt {i}")
+                except RoutedExpertsError as exc2:
+                    fatal.append(str(exc2))
+                if tick:
+                    tick(1)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(parsed)} answers are kept in {ckpt}; run the same command again to resume",
               file=sys.stderr)
         raise
     finally:
-        # on an interruption, queued requests are dropped; running ones finish unrecorded
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        # queued requests are dropped; running ones finish unrecorded in daemon threads
+        while True:
+            try:
+                tasks.get_nowait()
+            except queue.Empty:
+                break
+        for _ in threads:
+            tasks.put(None)
         if bar is not None:
             bar.close()
     if fatal:

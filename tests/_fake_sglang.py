@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import threading
+import time
 import zlib
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,10 +42,12 @@ def routing_for(text: str, completion_tokens: int, hidden=HIDDEN, dense=DENSE, k
 
 
 class FakeSGLang:
-    def __init__(self, return_experts: bool = True, die_after: int | None = None, hidden: int = HIDDEN):
+    def __init__(self, return_experts: bool = True, die_after: int | None = None, hidden: int = HIDDEN,
+                 delay_s: float = 0.0):
         self.return_experts = return_experts
         self.die_after = die_after
         self.hidden = hidden
+        self.delay_s = delay_s  # answer this much later (manual Ctrl-C checks)
         self.received = Counter()  # prompt text -> requests received
         self.answered = 0
         self.lock = threading.Lock()
@@ -88,6 +92,8 @@ class FakeSGLang:
                     return self._send(400, {"error": {"message": "bad request (injected)"}})
                 if fail:
                     return self._send(500, {"error": {"message": "internal server error (injected)"}})
+                if fake.delay_s:
+                    time.sleep(fake.delay_s)
                 P = len(text.split())
                 b64 = base64.b64encode(routing_for(text, max_new, hidden=fake.hidden).tobytes()).decode()
                 if self.path == "/generate":
@@ -106,7 +112,12 @@ class FakeSGLang:
                     resp["sglext"] = {"routed_experts": b64}
                 return self._send(200, resp)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # a client that went away: not news
+                if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
