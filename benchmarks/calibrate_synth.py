@@ -243,7 +243,9 @@ def write_markdown(path: Path, real_stats, syn, uni, params, tolerances):
     lines += ["", "Fit: per layer, a damped Newton solve of (g_l, s_l) on (entropy, MI) with common random "
               "numbers over the fit seeds; the global parameters come from the grid searches logged in "
               "`synth_calibration_search.log`. Scales are capped (g <= 4, s <= 8) so that no layer routes "
-              "deterministically; the capped middle layers (10-13) therefore fall short of the real MI."]
+              "deterministically (at the capped layers a concept's most common top-k set takes about 55 % of its "
+              "tokens on GPT-OSS, under 20 % on DeepSeek-V3; uncapped it approaches 100 %); the capped middle "
+              "layers (10-13) therefore fall short of the real MI."]
     path.write_text("\n".join(lines) + "\n")
 
 
