@@ -211,7 +211,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn fused_matches_reference(k in prop::sample::select(vec![1usize, 3, 4, 8, 16, 32]), counts in prop::collection::vec(0u32..40, 60), seed in 0u64..1000, shuffle in any::<bool>()) {
+        fn fused_matches_reference(k in prop::sample::select(vec![1usize, 3, 4, 8, 16, 32, 64]), counts in prop::collection::vec(0u32..40, 60), seed in 0u64..1000, shuffle in any::<bool>()) {
             let dir = tempfile::tempdir().unwrap();
             let set = set(k, seed, dir.path());
             let spec = set.spec();
