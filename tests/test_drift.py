@@ -388,3 +388,63 @@ def test_cli_drift_check_and_refit(drift_setup, tmp_path, capsys):
     assert "outside" in err and "Traceback" not in err
     assert main(["drift-check", str(tmp_path / "nope.eldr"), "--trace", drift_setup["trace"]]) == 1
     assert "error" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ router service hook
+def test_router_hook_metrics_status_and_post_refit(drift_setup):
+    """The drift hook on the real router app (no workers needed for these endpoints):
+    GET /eldr/drift, POST /eldr/refit (422 too few, 400 bad body, 202 accepted), /metrics
+    gauges, and the router's reload loop picking up the refitted file."""
+    pytest.importorskip("aiohttp")
+    import asyncio
+    import shutil
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from eldr_sglang.drift.router_hook import install
+    from eldr_sglang.router.app import build_app
+    from eldr_sglang.router.config import PrefillWorker, RouterConfig
+    from eldr_sglang.traces import load_trace
+
+    path = str(drift_setup["dir"] / "router.eldr")
+    shutil.copyfile(drift_setup["path"], path)
+    cfg = RouterConfig(prefill=[PrefillWorker("http://127.0.0.1:9", None, "127.0.0.1")],
+                       decode=[f"http://127.0.0.1:{10 + k}" for k in range(K)], centroids=path, bind="early",
+                       health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20,
+                       extra={"drift": {"executor": "inline", "cooldown_s": 0, "window": 64, "check_interval_s": 0.02, "refit_on_drift": False,
+                                        "reservoir_capacity": 512, "reservoir_horizon": 512}})
+    app = build_app(cfg)
+    pd = next(v for v in app.values() if hasattr(v, "router") and hasattr(v, "cfg"))
+    hook = install(app, pd)
+    assert hook is not None and pd.drift is hook
+    tr = load_trace(drift_setup["trace"])
+    E = tr.num_experts
+
+    async def main():
+        async with TestClient(TestServer(app)) as c:
+            r = await c.get("/eldr/drift")
+            assert r.status == 200 and (await r.json())["monitor"]["observations"] == 0
+            r = await c.post("/eldr/refit")
+            assert r.status == 422 and "needs" in (await r.json())["message"]
+            r = await c.post("/eldr/refit", data=b"{oops", headers={"Content-Type": "application/json"})
+            assert r.status == 400
+            for i in np.flatnonzero(drift_setup["phase"] == 0)[:400]:
+                counts = _core.count_topk(np.ascontiguousarray(tr.prefill_ids(int(i))), E)
+                hook.on_route(pd.router.route_dense(counts, explain=True), counts)
+            hook.on_route(pd.router.route_signature(None, explain=True), None)  # a fallback: counted, not stored
+            r = await c.post("/eldr/refit", json={"force": True, "reason": "test"})
+            assert r.status == 202, await r.text()
+            for _ in range(200):
+                if pd.router.centroid_generation == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert pd.router.centroid_generation == 2
+            st = await (await c.get("/eldr/drift")).json()
+            assert st["refits"] == 1 and st["last_ok"] and st["last_reason"] == "test"
+            assert st["monitor"]["observations"] == 400 and st["monitor"]["no_signature"] == 1
+            text = await (await c.get("/metrics")).text()
+            assert "eldr_drift_mean_d_star" in text and 'eldr_refits_total{result="ok"} 1.0' in text
+            assert "eldr_reservoir_signatures" in text
+
+    asyncio.run(main())
+    assert json.loads(_core.CentroidSet.open(path).provenance_json)["refit"]["reason"] == "test"

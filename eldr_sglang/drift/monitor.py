@@ -100,6 +100,7 @@ class DriftMonitor:
         min_std: float = 1e-3,
         generation: int | None = None,
         baseline_loader: Callable[[], dict | str] | None = None,
+        on_window: Callable[[dict], None] | None = None,
     ):
         if int(window) < 8:
             raise ValueError(f"window must be >= 8 routed requests, got {window}")
@@ -113,6 +114,7 @@ class DriftMonitor:
         self.patience = int(patience)
         self.min_std = float(min_std)
         self.baseline_loader = baseline_loader
+        self.on_window = on_window  # called with each closed window's statistics (e.g. to log)
         self._lock = threading.Lock()
         self._history: deque = deque(maxlen=int(history))
         self.observations = 0
@@ -197,10 +199,14 @@ class DriftMonitor:
             self._sum += d_star
             self._sumsq += d_star * d_star
             self._counts[nearest] += 1
-            if self._n >= self.window:
-                self._close_window()
+            closed = self._close_window() if self._n >= self.window else None
+        if closed is not None and self.on_window is not None:
+            try:
+                self.on_window(closed)
+            except Exception:  # a logging callback must never break routing
+                pass
 
-    def _close_window(self) -> None:
+    def _close_window(self) -> dict:
         n = self._n
         mean = self._sum / n
         var = max(0.0, self._sumsq / n - mean * mean)
@@ -238,6 +244,7 @@ class DriftMonitor:
         }
         self._history.append(self._last)
         self._reset_window()
+        return self._last
 
     # ------------------------------------------------------------------ reading
     def drifted(self) -> tuple[bool, str]:
