@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eldr_sglang import synth, trace_stats as ts  # noqa: E402
-from eldr_sglang.traces import Trace, load_trace, save_trace  # noqa: E402
+from eldr_sglang.traces import Trace, load_trace  # noqa: E402
 
 FIT_SEEDS = (11, 12, 13, 14, 15, 16, 17, 18)
 EVAL_SEEDS = (100, 101, 102, 103, 104, 105, 106, 107)
@@ -97,9 +97,10 @@ def _mean_stats(ctxs, layer, g, s, full=False) -> dict:
     return {key: float(np.mean([a[key] for a in all_])) for key in all_[0]}
 
 
-def fit_layer(ctxs, layer, target_h, target_mi, x0=(np.log(0.5), np.log(1.5)), iters=10):
+def fit_layer(ctxs, layer, target_h, target_mi, x0=None, iters=10):
     """Damped Newton in (log g, log s) on (entropy, MI)."""
     lo, hi = np.log([0.02, 0.02]), np.log([G_MAX, S_MAX])
+    x0 = (np.log(0.5), np.log(1.5)) if x0 is None else x0
     x = np.clip(np.array(x0, dtype=np.float64), lo, hi)
     y = np.array([target_h, target_mi])
 
@@ -276,7 +277,6 @@ def main(argv=None) -> int:
         fit_log = None
     else:
         seeds = FIT_SEEDS[:1] if args.quick else FIT_SEEDS[: args.fit_seeds]
-        t_fit = time.time()
         grid_a = [float(x) for x in args.alpha_grid.split(",")]
         grid_r = [float(x) for x in args.concentration_grid.split(",")]
         fit_log = []

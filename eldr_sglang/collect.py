@@ -326,7 +326,7 @@ def collect(
         for attempt in range(cfg.retries + 1):
             try:
                 return _post(base + ep, body, cfg.timeout_s, cfg.api_key)
-            except _Transient as exc:
+            except _Transient:
                 if attempt == cfg.retries:
                     raise
                 time.sleep(delay)

@@ -37,7 +37,7 @@ gather of k bytes per layer. The default parameters come from `calibrate_synth.p
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
