@@ -148,3 +148,23 @@ def test_restarts_on_subsample_are_deterministic():
     assert a.restarts_on_subsample == 500
     assert np.array_equal(a.assignment, b.assignment)
     assert sorted(np.bincount(a.assignment).tolist()) == [600] * 5
+
+
+def test_matches_transportation_lp_beyond_hungarian_sizes():
+    """At N=4000 (too slow for replicated-column Hungarian in a unit test) the transportation
+    LP solved by HiGHS gives the same optimum; the LP is integral, so this is the optimum."""
+    from scipy.optimize import linprog
+
+    rng = np.random.default_rng(21)
+    n, k = 4001, 6
+    C = _cost(rng, "cosine", n, k)
+    _, _, info = balanced_assign(C)
+    q, r = balanced_sizes(n, k)
+    a_eq = sp.kron(sp.eye(n), np.ones((1, k))).tocsr()
+    col = sp.kron(np.ones((1, n)), sp.eye(k))
+    a_ub = sp.vstack([col, -col]).tocsr()
+    b_ub = np.concatenate([np.full(k, q + 1), -np.full(k, q)])
+    lp = linprog(C.ravel(), A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(n), bounds=(0, 1), method="highs")
+    assert lp.status == 0
+    assert info.optimal
+    assert abs(info.objective - lp.fun) <= 1e-9 * abs(lp.fun)

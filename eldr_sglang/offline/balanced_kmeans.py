@@ -185,6 +185,17 @@ def _greedy_repair(CT, assign, target):
 
 
 class _ClusterGraph:
+    """Edge weights W[a, b] = min over points i of cluster a of C[i, b] - C[i, a].
+
+    Recomputing a row from all of a's points costs O(|a| K); cycle cancelling changes a
+    few points at a time, so each row keeps, per target b, the CAND cheapest points of a
+    (sorted, from the last rebuild) plus the points that arrived since. The row minimum
+    is the first listed point still in a, or a cheaper arrival; that is exact because
+    every unlisted point costs at least as much as the last listed one. A row is rebuilt
+    only when one of its lists runs dry or too many points arrived."""
+
+    CAND = 64
+
     def __init__(self, CT: np.ndarray, assign: np.ndarray):
         self.CT = CT
         self.K = CT.shape[0]
@@ -194,19 +205,68 @@ class _ClusterGraph:
         self.members = [order[bounds[a] : bounds[a + 1]].copy() for a in range(self.K)]
         self.W = np.full((self.K, self.K), np.inf)
         self.Widx = np.full((self.K, self.K), -1, dtype=np.int64)
+        self.cand_i: list[np.ndarray] = [None] * self.K  # type: ignore[list-item]
+        self.cand_d: list[np.ndarray] = [None] * self.K  # type: ignore[list-item]
+        self.arrived: list[list[np.ndarray]] = [[] for _ in range(self.K)]
+        self.rebuilds = 0
         for a in range(self.K):
-            self._row(a)
+            self._rebuild(a)
 
-    def _row(self, a: int) -> None:
+    def _rebuild(self, a: int) -> None:
+        self.rebuilds += 1
         m = self.members[a]
+        self.arrived[a] = []
         if m.size == 0:
+            self.cand_i[a] = np.zeros((self.K, 0), dtype=np.int64)
+            self.cand_d[a] = np.zeros((self.K, 0))
             self.W[a] = np.inf
             self.Widx[a] = -1
+            return
+        D = self.CT[:, m] - self.CT[a, m][None, :]  # [K, |a|]
+        c = min(self.CAND, m.size)
+        if c < m.size:
+            part = np.argpartition(D, c - 1, axis=1)[:, :c]
         else:
-            sub = self.CT[:, m] - self.CT[a, m][None, :]
-            am = np.argmin(sub, axis=1)
-            self.W[a] = sub[np.arange(self.K), am]
-            self.Widx[a] = m[am]
+            part = np.broadcast_to(np.arange(m.size), (self.K, m.size))
+        dsel = np.take_along_axis(D, part, axis=1)
+        o = np.argsort(dsel, axis=1, kind="stable")
+        self.cand_i[a] = m[np.take_along_axis(part, o, axis=1)]
+        self.cand_d[a] = np.take_along_axis(dsel, o, axis=1)
+        self._refresh(a)
+
+    def _refresh(self, a: int) -> None:
+        ci, cd = self.cand_i[a], self.cand_d[a]
+        if ci.shape[1] == 0:
+            self.W[a] = np.inf
+            self.Widx[a] = -1
+            self.W[a, a] = np.inf
+            return
+        valid = self.assign[ci] == a  # [K, c]
+        has = valid.any(axis=1)
+        has[a] = True  # the diagonal is never used
+        if not has.all():
+            self._rebuild(a)
+            return
+        first = np.argmax(valid, axis=1)
+        rows = np.arange(self.K)
+        w = cd[rows, first]
+        wi = ci[rows, first]
+        if self.arrived[a]:
+            arr = np.unique(np.concatenate(self.arrived[a]))
+            arr = arr[self.assign[arr] == a]
+            self.arrived[a] = [arr]
+            if arr.size > self.CAND:
+                self._rebuild(a)
+                return
+            if arr.size:
+                Da = self.CT[:, arr] - self.CT[a, arr][None, :]
+                j = np.argmin(Da, axis=1)
+                da = Da[rows, j]
+                better = da < w
+                w = np.where(better, da, w)
+                wi = np.where(better, arr[j], wi)
+        self.W[a] = w
+        self.Widx[a] = wi
         self.W[a, a] = np.inf
 
     def move_many(self, pts: np.ndarray, a: int, b: int) -> None:
@@ -214,6 +274,10 @@ class _ClusterGraph:
         ma = self.members[a]
         self.members[a] = ma[~np.isin(ma, pts)] if len(pts) > 1 else ma[ma != pts[0]]
         self.members[b] = np.concatenate([self.members[b], pts])
+        self.arrived[b].append(np.asarray(pts, dtype=np.int64))
+
+    def _row(self, a: int) -> None:
+        self._refresh(a)
 
 
 def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> list[int] | None:

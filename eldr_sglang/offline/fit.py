@@ -177,6 +177,7 @@ def fit_trace(
         raise ValueError(f"K > N: {K} workers but only {n_valid} calibration requests with a usable signature")
     df = document_frequency(raw[valid], L, E)
     idf = compute_idf(df, n_valid, plus_one=idf_plus_one)
+    t_after_raw = time.perf_counter()
 
     # 2. layer weights
     auto = None
@@ -195,7 +196,7 @@ def fit_trace(
         weights = auto.weights
     else:
         weights = parse_layers(layers, L)
-    t_sig0 = time.perf_counter()
+    t_layers = time.perf_counter()
 
     # 3. final signatures through the Rust normalizer (the router's exact path)
     spec = make_spec(weights, idf)
@@ -252,6 +253,7 @@ def fit_trace(
             "iterations": int(km.iterations),
             "restart": int(km.restart),
             "restart_objectives": [float(o) for o in km.restart_objectives],
+            "restarts_on_subsample": int(km.restarts_on_subsample),
             "optimal_assignment": bool(km.optimal_assignment),
             "assign_seconds": float(km.assign_seconds),
             "signature_density": float(density),
@@ -284,7 +286,12 @@ def fit_trace(
     if trace.domain is not None:
         rep["domain_purity"] = rpt.domain_purity(np.asarray(trace.domain)[fitted], km.assignment, rng)
     rep["baseline"] = rpt.baseline_stats(X, km.centroids, tau)
-    rep["seconds"] = {"signatures": t_sig, "kmeans": t_km, "total": time.perf_counter() - t0}
+    rep["seconds"] = {
+        "signatures": t_sig - (t_layers - t_after_raw),
+        "layer_selection": t_layers - t_after_raw,
+        "kmeans": t_km,
+        "total": time.perf_counter() - t0,
+    }
 
     provenance = {
         "tool": "eldr fit",

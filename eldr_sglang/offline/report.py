@@ -184,7 +184,9 @@ def format_report(rep: dict) -> str:
     km = rep["kmeans"]
     add(
         f"  objective: {rep['objective']:.6f}  (mean {rep['objective'] / max(rep['n_fitted'], 1):.6f} per request; "
-        f"{km['iterations']} iterations, restarts {['%.4f' % o for o in km['restart_objectives']]}, "
+        f"{km['iterations']} iterations, restarts {['%.4f' % o for o in km['restart_objectives']]}"
+        + (f" on a {km['restarts_on_subsample']}-request subsample" if km.get("restarts_on_subsample") else "")
+        + ", "
         f"assignment optimal: {km['optimal_assignment']})"
     )
     c = rep["cosine"]
@@ -216,7 +218,11 @@ def format_report(rep: dict) -> str:
         f"  baseline for drift: mean d* {b['mean_d_star']:.4f} (p90 {b['p90_d_star']:.4f}), mean band size "
         f"{b['mean_band_size']:.2f}, nearest-centroid shares {[round(x, 3) for x in b['nearest_share']]}"
     )
-    add(f"  time: {rep['seconds']['total']:.1f} s (signatures {rep['seconds']['signatures']:.1f}, k-means {rep['seconds']['kmeans']:.1f})")
+    sec = rep["seconds"]
+    add(
+        f"  time: {sec['total']:.1f} s (signatures {sec['signatures']:.1f}, layer selection {sec['layer_selection']:.1f}, "
+        f"k-means {sec['kmeans']:.1f})"
+    )
     return "\n".join(lines)
 
 
