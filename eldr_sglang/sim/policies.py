@@ -5,6 +5,10 @@ shortest_queue, power_of_two, eldr); the simulator only feeds it prefill signatu
 keeps its in-flight counts with `acquire`/`release`. The oracle routes by domain label and
 exists for reference only: it is the one place labels enter the simulator, and they are
 handed to it explicitly (see `make_policy`).
+
+The simulator accepts any policy object with this protocol: `name`, `route(trace_request)
+-> worker` (called when the request's prefill completes), `acquire(worker, tokens) -> lease`
+(a lease with `release()`, called once when the request finishes) and `loads()`.
 """
 
 from __future__ import annotations
