@@ -120,3 +120,19 @@ def test_offload_misses_cost_host_link_time():
     full = ExecutionModel(get_model("mixtral-8x7b"), get_hardware("h100"), tp=2)
     part = ExecutionModel(get_model("mixtral-8x7b"), get_hardware("h100"), tp=2, offload_cache_experts=4)
     assert part.kv_capacity_tokens() > full.kv_capacity_tokens()
+
+
+def test_decode_step_time_by_hand():
+    """One configuration worked out from the datasheet numbers, term by term."""
+    m, hw = get_model("gpt-oss-20b"), get_hardware("h100")
+    em = ExecutionModel(m, hw, tp=1)
+    bw = 3.35e12 * 0.8
+    d = np.full(24, 4)
+    # batch 1, no KV: overhead + non-expert weights + 24 layers x 4 experts, all memory-bound
+    expect = 0.5e-3 + m.nonexpert_bytes_per_step() / bw + 24 * 4 * m.expert_bytes() / bw
+    assert em.decode_step_time(1, 0, d) == pytest.approx(expect, rel=1e-12)
+    # 1000 cached tokens: 12 full-attention layers read all, 12 sliding-window layers read 128
+    kv = (12 * 1000 + 12 * 128) * 2 * 8 * 64 * 2
+    assert em.decode_step_time(1, 1000, d) - em.decode_step_time(1, 0, d) == pytest.approx(kv / bw, rel=1e-9)
+    # MXFP4 expert: 24.88M params x 4.25 bits
+    assert m.expert_bytes() == pytest.approx((3 * 2880 * 2880 + 2 * 2880 + 2880) * 4.25 / 8)

@@ -29,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     p.add_argument("--concurrency", default="64,128,256,512", help="closed-loop loads to sweep (default 64,128,256,512)")
     p.add_argument("--tau", type=float, default=0.1, help="ELDR band width (default 0.1)")
-    p.add_argument("--taus", default="0,0.05,0.2", help="extra ELDR band widths shown at the middle load (default 0,0.05,0.2; '' for none)")
+    p.add_argument("--taus", default="0,0.05,0.2,0.5", help="extra ELDR band widths shown at the middle load (default 0,0.05,0.2,0.5; '' for none)")
     p.add_argument("--uniform", action="store_true", help="uniform (no-locality) control workload instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress output")
