@@ -58,7 +58,7 @@ async def _run(args) -> None:
     from eldr_sglang.traces import load_trace
 
     trace = load_trace(args.trace)
-    spec = WorkerSpec(trace=trace, model=args.model, hardware=args.hardware, time_scale=args.time_scale, host=args.host)
+    spec = WorkerSpec(trace=trace, model=args.model, hardware=args.hardware, time_scale=args.time_scale)
     runners = []
 
     async def site(app, port):

@@ -115,7 +115,6 @@ class WorkerSpec:
     model: str = "auto"
     hardware: str = "h200"
     time_scale: float = 1.0
-    host: str = "127.0.0.1"
     name: str = "emulated"
     exec_model: ExecutionModel = field(init=False)
     replay: TraceReplay = field(init=False)
@@ -184,12 +183,11 @@ class PrefillWorker:
     def payload(self, r: int) -> dict:
         p = self._payloads.get(r)
         if p is None:
-            ids = self.spec.replay.prefill_ids(r)
+            from eldr_sglang._core import count_topk
+
+            ids = np.ascontiguousarray(self.spec.replay.prefill_ids(r))
             L, E = self.spec.trace.num_layers, self.spec.trace.num_experts
-            c = np.zeros((L, E), np.int64)
-            if len(ids):
-                flat = (ids.astype(np.int64) + (np.arange(L) * E)[None, :, None]).ravel()
-                c = np.bincount(flat, minlength=L * E).reshape(L, E)
+            c = count_topk(ids, E) if len(ids) else np.zeros((L, E), np.uint32)
             p = encode_counts(c, list(range(L)), int(len(ids)), self.max_bytes)
             self._payloads[r] = p
         return p

@@ -10,7 +10,7 @@ Flag names follow sglang_router's `launch_router` where they overlap (--pd-disag
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 DECODE_POLICIES = ("eldr", "random", "round_robin", "shortest_queue", "power_of_two")
@@ -53,7 +53,6 @@ class RouterConfig:
     prometheus_port: int | None = None
     log_level: str = "info"
     explain_headers: bool = True
-    extra: dict = field(default_factory=dict)
 
     @property
     def late_binding(self) -> bool:
