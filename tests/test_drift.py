@@ -448,3 +448,33 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
 
     asyncio.run(main())
     assert json.loads(_core.CentroidSet.open(path).provenance_json)["refit"]["reason"] == "test"
+
+
+# -------------------------------------------------------------------------- simulator policy
+def test_adaptive_policy_in_the_simulator(drift_setup, tmp_path):
+    """AdaptivePolicy drives a real simulation across the A->B shift: every request completes
+    exactly once, one drift refit happens in phase B, and it takes effect activation_delay
+    routed requests later (the decisions' generation steps from 1 to 2 there)."""
+    from eldr_sglang.drift.sim import AdaptivePolicy
+    from eldr_sglang.sim.cluster import ClusterConfig, simulate
+    from eldr_sglang.sim.cost_model import ExecutionModel
+    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.sim.replay import TraceReplay
+    from eldr_sglang.sim.workload import make_workload
+    from eldr_sglang.traces import load_trace
+
+    tr = load_trace(drift_setup["trace"])
+    replay = TraceReplay(tr)
+    ev = np.flatnonzero(drift_setup["phase"] >= 0)
+    wl = make_workload(replay, requests=ev, arrival="closed", concurrency=64)
+    pol = AdaptivePolicy("adaptive", K, drift_setup["path"], (drift_setup["S"], drift_setup["valid"]), str(tmp_path),
+                         cooldown=10_000, activation_delay=32, monitor_kw=dict(window=128),
+                         reservoir_kw=dict(capacity=1024, horizon=2048))
+    res = simulate(replay, wl, pol, ExecutionModel(get_model(tr.model), get_hardware("h100")), ClusterConfig(num_decode=K))
+    assert (res.completions == 1).all()
+    assert len(pol.events) == 1 and pol.events[0]["ok"] and pol.events[0]["reason"].startswith("drift")
+    e = pol.events[0]
+    assert e["triggered_at"] > int(np.argmax(drift_setup["phase"][ev] == 1))  # after the shift
+    gens = np.asarray(pol.generation_of)
+    assert e["activated_at"] == e["triggered_at"] + 32
+    assert (gens[: e["activated_at"]] == 1).all() and (gens[e["activated_at"]:] == 2).all()

@@ -22,7 +22,8 @@ What we do -- bucketed Algorithm R over a sliding horizon:
   horizon slides in steps of one bucket: it covers between (buckets - 1) * span and
   buckets * span of the latest observations.
 - `sample(last=n)` returns only the buckets that lie within the latest n observations
-  (bucket granularity) -- used to refit on the traffic since a detected drift began.
+  (bucket granularity) -- used to refit on the traffic since a detected drift began. The
+  default 32 buckets over a horizon of 16384 make that granularity 512 observations.
 
 Memory: capacity * dim * 4 bytes (float32). For a DeepSeek-V3 middle-band signature
 (about 29 layers x 256 experts = 7424 dims) the default capacity 4096 is about 120 MB;
@@ -40,7 +41,7 @@ import numpy as np
 class SignatureReservoir:
     """Uniform sample of the signatures of a sliding horizon of the stream (see module doc)."""
 
-    def __init__(self, dim: int, capacity: int = 4096, horizon: int = 16384, buckets: int = 8, seed: int = 0):
+    def __init__(self, dim: int, capacity: int = 4096, horizon: int = 16384, buckets: int = 32, seed: int = 0):
         dim, capacity, horizon, buckets = int(dim), int(capacity), int(horizon), int(buckets)
         if dim < 1:
             raise ValueError(f"signature dimension must be >= 1, got {dim}")
