@@ -329,3 +329,40 @@ def test_unpatched_prefill_is_detected_and_not_waited_for(trace_files, workdir):
     finally:
         rproc.stop()
         cproc.stop()
+
+
+def test_centroid_file_hot_reload_changes_routes(cluster, trace_files, workdir):
+    import shutil
+
+    trace, _, cpath = trace_files
+    live = workdir / "live.eldr"
+    shutil.copy(cpath, live)
+    proc, base = start_router(cluster, workdir, ["--disagg-router", "eldr", "--eldr-centroids", str(live),
+                                                 "--eldr-reload-interval-ms", "50", "--load-monitor-interval", "0"])
+    try:
+        r = 7
+        want, _, _, _ = reference(cpath, trace, r)
+        body = {"text": "reload", "sampling_params": {"max_new_tokens": 2}, "emulator": {"trace_request": r}}
+        _, headers, _ = post(base + "/generate", body)
+        assert int(headers["X-ELDR-Decode-Worker"]) == want
+        # the same centroids, workers renamed: worker k's profile moves to (k + 1) % 4
+        cs = _core.CentroidSet.open(str(cpath))
+        tmp = workdir / "next.eldr"
+        _core.write_centroids(str(tmp), np.roll(cs.centroids(), 1, axis=0), cs.layer_weights(), cs.idf(), tau=cs.tau)
+        tmp.replace(live)
+        deadline = time.monotonic() + 20
+        while get_json(base + "/eldr/status")["centroid_generation"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get_json(base + "/eldr/status")["centroid_generation"] >= 2
+        _, headers, _ = post(base + "/generate", body)
+        assert int(headers["X-ELDR-Decode-Worker"]) == (want + 1) % 4
+        # a broken file, written in place, is rejected and the previous centroids keep serving
+        live.write_bytes(b"garbage")
+        deadline = time.monotonic() + 20
+        while "rejected" not in proc.tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "rejected" in proc.tail()
+        status, headers, _ = post(base + "/generate", body)
+        assert status == 200 and int(headers["X-ELDR-Decode-Worker"]) == (want + 1) % 4
+    finally:
+        proc.stop()

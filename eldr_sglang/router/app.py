@@ -122,8 +122,16 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     )
     if ready is not None:
         ready.set()
+    if stop is None:  # SIGTERM/SIGINT: shut down cleanly (cleanup hooks, private files)
+        import signal
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
     try:
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
+        await stop.wait()
     finally:
         if prom is not None:
             prom[0].shutdown()

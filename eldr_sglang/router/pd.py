@@ -128,11 +128,18 @@ class PDRouter:
         self.cfg = cfg
         kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
                   reload_interval_ms=cfg.reload_interval_ms, load_report_ttl_ms=cfg.load_report_ttl_ms)
-        if cfg.centroids:
-            kw["centroids"] = cfg.centroids
+        self._centroids = _PrivateCopy(cfg.centroids) if cfg.centroids else None
+        if self._centroids is not None:
+            kw["centroids"] = self._centroids.path
         if cfg.tau is not None:
             kw["tau"] = cfg.tau
-        self.router = _core.Router(**kw)
+        try:
+            self.router = _core.Router(**kw)
+        except Exception as exc:
+            if self._centroids is None:
+                raise
+            self._centroids.cleanup()
+            raise ValueError(str(exc).replace(self._centroids.path, cfg.centroids)) from None
         self._layout: tuple[int, int] | None = None
         self.on_centroids_reloaded()
         P, D = len(cfg.prefill), len(cfg.decode)
@@ -190,7 +197,23 @@ class PDRouter:
             connector=conn, timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s), read_bufsize=1 << 20
         )
 
+    def check_centroids(self) -> bool:
+        """Hot reload: when the user's centroid file changed, copy it privately and reload.
+
+        The Rust router maps the file it loads; a file overwritten in place (cp, open 'wb')
+        would pull the pages from under that mapping. It therefore maps a private copy that
+        only this method replaces, by rename. A bad file raises CentroidFileError and the
+        previous centroids keep serving."""
+        if self._centroids is None or not self._centroids.refresh():
+            return False
+        if self.router.reload():
+            self.on_centroids_reloaded()
+            return True
+        return False
+
     async def close(self) -> None:
+        if self._centroids is not None:
+            self._centroids.cleanup()
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -433,6 +456,53 @@ class PDRouter:
                     dresp.release()
             finally:
                 self.decode_inflight[w] -= 1
+
+
+class _PrivateCopy:
+    """A private copy of the centroid file, replaced only by atomic rename."""
+
+    def __init__(self, src: str):
+        import os
+        import tempfile
+
+        self.src = src
+        self.dir = tempfile.mkdtemp(prefix="eldr-router-")
+        self.path = os.path.join(self.dir, "centroids.eldr")
+        self._seen = None
+        if not self.refresh():
+            self.cleanup()
+            raise ValueError(f"centroid file not found: {src}")
+
+    def _stamp(self):
+        import os
+
+        try:
+            st = os.stat(self.src)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def refresh(self) -> bool:
+        """Copy the source if it changed since the last copy; True when a new copy is in place."""
+        import os
+        import shutil
+
+        stamp = self._stamp()
+        if stamp is None or stamp == self._seen:
+            return False
+        tmp = self.path + ".tmp"
+        try:
+            shutil.copyfile(self.src, tmp)
+        except OSError:
+            return False
+        os.replace(tmp, self.path)
+        self._seen = stamp
+        return True
+
+    def cleanup(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def _drain(resp: aiohttp.ClientResponse) -> None:
