@@ -107,6 +107,17 @@ def test_monitor_decisions_generation_rebase_and_bad_baselines(tmp_path):
     m.observe_decision(r.route_signature(sig, explain=True))
     assert m.generation == 2 and m.rebases == 1 and m.snapshot()["baseline_mean_d_star"] == 0.5
     assert m.snapshot()["window_fill"] == 1  # the window restarted with the new centroids
+    # with bounded loads the Decision's d_star is the minimum over eligible workers only;
+    # the monitor must measure the distance to the nearest centroid of all
+    r.load_factor = 0.0
+    k = int(np.argmin(r.route_signature(sig, explain=True).distances))
+    with r.acquire(k, 1), r.acquire(k, 1):
+        dec = r.route_signature(sig, explain=True)
+    assert dec.worker != k and dec.d_star > min(dec.distances)
+    before, s0 = m.snapshot()["window_fill"], m._sum
+    m.observe_decision(dec)
+    assert m.snapshot()["window_fill"] == before + 1
+    assert abs((m._sum - s0) - min(dec.distances)) < 1e-9
     with pytest.raises(ValueError, match="no drift baseline"):
         baseline_from_provenance("{}")
     with pytest.raises(ValueError, match="not JSON"):
@@ -410,12 +421,13 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
     shutil.copyfile(drift_setup["path"], path)
     cfg = RouterConfig(prefill=[PrefillWorker("http://127.0.0.1:9", None, "127.0.0.1")],
                        decode=[f"http://127.0.0.1:{10 + k}" for k in range(K)], centroids=path, bind="early",
-                       health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20,
-                       extra={"drift": {"executor": "inline", "cooldown_s": 0, "window": 64, "check_interval_s": 0.02, "refit_on_drift": False,
-                                        "reservoir_capacity": 512, "reservoir_horizon": 512}})
+                       health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20)
     app = build_app(cfg)
     pd = next(v for v in app.values() if hasattr(v, "router") and hasattr(v, "cfg"))
-    hook = install(app, pd)
+    hook = getattr(pd, "drift", None)
+    if hook is None:  # the router does not install the hook itself (yet): attach it here
+        hook = install(app, pd, executor="inline", cooldown_s=0, window=64, check_interval_s=0.02, refit_on_drift=False,
+                       reservoir_capacity=512, reservoir_horizon=512)
     assert hook is not None and pd.drift is hook
     tr = load_trace(drift_setup["trace"])
     E = tr.num_experts

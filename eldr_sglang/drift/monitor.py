@@ -172,9 +172,11 @@ class DriftMonitor:
             with self._lock:
                 self.no_signature += 1
             return
-        d_star = getattr(decision, "d_star", None)
+        # d* over *all* centroids: the Decision's own d_star is the minimum over the workers
+        # that were eligible (healthy, and under the cap with bounded loads), which measures
+        # the routing constraint, not how far the traffic is from the fitted profile.
         k = int(np.argmin(dist)) if len(dist) > 1 else 0
-        self.observe(float(d_star if d_star is not None else dist[k]), k)
+        self.observe(float(dist[k]), k)
 
     def _on_generation(self, gen: int) -> None:
         if self.baseline_loader is None:

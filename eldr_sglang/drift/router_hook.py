@@ -18,7 +18,8 @@ The hook is deliberately small and keeps everything expensive off the request pa
   or in the cooldown, 422 when the reservoir holds too few signatures, 404 when drift
   handling is off (no centroid file or a baseline policy).
 
-Configuration comes from `RouterConfig.extra["drift"]` (a dict; all optional):
+Options (keyword arguments of `install`, or a `drift` dict attribute on the router config;
+all optional):
 `enabled` (default True for policy eldr with a centroid file), `refit_on_drift` (True),
 `interval_s` (None: no scheduled refits), `cooldown_s` (300), `window` (512),
 `reservoir_capacity` (4096), `reservoir_horizon` (16384), `executor` ("process").
@@ -180,13 +181,15 @@ def _json_safe(o):
     return str(o)
 
 
-def install(app, pd) -> DriftHook | None:
+def install(app, pd, **options) -> DriftHook | None:
     """Attach drift handling to the router app: sets `pd.drift`, adds `POST /eldr/refit`,
     `GET /eldr/drift`, the gauges, and the background task. Returns None (and adds 404
-    answers for the two endpoints) when drift handling is off."""
+    answers for the two endpoints) when drift handling is off. Options: a `drift` dict on
+    the router config if it has one, overridden by keyword arguments (see the module doc)."""
     from aiohttp import web
 
-    conf = dict((getattr(pd.cfg, "extra", None) or {}).get("drift", {}) or {})
+    conf = dict(getattr(pd.cfg, "drift", None) or {})
+    conf.update(options)
     enabled = conf.pop("enabled", True) and pd.cfg.policy == "eldr" and bool(pd.cfg.centroids)
     hook = None
     if enabled:
