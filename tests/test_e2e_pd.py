@@ -101,13 +101,14 @@ def test_signature_arrives_before_decode_is_chosen_and_both_legs_share_the_room(
         assert len(fetched) == 1
 
 
-def test_band_choice_matches_the_band_rule(router, trace_files):
+def test_band_choice_matches_the_band_rule(router, trace_files, cluster):
     trace, _, cpath = trace_files
     seen_bands = set()
     for r in range(0, 40, 3):
         want, band, d, tau = reference(cpath, trace, r)
         if any(abs(x - (d.min() + tau)) < 1e-4 for x in d):
             continue  # on the band edge f32 and f64 may disagree; not a routing question
+        _settle(router, cluster)  # all queues empty: the band member with the smallest d wins
         status, headers, _ = post(router + "/generate", {"text": f"r{r}", "sampling_params": {"max_new_tokens": 2},
                                                          "emulator": {"trace_request": r}})
         assert status == 200
@@ -128,6 +129,7 @@ def test_band_prefers_the_shorter_queue(router, trace_files, cluster):
     if cand is None:
         pytest.skip("no trace request with a band of two or more workers")
     r, first, band, d = cand
+    _settle(router, cluster)
 
     async def run():
         async with aiohttp.ClientSession() as s:
@@ -154,20 +156,33 @@ def test_band_prefers_the_shorter_queue(router, trace_files, cluster):
     ("none", "prefill_none:emulated", None),
     ("malformed", "malformed", "eldr_router_malformed_signatures_total"),
 ])
-def test_fallback_to_shortest_queue_without_a_usable_signature(router, mode, reason, counter):
-    before = get_json(router + "/eldr/status")
+def test_fallback_to_shortest_queue_without_a_usable_signature(router, cluster, mode, reason, counter):
+    _settle(router, cluster)
     m0 = _metrics(router)
-    status, headers, body = post(router + "/generate", {
-        "text": f"fallback {mode}", "sampling_params": {"max_new_tokens": 3},
-        "emulator": {"trace_request": 5, "signature": mode}})
-    assert status == 200, body
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            # occupy one decode worker with a long stream, then route without a signature
+            long_body = {"text": "busy", "stream": True, "sampling_params": {"max_new_tokens": 100000},
+                         "emulator": {"trace_request": 5}}
+            async with s.post(router + "/generate", json=long_body) as busy:
+                await busy.content.readline()
+                busy_worker = int(busy.headers["X-ELDR-Decode-Worker"])
+                body = {"text": f"fallback {mode}", "sampling_params": {"max_new_tokens": 3},
+                        "emulator": {"trace_request": 5, "signature": mode}}
+                async with s.post(router + "/generate", json=body) as r:
+                    await r.read()
+                    return busy_worker, r.status, dict(r.headers)
+
+    busy_worker, status, headers = asyncio.run(asyncio.wait_for(run(), 60))
+    assert status == 200
     assert headers["X-ELDR-Reason"].startswith("no_signature")
-    loads = before["decode_loads"]
-    assert loads[int(headers["X-ELDR-Decode-Worker"])] == min(loads)
+    assert int(headers["X-ELDR-Decode-Worker"]) != busy_worker  # the shortest queue, not the busy one
     m1 = _metrics(router)
     assert metric(m1, "eldr_router_fallbacks_total", reason=reason) == metric(m0, "eldr_router_fallbacks_total", reason=reason) + 1
     if counter:
         assert metric(m1, counter) == metric(m0, counter) + 1
+    _wait_idle(router, cluster)
 
 
 def test_openai_endpoints_stream_and_not(router):
@@ -208,6 +223,14 @@ def _metrics(router) -> str:
 
     with urllib.request.urlopen(router + "/metrics", timeout=10) as r:
         return r.read().decode()
+
+
+def _settle(router, cluster, timeout=20.0):
+    """Idle workers, and no load left in the router's view (stale /v1/loads reports expire)."""
+    _wait_idle(router, cluster)
+    deadline = time.monotonic() + timeout
+    while any(get_json(router + "/eldr/status")["decode_loads"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _wait_idle(router, cluster, timeout=30.0):
@@ -305,6 +328,17 @@ def test_baseline_policy_binds_early_with_the_same_room(cluster, workdir):
         for room, p, d in rooms:
             assert any(e["event"] == "kv_fetched" and e["room"] == room for e in _log(cluster["prefill"][p][0]))
             assert any(e["event"] == "decode_start" and e["room"] == room for e in _log(cluster["decode"][d]))
+        # a failed prefill leg ends the request instead of leaving decode waiting for its KV:
+        # with its status when nothing was sent yet, as an error event once the stream started
+        status, _, body = post(base + "/generate", {"text": "rr fail", "sampling_params": {"max_new_tokens": 2},
+                                                    "emulator": {"prefill_status": 503}}, timeout=60)
+        assert status == 503 and b"emulated prefill failure" in body
+        status, _, body = post(base + "/generate", {"text": "rr fail", "sampling_params": {"max_new_tokens": 2},
+                                                    "stream": True, "emulator": {"prefill_status": 503, "prefill_fail_delay": 0.3}},
+                               timeout=60)
+        assert status == 200 and b"emulated prefill failure" in body and b"tok" not in body
+        st, dec, pre, idle = _wait_idle(base, cluster)
+        assert idle and not any(st["decode_inflight"])
     finally:
         proc.stop()
 

@@ -22,7 +22,8 @@ Both: /health, /v1/models, /server_info, /v1/loads (SGLang 0.5.23 shape), /flush
 /emulator/log (timestamped events), /emulator/stats.
 
 Test controls (a top-level "emulator" object in the request body, ignored otherwise):
-  trace_request: int, prefill_status: int (prefill answers this HTTP status),
+  trace_request: int, prefill_status: int (prefill answers this HTTP status, after
+  prefill_fail_delay seconds),
   decode_status: int, signature: "none" | "malformed" | "omit" | "delay:<seconds>".
 """
 
@@ -251,6 +252,7 @@ class PrefillWorker:
             r = trace_request_of(body, self._R)
         self.log.add("prefill_recv", room=room, trace_request=r)
         if isinstance(ctl.get("prefill_status"), int):
+            await asyncio.sleep(float(ctl.get("prefill_fail_delay", 0)))
             return _json_err(ctl["prefill_status"], "emulated prefill failure")
         entry = _Parked(r, int(self.spec.replay.prompt_len[r]))
         self.rooms[room] = entry
@@ -427,21 +429,32 @@ class DecodeWorker:
         if isinstance(ctl.get("decode_status"), int):
             return _json_err(ctl["decode_status"], "emulated decode failure")
         host, port = body["bootstrap_host"], body.get("bootstrap_port")
+        stream = bool(body.get("stream"))
+        kind = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}[request.path]
+        rid = f"emu-{room}"
+        resp = None
+        if stream:  # like SGLang's StreamingResponse: headers go out before any token
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
         self.transferring += 1
+        failure = None
         try:
             async with self._session.get(f"http://{host}:{port}/kv/{room}") as r:
                 info = await r.json(content_type=None)
                 if r.status != 200:
-                    return _json_err(502, f"KV transfer for room {room} failed: {info}")
+                    failure = f"KV transfer for room {room} failed: {info}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return _json_err(502, f"cannot reach the prefill bootstrap server {host}:{port}: {exc}")
+            failure = f"cannot reach the prefill bootstrap server {host}:{port}: {exc}"
         finally:
             self.transferring -= 1
+        if failure is not None:
+            if resp is None:
+                return _json_err(502, failure)
+            await resp.write(_sse({"text": "", "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": failure}}}))
+            await resp.write_eof()
+            return resp
         item = _Running(int(info["trace_request"]), int(info["prompt_len"]), output_len_of(body), asyncio.Queue())
         self.log.add("decode_start", room=room, trace_request=item.trace_request)
-        stream = bool(body.get("stream"))
-        kind = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}[request.path]
-        rid = f"emu-{room}"
         try:
             if item.output_len > 1:
                 self.waiting.append(item)
@@ -451,8 +464,6 @@ class DecodeWorker:
                     await item.queue.get()
                 self.log.add("decode_done", room=room)
                 return web.json_response(_final(kind, rid, item))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
             await resp.write(_sse(_chunk(kind, rid, item, 1, item.output_len <= 1)))
             n = 1
             while n < item.output_len:

@@ -16,6 +16,7 @@ both legs are sent at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -376,7 +377,10 @@ class PDRouter:
             else:
                 decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
                 drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p))
-            resp = await self._decode(request, kind, p, boot, dbody, decision, client_stream)
+            if late:
+                resp = await self._decode(request, kind, p, boot, dbody, decision, client_stream)
+            else:
+                resp = await self._decode_racing_prefill(request, kind, p, boot, dbody, decision, client_stream, drain)
             ok = True
             return resp
         finally:
@@ -404,16 +408,45 @@ class PDRouter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _early_prefill(self, url: str, body: dict, p: int) -> None:
+    async def _early_prefill(self, url: str, body: dict, p: int) -> UpstreamError | None:
+        """The prefill leg of early binding; returns its failure (None when it succeeded)."""
         try:
             async with self.session.post(url, json=body) as r:
+                data = await r.read()
                 if r.status != 200:
                     self.metrics.worker_errors.labels("prefill", str(p), f"http_{r.status}").inc()
-                await r.read()
-        except aiohttp.ClientError:
+                    return UpstreamError(r.status, data, r.content_type, "prefill")
+        except aiohttp.ClientError as exc:
             self.metrics.worker_errors.labels("prefill", str(p), "connect").inc()
+            return UpstreamError(502, _err(f"prefill worker {p} unreachable: {exc}"), "application/json", "prefill")
+        return None
 
-    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream) -> web.StreamResponse:
+    async def _decode_racing_prefill(self, request, kind, p, boot, dbody, decision, client_stream, prefill):
+        """Early binding: both legs run at once; a failed prefill ends the request (the decode
+        leg would otherwise wait for KV that never comes)."""
+        state: dict = {}
+        dec = asyncio.ensure_future(self._decode(request, kind, p, boot, dbody, decision, client_stream, state))
+        try:
+            done, _ = await asyncio.wait({dec, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if dec not in done and prefill.result() is not None:
+                dec.cancel()
+                await asyncio.gather(dec, return_exceptions=True)
+                err = prefill.result()
+                out = state.get("out")
+                if out is None:
+                    raise err
+                # the client's stream has started: end it with an error event
+                with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
+                    await out.write(b"data: " + err.body + b"\n\n")
+                    await out.write_eof()
+                return out
+            return await dec
+        finally:
+            if not dec.done():
+                dec.cancel()
+                await asyncio.gather(dec, return_exceptions=True)
+
+    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, state=None) -> web.StreamResponse:
         w = decision.worker
         headers = {}
         if self.cfg.explain_headers:
@@ -444,6 +477,8 @@ class PDRouter:
                         return web.Response(body=data, status=200, headers=headers, content_type=dresp.content_type)
                     out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
                     await out.prepare(request)
+                    if state is not None:
+                        state["out"] = out
                     try:
                         async for chunk in dresp.content.iter_any():
                             await out.write(chunk)
