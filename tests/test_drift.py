@@ -422,12 +422,15 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
     cfg = RouterConfig(prefill=[PrefillWorker("http://127.0.0.1:9", None, "127.0.0.1")],
                        decode=[f"http://127.0.0.1:{10 + k}" for k in range(K)], centroids=path, bind="early",
                        health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20)
+    # hook options travel on the config (install() reads a `drift` dict attribute)
+    cfg.drift = dict(executor="inline", cooldown_s=0, window=64, check_interval_s=0.02, refit_on_drift=False,
+                     reservoir_capacity=512, reservoir_horizon=512)
     app = build_app(cfg)
     pd = next(v for v in app.values() if hasattr(v, "router") and hasattr(v, "cfg"))
     hook = getattr(pd, "drift", None)
-    if hook is None:  # the router does not install the hook itself (yet): attach it here
-        hook = install(app, pd, executor="inline", cooldown_s=0, window=64, check_interval_s=0.02, refit_on_drift=False,
-                       reservoir_capacity=512, reservoir_horizon=512)
+    if hook is None:  # the router app does not install the hook itself: attach it here
+        hook = install(app, pd)
+    assert hook.ctl.reservoir.capacity == 512  # the options were applied
     assert hook is not None and pd.drift is hook
     tr = load_trace(drift_setup["trace"])
     E = tr.num_experts
