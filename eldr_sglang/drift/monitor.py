@@ -168,6 +168,8 @@ class DriftMonitor:
         elif self.generation is None and gen:
             self.generation = int(gen)
         dist = getattr(decision, "distances", None)
+        if dist is not None and not isinstance(dist, list):
+            dist = [float(x) for x in dist]
         if not dist:
             with self._lock:
                 self.no_signature += 1
@@ -175,8 +177,8 @@ class DriftMonitor:
         # d* over *all* centroids: the Decision's own d_star is the minimum over the workers
         # that were eligible (healthy, and under the cap with bounded loads), which measures
         # the routing constraint, not how far the traffic is from the fitted profile.
-        k = int(np.argmin(dist)) if len(dist) > 1 else 0
-        self.observe(float(dist[k]), k)
+        d_star = min(dist)
+        self.observe(float(d_star), dist.index(d_star))
 
     def _on_generation(self, gen: int) -> None:
         if self.baseline_loader is None:

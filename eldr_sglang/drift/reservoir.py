@@ -72,6 +72,12 @@ class SignatureReservoir:
         s = np.asarray(signature, dtype=np.float32).reshape(-1)
         if s.shape[0] != self.dim:
             raise ValueError(f"signature has {s.shape[0]} dims, the reservoir holds {self.dim}")
+        self.add_lazy(lambda: s)
+
+    def add_lazy(self, make_signature) -> bool:
+        """Offer one observation whose signature `make_signature()` computes only if Algorithm
+        R keeps it (once the buckets are full most observations are not kept, so the router
+        skips computing their signatures). Returns whether it was stored."""
         with self._lock:
             b = self._cur
             if self._seen[b] >= self.span:  # start a new bucket, dropping the oldest
@@ -79,14 +85,16 @@ class SignatureReservoir:
                 self._seen[b] = 0
                 self._first[b] = self._total
             n = int(self._seen[b])
-            if n < self.per_bucket:
-                self._data[b, n] = s
-            else:
-                j = self._rng.randrange(n + 1)  # Algorithm R: keep with probability m / (n + 1)
-                if j < self.per_bucket:
-                    self._data[b, j] = s
+            slot = n if n < self.per_bucket else self._rng.randrange(n + 1)  # Algorithm R
+            stored = slot < self.per_bucket
+            if stored:
+                s = np.asarray(make_signature(), dtype=np.float32).reshape(-1)
+                if s.shape[0] != self.dim:
+                    raise ValueError(f"signature has {s.shape[0]} dims, the reservoir holds {self.dim}")
+                self._data[b, slot] = s
             self._seen[b] = n + 1
             self._total += 1
+            return stored
 
     def add_many(self, signatures) -> None:
         for s in np.asarray(signatures, dtype=np.float32).reshape(-1, self.dim):

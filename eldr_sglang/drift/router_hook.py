@@ -64,14 +64,15 @@ class DriftHook:
         """One routed request. Never raises into the request path."""
         try:
             self.ctl.monitor.observe_decision(decision)
-            if counts is None or not decision.distances:
+            if counts is None or decision.reason != "band":
                 return
             gen = int(decision.generation)
             if gen != self._spec_gen:
                 cs = self.pd.router.centroid_set()
                 self._spec, self._spec_gen = (cs.spec() if cs is not None else None), gen
-            if self._spec is not None:
-                self.ctl.reservoir.add(self._spec.from_dense(counts))
+            spec = self._spec
+            if spec is not None:  # the signature is computed only when the reservoir keeps it
+                self.ctl.reservoir.add_lazy(lambda: spec.from_dense(counts))
         except Exception as exc:  # a signature the router accepted but the spec rejects: count it, move on
             self.signature_errors += 1
             if self.signature_errors <= 3:
