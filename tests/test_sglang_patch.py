@@ -111,13 +111,22 @@ PROBE = textwrap.dedent(
     # --- the signature hook: SGLang's own capture site with a constructed batch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from eldr_sglang.sglang_ext import runtime
-    from eldr_sglang.sglang_ext.accumulator import SignatureAccumulator
     from eldr_sglang.sglang_ext.payload import decode_payload
-    HIDDEN, MOE, E, K = 4, [1, 2, 3], 8, 2          # layer 0 is dense
-    runtime.ACCUMULATOR = SignatureAccumulator(num_hidden_layers=HIDDEN, moe_layers=MOE,
-        num_experts=E, top_k=K, max_slots=8, max_tokens=64)
-    pool = types.SimpleNamespace(req_generation=torch.zeros(8, dtype=torch.int64))
-    runner = types.SimpleNamespace(is_draft_worker=False, req_to_token_pool=pool)
+    HIDDEN, MOE, E, K = 4, [1, 2, 3], 8, 2          # layer 0 is dense (first_k_dense_replace=1)
+    # publish the flags the way a prefill server process does, then let the patched
+    # ModelRunner hook install the accumulator from a DeepSeek-style config
+    from sglang.srt import runtime_context
+    runtime_context.publish(prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",
+        "--enable-eldr-signature", "--eldr-signature-max-bytes", "4096", "--chunked-prefill-size", "64"]), role="scheduler")
+    hf = types.SimpleNamespace(num_hidden_layers=HIDDEN, first_k_dense_replace=1, moe_layer_freq=1,
+                               n_routed_experts=E, num_experts_per_tok=K)
+    pool = types.SimpleNamespace(req_generation=torch.zeros(8, dtype=torch.int64),
+                                 req_to_token=torch.zeros((8, 16), dtype=torch.int32))
+    runner = types.SimpleNamespace(is_draft_worker=False, req_to_token_pool=pool, device="cpu",
+                                   model_config=types.SimpleNamespace(hf_text_config=hf))
+    runtime.install(runner)
+    acc = runtime.ACCUMULATOR
+    out["installed"] = None if acc is None else [acc.moe_layers, acc.num_experts, acc.top_k, acc.max_slots, runtime.MAX_BYTES]
     allow = types.SimpleNamespace(allow_routed_experts_capture=True)
     draft = types.SimpleNamespace(allow_routed_experts_capture=False)
     rng = np.random.default_rng(0)
@@ -168,6 +177,7 @@ def test_patched_modules_import_hook_counts_exactly_flags_parse(overlay):
     assert all(out["hooked"].values()), out["hooked"]
     assert out["flags"] == [True, 8192, True, 1]
     assert out["defaults"] == [False, 16384, False]
+    assert out["installed"] == [[1, 2, 3], 8, 2, 8, 4096]
     assert out["exact"] == [True, True]
     assert out["tokens"] == [7, 5]
     assert out["layers"] == [[1, 2, 3], [1, 2, 3]]

@@ -78,6 +78,11 @@ def install(model_runner: Any) -> None:
     from eldr_sglang.sglang_ext.accumulator import SignatureAccumulator
 
     hf = model_runner.model_config.hf_text_config
+    try:
+        moe_layers, num_experts = moe_layer_ids(hf), num_routed_experts(hf)
+    except (ValueError, AttributeError, TypeError) as exc:  # not an MoE model, or an unknown config
+        logger.warning("ELDR signature disabled: %s", exc)
+        return
     sched = get_schedule()
     max_tokens = max(
         int(getattr(sched, "chunked_prefill_size", 0) or 0),
@@ -88,8 +93,8 @@ def install(model_runner: Any) -> None:
     MAX_BYTES = int(_flag("eldr_signature_max_bytes", DEFAULT_MAX_BYTES))
     ACCUMULATOR = SignatureAccumulator(
         num_hidden_layers=int(hf.num_hidden_layers),
-        moe_layers=moe_layer_ids(hf),
-        num_experts=num_routed_experts(hf),
+        moe_layers=moe_layers,
+        num_experts=num_experts,
         top_k=int(getattr(hf, "num_experts_per_tok", 8)),
         max_slots=int(pool.req_to_token.shape[0]),
         max_tokens=max_tokens,
