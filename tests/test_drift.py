@@ -493,3 +493,23 @@ def test_adaptive_policy_in_the_simulator(drift_setup, tmp_path):
     gens = np.asarray(pol.generation_of)
     assert e["activated_at"] == e["triggered_at"] + 32
     assert (gens[: e["activated_at"]] == 1).all() and (gens[e["activated_at"]:] == 2).all()
+
+
+def test_controller_schedule(drift_setup, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "sched.eldr")
+    shutil.copyfile(drift_setup["path"], path)
+    now = [0.0]
+    ctl = RefitController(path, executor="inline", on_drift=False, interval_s=100, cooldown_s=10, clock=lambda: now[0],
+                          reservoir_kw=dict(capacity=512, horizon=512))
+    S = drift_setup["S"][drift_setup["valid"]][:300]
+    ctl.reservoir.add_many(S)
+    assert ctl.maybe_trigger() is None  # not due yet
+    now[0] = 100.0
+    assert ctl.maybe_trigger() == "schedule"
+    assert ctl.status()["last_reason"] == "schedule" and ctl.status()["last_ok"]
+    now[0] = 150.0
+    assert ctl.maybe_trigger() is None  # next one is due at 200
+    now[0] = 200.0
+    assert ctl.maybe_trigger() == "schedule" and ctl.refits == 2
