@@ -55,7 +55,7 @@ def cluster(trace_files, workdir):
 def router(cluster, trace_files, workdir):
     _, _, cpath = trace_files
     proc, base = start_router(cluster, workdir, [
-        "--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+        "--disagg-router", "eldr", "--no-eldr-drift", "--eldr-centroids", str(cpath),
         "--eldr-signature-timeout-secs", str(SIG_TIMEOUT), "--load-monitor-interval", "0.2",
         "--health-check-interval-secs", "0.5",
     ])
@@ -348,7 +348,7 @@ def test_unpatched_prefill_is_detected_and_not_waited_for(trace_files, workdir):
     cproc, urls = start_cluster(tpath, workdir, prefill=1, decode=4, time_scale=TIME_SCALE, extra=["--no-signature"])
     try:
         # a long signature timeout: waiting for it would show up as reason 'timeout'
-        rproc, base = start_router(urls, workdir, ["--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+        rproc, base = start_router(urls, workdir, ["--disagg-router", "eldr", "--no-eldr-drift", "--eldr-centroids", str(cpath),
                                                    "--eldr-signature-timeout-secs", "120", "--load-monitor-interval", "0"])
     except BaseException:
         cproc.stop()
@@ -371,7 +371,7 @@ def test_centroid_file_hot_reload_changes_routes(cluster, trace_files, workdir):
     trace, _, cpath = trace_files
     live = workdir / "live.eldr"
     shutil.copy(cpath, live)
-    proc, base = start_router(cluster, workdir, ["--disagg-router", "eldr", "--eldr-centroids", str(live),
+    proc, base = start_router(cluster, workdir, ["--disagg-router", "eldr", "--no-eldr-drift", "--eldr-centroids", str(live),
                                                  "--eldr-reload-interval-ms", "50", "--load-monitor-interval", "0"])
     try:
         r = 7

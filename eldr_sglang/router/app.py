@@ -71,6 +71,12 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
         await asyncio.gather(*(post(u) for u in [w.url for w in pd.cfg.prefill] + pd.cfg.decode))
         return web.Response(text="ok")
 
+    if cfg.policy == "eldr" and cfg.centroids:
+        # drift monitor + online refits (eldr_sglang.drift): GET /eldr/drift, POST /eldr/refit
+        from eldr_sglang.drift.router_hook import install as install_drift
+
+        install_drift(app, pd)
+
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/eldr/status", status)

@@ -53,6 +53,7 @@ class RouterConfig:
     prometheus_port: int | None = None
     log_level: str = "info"
     explain_headers: bool = True
+    drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
 
     @property
     def late_binding(self) -> bool:
@@ -98,6 +99,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     )
     pol.add_argument("--eldr-reload-interval-ms", type=int, default=250, help="centroid file hot-reload check period")
     pol.add_argument("--eldr-load-report-ttl-ms", type=int, default=2000, help="how long a /v1/loads report counts")
+    pol.add_argument(
+        "--no-eldr-drift", action="store_true",
+        help="turn off drift monitoring and online refits of the centroid file (on by default for eldr)",
+    )
     pol.add_argument("--seed", type=int, default=0, help="seed of the random policies")
     pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
     req = ap.add_argument_group("Requests and workers")
@@ -174,4 +179,5 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         prometheus_port=a.prometheus_port,
         log_level=a.log_level,
         explain_headers=not a.no_explain_headers,
+        drift={"enabled": False} if a.no_eldr_drift else None,
     )

@@ -154,6 +154,7 @@ class PDRouter:
         self._rng = random.Random(cfg.seed)
         self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
+        self.drift = None  # eldr_sglang.drift.router_hook.DriftHook, set by the app when enabled
         self.metrics = RouterMetrics(self.state)
 
     # ------------------------------------------------------------------ state
@@ -253,6 +254,8 @@ class PDRouter:
         elif self.cfg.policy == "eldr":
             why = sig.reason if (sig is not None and sig.counts is None) else reason
             self.metrics.fallbacks.labels(why).inc()
+        if self.drift is not None:  # O(K) monitor update; never raises
+            self.drift.on_route(d, None if sig is None else sig.counts)
         return d
 
     # ------------------------------------------------------------------ signature
