@@ -132,17 +132,20 @@ class SignatureReservoir:
         rng = np.random.default_rng(seed)
         rate = self.per_bucket / self.span
         with self._lock:
-            chosen = sorted(self._chosen(last), key=lambda b: int(self._first[b]))
-            parts = []
-            for b in chosen:
+            chosen = sorted(((int(self._first[b]), b) for b in self._chosen(last)))
+        parts = []
+        for first, b in chosen:  # one bucket per lock hold: writers wait for one bucket's copy at most
+            with self._lock:
+                if int(self._first[b]) != first:  # recycled meanwhile (the stream moved a whole span on)
+                    continue
                 n = int(self._seen[b])
                 kept = min(n, self.per_bucket)
-                rows = self._data[b, :kept]
-                if n < self.span:  # the filling bucket: thin it to the common rate
-                    want = min(kept, int(round(n * rate)))
-                    if want < kept:
-                        rows = rows[np.sort(rng.choice(kept, want, replace=False))]
-                parts.append(rows.copy())
+                rows = self._data[b, :kept].copy()
+            if n < self.span:  # the filling bucket: thin it to the common rate
+                want = min(kept, int(round(n * rate)))
+                if want < kept:
+                    rows = rows[np.sort(rng.choice(kept, want, replace=False))]
+            parts.append(rows)
         if not parts:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.concatenate(parts)
