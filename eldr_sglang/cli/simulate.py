@@ -23,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma list of random, round_robin, shortest_queue, power_of_two, eldr, eldr@TAU, oracle (default {DEFAULT_POLICIES})")
     p.add_argument("--tau", type=float, default=None, help="ELDR band width (default: the centroid file's)")
+    p.add_argument("--eldr-load-factor", type=float, default=None, metavar="F",
+                   help="ELDR with bounded loads: a worker is a candidate only below (1+F) x mean load + 1 "
+                        "(default: off, the paper's rule; per policy: eldr/F)")
     p.add_argument("--model", help="model profile (default: from the trace's meta_json.model)")
     p.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
     p.add_argument("--tp", type=int, default=0, help="GPUs per worker (default: fewest that hold the weights)")
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from eldr_sglang.sim.workload import make_workload
     from eldr_sglang.traces import load_trace
 
-    specs = parse_policies(args.policies, args.tau)
+    specs = parse_policies(args.policies, args.tau, args.eldr_load_factor)
     trace = load_trace(args.trace)
     model = get_model(args.model or trace.model)
     hw = get_hardware(args.hardware)

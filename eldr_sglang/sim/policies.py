@@ -44,6 +44,7 @@ class RouterPolicy:
         seed: int = 0,
         signatures: np.ndarray | None = None,
         valid: np.ndarray | None = None,
+        load_factor: float | None = None,
     ):
         core = _core()
         self.name = name
@@ -58,6 +59,7 @@ class RouterPolicy:
             centroids=centroids if name == "eldr" else None,
             tau=tau if name == "eldr" else None,
             seed=seed,
+            load_factor=load_factor if name == "eldr" else None,
         )
         if self.router.num_workers != num_workers:
             raise ValueError(
@@ -148,6 +150,7 @@ def make_policy(
     seed: int = 0,
     labels: np.ndarray | None = None,
     signatures: tuple[np.ndarray, np.ndarray] | None = None,
+    load_factor: float | None = None,
 ):
     """Build a policy. Only 'oracle' takes `labels`; passing labels to any other policy is
     an error, so no baseline or ELDR can read them."""
@@ -166,7 +169,8 @@ def make_policy(
         if signatures is None:
             signatures = eldr_signatures(replay, centroids)
         sig, valid = signatures
-    return RouterPolicy(name, num_workers, centroids=centroids, tau=tau, seed=seed, signatures=sig, valid=valid)
+    return RouterPolicy(name, num_workers, centroids=centroids, tau=tau, seed=seed, signatures=sig, valid=valid,
+                        load_factor=load_factor)
 
 
 def eldr_signatures(replay, centroids: str) -> tuple[np.ndarray, np.ndarray]:

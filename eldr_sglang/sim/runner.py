@@ -17,19 +17,34 @@ from eldr_sglang.sim.workload import Workload
 
 @dataclass(frozen=True)
 class PolicySpec:
-    label: str  # name shown in reports, e.g. "eldr" or "eldr@0.2"
+    label: str  # name shown in reports, e.g. "eldr", "eldr@0.2" or "eldr/0.05"
     policy: str
     tau: float | None = None
+    load_factor: float | None = None  # ELDR with bounded loads; None = the paper's rule
 
 
-def parse_policies(text: str, tau: float | None = None) -> list[PolicySpec]:
-    """'random,shortest_queue,eldr,eldr@0.3,oracle' -> specs (eldr@T sets tau=T)."""
+def parse_policies(text: str, tau: float | None = None, load_factor: float | None = None) -> list[PolicySpec]:
+    """'random,shortest_queue,eldr,eldr@0.3,eldr/0.05,oracle' -> specs.
+
+    eldr@T sets tau=T; eldr/F (or eldr@T/F) sets the bounded-load factor F (a worker is a
+    candidate only below ceil((1+F) x mean load + 1)); `tau` and `load_factor` are the
+    defaults for a plain `eldr`."""
     specs = []
     for raw in text.split(","):
         name = raw.strip()
         if not name:
             continue
-        t = tau
+        t, lf = tau, load_factor
+        if "/" in name:
+            name, _, fv = name.partition("/")
+            try:
+                lf = float(fv)
+            except ValueError:
+                raise ValueError(f"bad load factor in policy {raw!r}: use eldr/0.05") from None
+            if not (lf >= 0 and np.isfinite(lf)):
+                raise ValueError(f"load factor must be finite and >= 0 in {raw!r}")
+            if name.partition("@")[0] != "eldr":
+                raise ValueError(f"only eldr takes /load_factor, got {raw!r}")
         if "@" in name:
             name, _, tv = name.partition("@")
             try:
@@ -40,8 +55,8 @@ def parse_policies(text: str, tau: float | None = None) -> list[PolicySpec]:
                 raise ValueError(f"only eldr takes @tau, got {raw!r}")
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-        label = raw.strip() if "@" in raw else name
-        specs.append(PolicySpec(label, name, t))
+        label = raw.strip() if ("@" in raw or "/" in raw) else name
+        specs.append(PolicySpec(label, name, t, lf if name == "eldr" else None))
     if not specs:
         raise ValueError("no policies given")
     labels = [s.label for s in specs]
@@ -81,6 +96,7 @@ def run_comparison(
         pol = make_policy(
             spec.policy, config.num_decode, replay=replay, centroids=centroids, tau=spec.tau,
             seed=seed, labels=labels, signatures=signatures if spec.policy == "eldr" else None,
+            load_factor=spec.load_factor,
         )
         res = simulate(replay, workload, pol, model, config, progress=progress, progress_desc=spec.label)
         res.policy = spec.label

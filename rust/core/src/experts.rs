@@ -62,11 +62,10 @@ pub fn distinct_per_layer<T: ExpertId>(
                         result = Err(OutOfRange { id: e, layer: l });
                         break 'outer;
                     }
+                    // branch-free: a data-dependent branch here mispredicts on fresh batches
                     let cell = &mut scratch[l * num_experts + e as usize];
-                    if !*cell {
-                        *cell = true;
-                        out[l] += 1;
-                    }
+                    out[l] += (!*cell) as u32;
+                    *cell = true;
                 }
             }
         }

@@ -9,7 +9,7 @@ use eldr_core::experts::{self, ExpertId};
 use eldr_core::router::Routed;
 use eldr_core::distance::{self, Counts};
 use eldr_core::{CentroidSet, CentroidWriter, CountValue, LoadGuard, NoSignature, RouteError, SignatureSpec, SparseIndex, SparseSignature};
-use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -50,27 +50,32 @@ impl<'py, T: Element + Copy> View<'py, T> {
     }
 }
 
-/// Call `$f::<T>(View<T>, args...)` for the first dtype in the list that `$obj` has.
+/// Call `$f::<T>(View<T>, args...)` for the dtype in the list that `$obj` has. The dtype is
+/// compared first, so a mismatch costs no failed extraction (and no Python exception).
 macro_rules! dispatch {
     ($obj:expr, $what:expr, $f:ident, [$($t:ty),*] $(, $arg:expr)*) => {{
         let obj = $obj;
         let names = stringify!($($t),*);
-        dispatch!(@try obj, $what, names, $f, [$($t),*], ($($arg),*))
+        match obj.cast::<numpy::PyUntypedArray>() {
+            Ok(arr) => {
+                let dt = arr.dtype();
+                dispatch!(@try obj, dt, $what, names, $f, [$($t),*], ($($arg),*))
+            }
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "{}: expected a numpy array of one of: {}, got {}", $what, names, obj.get_type()
+            ))),
+        }
     }};
-    (@try $obj:ident, $what:expr, $names:ident, $f:ident, [$t0:ty $(, $t:ty)*], $args:tt) => {
-        if let Ok(a) = $obj.extract::<PyReadonlyArrayDyn<$t0>>() {
+    (@try $obj:ident, $dt:ident, $what:expr, $names:ident, $f:ident, [$t0:ty $(, $t:ty)*], $args:tt) => {
+        if $dt.is_equiv_to(&numpy::dtype::<$t0>($obj.py())) {
+            let a = $obj.extract::<PyReadonlyArrayDyn<$t0>>()?;
             dispatch!(@call $f, $t0, a, $args)
         } else {
-            dispatch!(@try $obj, $what, $names, $f, [$($t),*], $args)
+            dispatch!(@try $obj, $dt, $what, $names, $f, [$($t),*], $args)
         }
     };
-    (@try $obj:ident, $what:expr, $names:ident, $f:ident, [], $args:tt) => {
-        Err(PyTypeError::new_err(format!(
-            "{}: unsupported input {}; pass a numpy array of one of: {}",
-            $what,
-            $obj.getattr("dtype").map(|d| d.to_string()).unwrap_or_else(|_| $obj.get_type().to_string()),
-            $names
-        )))
+    (@try $obj:ident, $dt:ident, $what:expr, $names:ident, $f:ident, [], $args:tt) => {
+        Err(PyTypeError::new_err(format!("{}: unsupported input {}; pass a numpy array of one of: {}", $what, $dt, $names)))
     };
     (@call $f:ident, $t:ty, $a:ident, ($($arg:expr),*)) => {
         $f::<$t>(View::new($a) $(, $arg)*)
@@ -111,7 +116,7 @@ fn dense_sig_any(counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Re
 }
 
 fn topk_sig_any(ids: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
-    dispatch!(ids, "ids", topk_sig, [i32, i64, i16, u8, u16, u32], spec)
+    dispatch!(ids, "ids", topk_sig, [u8, i16, i32, i64, u16, u32], spec)
 }
 
 /// Layer weights and IDF: turns raw expert counts into a unit signature.
@@ -180,7 +185,7 @@ impl PySignatureSpec {
     ) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>)> {
         let off = View::new(offsets);
         let pre = prefix_len.map(View::new);
-        dispatch!(ids, "ids", batch_topk, [i32, i64, i16, u8, u16, u32], py, &self.spec, off.slice(), pre.as_ref().map(|p| p.slice()))
+        dispatch!(ids, "ids", batch_topk, [u8, i16, i32, i64, u16, u32], py, &self.spec, off.slice(), pre.as_ref().map(|p| p.slice()))
     }
 }
 
@@ -268,13 +273,13 @@ fn count_t<T: Element + ExpertId>(v: View<'_, T>, py: Python<'_>, num_experts: u
 /// Top-k ids `[T, L, k]` -> counts `[L, E]` (uint32).
 #[pyfunction]
 fn count_topk(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize) -> PyResult<Py<PyAny>> {
-    dispatch!(ids, "ids", count_t, [i32, i64, i16, u8, u16, u32], py, num_experts, false)
+    dispatch!(ids, "ids", count_t, [u8, i16, i32, i64, u16, u32], py, num_experts, false)
 }
 
 /// Top-k ids `[N, L, k]` of one decode step -> distinct experts per layer `[L]` (uint32).
 #[pyfunction]
 fn distinct_per_layer(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize) -> PyResult<Py<PyAny>> {
-    dispatch!(ids, "ids", count_t, [i32, i64, i16, u8, u16, u32], py, num_experts, true)
+    dispatch!(ids, "ids", count_t, [u8, i16, i32, i64, u16, u32], py, num_experts, true)
 }
 
 // ---------------------------------------------------------------- centroid file
@@ -562,7 +567,7 @@ impl PyRouter {
     }
     #[pyo3(signature = (ids, explain=false))]
     fn route_topk(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
-        dispatch!(ids, "ids", route_topk_t, [i32, i64, i16, u8, u16, u32], self, py, explain)
+        dispatch!(ids, "ids", route_topk_t, [u8, i16, i32, i64, u16, u32], self, py, explain)
     }
     /// Route from a signature in the centroids' D-dim space; None = the signature is missing.
     #[pyo3(signature = (signature, explain=false))]
