@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eldr-load-factor", type=float, default=None, metavar="F",
+                    help="evaluate ELDR with bounded loads F (default: the paper's rule); writes tpot_study_bounded*")
     args = ap.parse_args(argv)
     quick = args.quick
     Ks = (4, 8) if quick else (4, 8, 16)
@@ -127,11 +129,14 @@ def main(argv=None) -> int:
     taus = (0.0, 0.05, 0.1, 0.2) if quick else (0.0, 0.02, 0.05, 0.1, 0.2, 0.5)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "tpot_study_quick" if quick else "tpot_study"
+    lf = args.eldr_load_factor
+    stem = ("tpot_study" + ("_bounded" if lf is not None else "") + ("_quick" if quick else ""))
     t_start = time.perf_counter()
-    specs = parse_policies(POLICIES, args.tau)
-    results = {"meta": {"command": "python benchmarks/tpot_study.py" + (" --quick" if quick else ""),
-                        "code": provenance(), "Ks": Ks, "clients_per_worker": per_worker, "tau_load": tau_load, "taus": taus, "tau": args.tau, "seed": args.seed},
+    specs = parse_policies(POLICIES, args.tau, lf)
+    command = "python benchmarks/tpot_study.py" + (" --quick" if quick else "") + (f" --eldr-load-factor {lf:g}" if lf is not None else "")
+    results = {"meta": {"command": command,
+                        "code": provenance(), "Ks": Ks, "clients_per_worker": per_worker, "tau_load": tau_load, "taus": taus, "tau": args.tau, "seed": args.seed,
+                        "eldr_load_factor": lf},
                "workloads": {}}
     tmp = tempfile.mkdtemp(prefix="eldr-study-")
     for w in workloads(quick):
@@ -166,7 +171,7 @@ def main(argv=None) -> int:
             if K == 8:
                 wl = make_workload(replay, requests=eval_requests(w["eval"], tau_load * K), arrival="closed",
                                    concurrency=tau_load * K, seed=args.seed)
-                tspecs = parse_policies("shortest_queue," + ",".join(f"eldr@{x:g}" for x in taus))
+                tspecs = parse_policies("shortest_queue," + ",".join(f"eldr@{x:g}" for x in taus), load_factor=lf)
                 pols, _ = run_comparison(replay, wl, tspecs, em, cfg, centroids=cpath, seed=args.seed, signatures=sigs)
                 for n, m in pols.items():
                     wres["tau_sweep"].append({"policy": n, "tpot_ms": m["tpot_ms"], "unique_experts_per_layer_step": m["unique_experts_per_layer_step"],
@@ -204,7 +209,10 @@ def targets(wres, skewed: bool):
 
 def render_markdown(res) -> str:
     m = res["meta"]
-    L = ["# TPOT study: ELDR vs load balancers (simulated)", "",
+    lf = m.get("eldr_load_factor")
+    variant = ("the paper's band rule" if lf is None else
+               f"bounded loads, load factor {lf:g} (a worker is a candidate only below ceil((1+{lf:g}) x (total+1) / K))")
+    L = ["# TPOT study: ELDR vs load balancers (simulated)", "", f"ELDR variant: {variant}.", "",
          f"Command: `{m['command']}` (runtime {m['runtime_s']:.0f} s on {os.cpu_count()} CPUs; code: {m.get('code', 'unknown')}).", "",
          "Closed-loop clients (load = clients per decode worker), requests replayed in trace order. "
          "Cells are ELDR's TPOT change against each policy (negative = ELDR faster); `best LB` is the best of "
