@@ -79,8 +79,13 @@ class DriftHook:
                 logger.warning("drift hook skipped a request: %s", exc)
 
     def _on_window(self, w: dict) -> None:
+        """One log line per closed window (every `window` routed requests)."""
+        msg = "drift monitor: %d requests, mean d* %.4f (%+.2f baseline s.d.), share JS %.4f, TV %.3f"
+        args = (w["n"], w["mean_d_star"], w["d_shift"], w["js"], w["tv"])
         if w["out_of_profile"]:
-            logger.warning("drift monitor: window out of profile (%s)", "; ".join(w["reasons"]))
+            logger.warning(msg + " -- out of profile: %s", *args, "; ".join(w["reasons"]))
+        else:
+            logger.info(msg, *args)
 
     # ---------------------------------------------------------------- background
     def check(self) -> str | None:
