@@ -145,7 +145,6 @@ class PDRouter:
         self.on_centroids_reloaded()
         P, D = len(cfg.prefill), len(cfg.decode)
         self.prefill_inflight = [0] * P
-        self.decode_inflight = [0] * D
         self.prefill_healthy = [True] * P
         self.decode_healthy = [True] * D
         self.reported: list[int | None] = [None] * D
@@ -172,7 +171,7 @@ class PDRouter:
             "policy": self.cfg.policy,
             "late_binding": self.cfg.late_binding,
             "decode_loads": list(self.router.loads()),
-            "decode_inflight": list(self.decode_inflight),
+            "decode_inflight": list(self.router.inflight()),
             "prefill_inflight": list(self.prefill_inflight),
             "decode_reported": list(self.reported),
             "decode_healthy": list(self.decode_healthy),
@@ -463,37 +462,32 @@ class PDRouter:
                 headers["X-ELDR-Band"] = ",".join(map(str, decision.band))
         durl = f"{self.cfg.decode[w]}{request.path}"
         with self.router.acquire(w, 0):
-            self.decode_inflight[w] += 1
             try:
+                dresp = await self.session.post(durl, json=dbody)
+            except aiohttp.ClientError as exc:
+                self.metrics.worker_errors.labels("decode", str(w), "connect").inc()
+                raise UpstreamError(502, _err(f"decode worker {w} unreachable: {exc}"), "application/json", "decode") from None
+            try:
+                if dresp.status != 200:
+                    self.metrics.worker_errors.labels("decode", str(w), f"http_{dresp.status}").inc()
+                    raise UpstreamError(dresp.status, await dresp.read(), dresp.content_type, "decode")
+                if not client_stream:
+                    data = await dresp.read()
+                    return web.Response(body=data, status=200, headers=headers, content_type=dresp.content_type)
+                out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
+                await out.prepare(request)
+                if state is not None:
+                    state["out"] = out
                 try:
-                    dresp_cm = self.session.post(durl, json=dbody)
-                    dresp = await dresp_cm
+                    async for chunk in dresp.content.iter_any():
+                        await out.write(chunk)
                 except aiohttp.ClientError as exc:
-                    self.metrics.worker_errors.labels("decode", str(w), "connect").inc()
-                    raise UpstreamError(502, _err(f"decode worker {w} unreachable: {exc}"), "application/json", "decode") from None
-                try:
-                    if dresp.status != 200:
-                        self.metrics.worker_errors.labels("decode", str(w), f"http_{dresp.status}").inc()
-                        raise UpstreamError(dresp.status, await dresp.read(), dresp.content_type, "decode")
-                    if not client_stream:
-                        data = await dresp.read()
-                        return web.Response(body=data, status=200, headers=headers, content_type=dresp.content_type)
-                    out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
-                    await out.prepare(request)
-                    if state is not None:
-                        state["out"] = out
-                    try:
-                        async for chunk in dresp.content.iter_any():
-                            await out.write(chunk)
-                    except aiohttp.ClientError as exc:
-                        self.metrics.worker_errors.labels("decode", str(w), "stream").inc()
-                        await out.write(b"data: " + _err(f"decode worker {w} stream failed: {exc}") + b"\n\n")
-                    await out.write_eof()
-                    return out
-                finally:
-                    dresp.release()
+                    self.metrics.worker_errors.labels("decode", str(w), "stream").inc()
+                    await out.write(b"data: " + _err(f"decode worker {w} stream failed: {exc}") + b"\n\n")
+                await out.write_eof()
+                return out
             finally:
-                self.decode_inflight[w] -= 1
+                dresp.release()
 
 
 class _PrivateCopy:
