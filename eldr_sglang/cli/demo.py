@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     p.add_argument("--concurrency", default="64,128,256,512", help="closed-loop loads to sweep (default 64,128,256,512)")
     p.add_argument("--tau", type=float, default=0.1, help="ELDR band width (default 0.1)")
+    p.add_argument("--eldr-load-factor", type=float, default=0.05, metavar="F",
+                   help="also show ELDR with bounded loads F as 'eldr/F' (default 0.05; negative to skip)")
     p.add_argument("--taus", default="0,0.05,0.2,0.5", help="extra ELDR band widths shown at the middle load (default 0,0.05,0.2,0.5; '' for none)")
     p.add_argument("--uniform", action="store_true", help="uniform (no-locality) control workload instead")
     p.add_argument("--seed", type=int, default=0)
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     model = get_model(trace.model)
     em = ExecutionModel(model, get_hardware(args.hardware))
     replay = TraceReplay(trace)
-    specs = parse_policies("random,round_robin,shortest_queue,power_of_two,eldr,oracle", args.tau)
+    bounded = f",eldr/{args.eldr_load_factor:g}" if args.eldr_load_factor >= 0 else ""
+    specs = parse_policies(f"random,round_robin,shortest_queue,power_of_two,eldr{bounded},oracle", args.tau)
     cfg = ClusterConfig(num_decode=K)
     say(f"[3/4] simulating {len(eval_idx)} held-out requests on {K} decode workers x tp={em.tp} {em.hardware.name}, "
         f"loads {loads}, {len(specs)} policies")

@@ -116,12 +116,16 @@ def _plt():
 
 _COLORS = {
     "random": "#999999", "round_robin": "#7f7f7f", "shortest_queue": "#1f77b4", "power_of_two": "#17becf",
-    "eldr": "#d62728", "oracle": "#2ca02c",
+    "eldr": "#d62728", "eldr/bounded": "#ff7f0e", "oracle": "#2ca02c",
 }
 
 
 def _color(name: str):
-    return _COLORS.get(name.split("@")[0])
+    """Colour of a policy label ('eldr@0.2' is eldr's; 'eldr/0.05' is bounded ELDR's)."""
+    base = name.split("@")[0]
+    if "/" in name:
+        base = base.split("/")[0] + "/bounded"
+    return _COLORS.get(base, "#8c564b")
 
 
 def plot_runs(policies: dict[str, dict], step_distinct: dict[str, np.ndarray], path: str | Path, title: str = "") -> None:
