@@ -357,28 +357,6 @@ def test_controller_refits_on_drift_and_rebases(drift_setup, tmp_path):
     assert not st["monitor"]["drifted"]
 
 
-def test_controller_background_process(drift_setup, tmp_path):
-    """The process executor really runs the refit in another process and the router reloads."""
-    import shutil
-
-    path = str(tmp_path / "bg.eldr")
-    shutil.copyfile(drift_setup["path"], path)
-    router = _core.Router(policy="eldr", centroids=path, reload_interval_ms=0)
-    ctl = RefitController(path, router=router, executor="process", cooldown_s=0,
-                          reservoir_kw=dict(capacity=512, horizon=512))
-    try:
-        S = drift_setup["S"][drift_setup["valid"]][:400]
-        ctl.reservoir.add_many(S)
-        assert ctl.request("bg")["accepted"]
-        assert ctl.request("bg2")["why"] == "running" or ctl.status()["refits"] == 1
-        st = ctl.wait(timeout=120)
-        assert st["last_ok"], st
-        assert router.centroid_generation == 2
-        assert json.loads(router.centroid_set().provenance_json)["refit"]["reason"] == "bg"
-    finally:
-        ctl.close()
-
-
 # ------------------------------------------------------------------------------------ CLI
 def test_cli_drift_check_and_refit(drift_setup, tmp_path, capsys):
     from eldr_sglang.cli.refit import main

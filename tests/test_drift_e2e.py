@@ -17,27 +17,32 @@ pytest.importorskip("prometheus_client")
 from pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 
+N_TRACE = 120
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def cluster(tmp_path_factory):
     from eldr_sglang.offline.fit import fit_trace
     from eldr_sglang.synth import generate
     from eldr_sglang.traces import save_trace
 
     d = tmp_path_factory.mktemp("drift-e2e")
-    trace = generate(model="gpt-oss-20b", requests=120, seed=5, prompt_len=(16, 48), output_len=8)
+    trace = generate(model="gpt-oss-20b", requests=N_TRACE, seed=5, prompt_len=(16, 48), output_len=8)
     tpath, cpath = d / "trace.npz", d / "c.eldr"
     save_trace(trace, tpath)
     fit_trace(trace, workers=4, tau=0.1, seed=0).write(cpath)
     cproc, urls = start_cluster(tpath, d, time_scale=0.02)
-    try:
-        rproc, base = start_router(urls, d, ["--disagg-router", "eldr", "--eldr-centroids", str(cpath),
-                                             "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0.5"])
-    except Exception:
-        cproc.stop()
-        raise
+    yield d, cpath, urls
+    cproc.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(cluster):
+    d, cpath, urls = cluster
+    rproc, base = start_router(urls, d, ["--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+                                         "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0.5"])
     yield base
     rproc.stop()
-    cproc.stop()
 
 
 def test_router_feeds_the_drift_monitor_and_answers_refit(setup):
@@ -65,3 +70,77 @@ def test_router_feeds_the_drift_monitor_and_answers_refit(setup):
         text = r.read().decode()
     assert metric(text, "eldr_drift_observations_total") == bands
     assert "eldr_drift_share_js" in text and "eldr_refit_running 0.0" in text
+
+
+def test_refit_under_load_in_the_router_app(cluster):
+    """The router app in this process (so the hook can be given a small reservoir) in front of
+    the emulated cluster: 160 requests fill the reservoir, then 240 more run 16 at a time while
+    POST /eldr/refit starts a refit in the background process. Every request succeeds, the refit
+    finishes, the router's reload loop swaps the new file in, and routing goes on with it."""
+    import asyncio
+    import shutil
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from eldr_sglang import _core
+    from eldr_sglang.router.app import build_app
+    from eldr_sglang.router.config import build_parser, config_from_args
+
+    d, cpath, urls = cluster
+    mine = d / "refit-under-load.eldr"
+    shutil.copyfile(cpath, mine)
+    args = ["--pd-disaggregation", "--disagg-router", "eldr", "--eldr-centroids", str(mine),
+            "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0", "--eldr-reload-interval-ms", "50"]
+    for url, bport in urls["prefill"]:
+        args += ["--prefill", url, str(bport)]
+    for url in urls["decode"]:
+        args += ["--decode", url]
+    cfg = config_from_args(build_parser().parse_args(args))
+    cfg.drift = dict(executor="process", cooldown_s=0, window=64, refit_on_drift=False, check_interval_s=0.05,
+                     reservoir_capacity=256, reservoir_horizon=256)
+    app = build_app(cfg)
+
+    async def main():
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        base = str(server.make_url("")).rstrip("/")
+        pd = next(v for v in app.values() if hasattr(v, "router") and hasattr(v, "drift"))
+        assert pd.drift is not None and pd.drift.ctl.reservoir.capacity == 256
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                sem = asyncio.Semaphore(16)
+
+                async def one(i):
+                    async with sem:
+                        body = {"text": f"q{i}", "sampling_params": {"max_new_tokens": 2},
+                                "emulator": {"trace_request": i % N_TRACE}}
+                        async with s.post(base + "/generate", json=body) as r:
+                            await r.read()
+                            return r.status
+
+                assert await asyncio.gather(*(one(i) for i in range(160))) == [200] * 160
+                gen0 = pd.router.centroid_generation
+                load = [asyncio.ensure_future(one(i)) for i in range(160, 400)]
+                await asyncio.sleep(0)
+                async with s.post(base + "/eldr/refit", json={"force": True, "reason": "under load"}) as r:
+                    assert r.status == 202, await r.text()
+                statuses = await asyncio.gather(*load)
+                assert statuses == [200] * len(statuses)
+                st = None
+                for _ in range(600):  # bounded: the spawned process imports numpy/scipy first
+                    async with s.get(base + "/eldr/drift") as r:
+                        st = await r.json()
+                    if not st["running"] and st["refits"] + st["failures"] and pd.router.centroid_generation > gen0:
+                        break
+                    await asyncio.sleep(0.1)
+                assert st["last_ok"] and st["refits"] == 1, st
+                assert pd.router.centroid_generation == gen0 + 1 and pd.router.last_reload_error is None
+                assert await asyncio.gather(*(one(i) for i in range(400, 440))) == [200] * 40
+                async with s.get(base + "/eldr/drift") as r:
+                    assert (await r.json())["monitor"]["generation"] == gen0 + 1
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+    assert json.loads(_core.CentroidSet.open(str(mine)).provenance_json)["refit"]["reason"] == "under load"
