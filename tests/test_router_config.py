@@ -27,6 +27,7 @@ def test_sglang_router_style_flags():
     cfg = parse_config(BASE + ["--decode-policy", "eldr", "--eldr-centroids", "c.eldr", "--eldr-tau", "0.2"])
     assert cfg.policy == "eldr" and cfg.late_binding and cfg.tau == 0.2
     assert parse_config(BASE + ["--disagg-router", "random", "--eldr-bind", "late"]).late_binding
+    assert parse_config(BASE + ["--eldr-centroids", "c.eldr", "--eldr-load-factor", "0.05"]).load_factor == 0.05
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -36,6 +37,7 @@ def test_sglang_router_style_flags():
     (["--pd-disaggregation", "--prefill", "h:1", "--decode", "http://h:1"], "expected a URL"),
     (["--pd-disaggregation", "--prefill", "http://h:1", "x", "--decode", "http://h:1"], "not a number"),
     (BASE + ["--disagg-router", "random", "--eldr-tau", "-1"], "--eldr-tau"),
+    (BASE + ["--disagg-router", "random", "--eldr-load-factor", "-0.5"], "--eldr-load-factor"),
 ])
 def test_bad_command_lines_are_explained(argv, match):
     with pytest.raises(ConfigError, match=match):

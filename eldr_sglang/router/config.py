@@ -36,6 +36,7 @@ class RouterConfig:
     prefill_policy: str = "round_robin"
     centroids: str | None = None
     tau: float | None = None
+    load_factor: float | None = None
     bind: str = "auto"  # 'late' | 'early' | 'auto' (late for eldr, early for the baselines)
     signature_timeout_s: float = 30.0
     seed: int = 0
@@ -89,6 +90,11 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     pol.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
     pol.add_argument("--eldr-centroids", metavar="PATH", help="centroid file from `eldr fit` (required for eldr)")
     pol.add_argument("--eldr-tau", type=float, default=None, help="band width tau (default: the file's)")
+    pol.add_argument(
+        "--eldr-load-factor", type=float, default=None, metavar="F",
+        help="ELDR with bounded loads: a worker is a candidate only while its load is below "
+        "ceil((1+F)*(total+1)/workers) (default: off, the paper's rule)",
+    )
     pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",
         help="pick the decode worker after prefill (late) or with the prefill (early); auto: late for eldr",
@@ -151,6 +157,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
     if a.eldr_tau is not None and not a.eldr_tau >= 0:
         raise ConfigError(f"--eldr-tau must be >= 0, got {a.eldr_tau}")
+    if a.eldr_load_factor is not None and not a.eldr_load_factor >= 0:
+        raise ConfigError(f"--eldr-load-factor must be >= 0, got {a.eldr_load_factor}")
     if a.eldr_signature_timeout_secs <= 0:
         raise ConfigError("--eldr-signature-timeout-secs must be > 0")
     if a.prometheus_host is not None and a.prometheus_port is None:
@@ -162,6 +170,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         prefill_policy=a.prefill_policy,
         centroids=a.eldr_centroids,
         tau=a.eldr_tau,
+        load_factor=a.eldr_load_factor,
         bind=a.eldr_bind,
         signature_timeout_s=a.eldr_signature_timeout_secs,
         seed=a.seed,

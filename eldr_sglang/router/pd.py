@@ -134,6 +134,8 @@ class PDRouter:
             kw["centroids"] = self._centroids.path
         if cfg.tau is not None:
             kw["tau"] = cfg.tau
+        if cfg.load_factor is not None:
+            kw["load_factor"] = cfg.load_factor
         try:
             self.router = _core.Router(**kw)
         except Exception as exc:
@@ -179,6 +181,7 @@ class PDRouter:
             "prefill_signatures": list(self.prefill_signs),
             "centroid_generation": int(self.router.centroid_generation),
             "tau": float(self.router.tau),
+            "load_factor": self.router.load_factor,
         }
 
     def set_healthy(self, role: str, i: int, ok: bool) -> None:
