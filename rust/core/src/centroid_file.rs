@@ -8,10 +8,10 @@
 //! 8-byte trailer: CRC-32 (IEEE) of every byte before it, then the end magic `ELDR`.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapMut};
 use thiserror::Error;
 
 use crate::signature::SignatureSpec;
@@ -43,28 +43,17 @@ pub enum CentroidFileError {
     Invalid(String),
 }
 
-/// The bytes of a centroid file: the mmapped file, or an owned copy (8-byte aligned, so the
-/// f32 sections can be read in place either way).
-enum Storage {
-    Map(Mmap),
-    Owned(Vec<u64>, usize),
-}
-
-impl std::ops::Deref for Storage {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Storage::Map(m) => m,
-            // SAFETY: a Vec<u64> of `len.div_ceil(8)` words holds at least `len` initialized bytes.
-            Storage::Owned(v, len) => unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, *len) },
-        }
-    }
-}
-
-/// A validated centroid file, mmapped read-only. Immutable: a reload builds a new one.
+/// A validated centroid file, held in a private read-only memory map. Immutable: a reload
+/// builds a new one.
+///
+/// The file's bytes are copied into an anonymous mapping rather than mapped in place: a
+/// shared mapping of the user's file turns an in-place overwrite (`cp new.eldr c.eldr`)
+/// into SIGBUS on the next route, and the files are small (K x D floats, a few MiB at most),
+/// so the copy costs less than a millisecond. The mapping is page-aligned, so the
+/// 64-byte-aligned centroid matrix is read in place from it.
 pub struct CentroidSet {
     path: PathBuf,
-    map: Storage,
+    map: Mmap,
     k: usize,
     tau: f32,
     centroid_offset: usize,
@@ -96,22 +85,29 @@ impl CentroidSet {
         let path = path.as_ref();
         let p = path.display().to_string();
         let io = |e: std::io::Error| CentroidFileError::Io { path: p.clone(), msg: e.to_string() };
-        let file = File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only and validated before use. Writers replace the file by
-        // rename (see `CentroidWriter::write`), so a mapped inode is never modified in place.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::validate(path.to_path_buf(), Storage::Map(map))
+        let mut file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len() as usize;
+        if len == 0 {
+            return Err(CentroidFileError::Truncated { path: p, what: "the file is empty".into() });
+        }
+        let mut map = MmapMut::map_anon(len).map_err(io)?;
+        // A file that shrinks while being read fails here; one that changes is caught by the CRC.
+        file.read_exact(&mut map[..]).map_err(io)?;
+        Self::validate(path.to_path_buf(), map.make_read_only().map_err(io)?)
     }
 
-    /// Validate a centroid file held in memory (copied into an aligned buffer).
+    /// Validate a centroid file held in memory.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, CentroidFileError> {
-        let mut words = vec![0u64; bytes.len().div_ceil(8)];
-        // SAFETY: `words` has room for `bytes.len()` bytes; u64 has no invalid bit patterns.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), words.as_mut_ptr() as *mut u8, bytes.len()) };
-        Self::validate(PathBuf::from("<memory>"), Storage::Owned(words, bytes.len()))
+        let io = |e: std::io::Error| CentroidFileError::Io { path: "<memory>".into(), msg: e.to_string() };
+        if bytes.is_empty() {
+            return Err(CentroidFileError::Truncated { path: "<memory>".into(), what: "no bytes".into() });
+        }
+        let mut map = MmapMut::map_anon(bytes.len()).map_err(io)?;
+        map.copy_from_slice(bytes);
+        Self::validate(PathBuf::from("<memory>"), map.make_read_only().map_err(io)?)
     }
 
-    fn validate(path: PathBuf, map: Storage) -> Result<Self, CentroidFileError> {
+    fn validate(path: PathBuf, map: Mmap) -> Result<Self, CentroidFileError> {
         let p = path.display().to_string();
         let b: &[u8] = &map;
         let trunc = |what: String| CentroidFileError::Truncated { path: p.clone(), what };
@@ -242,8 +238,8 @@ impl CentroidSet {
     pub fn centroids_t(&self) -> &[f32] {
         let bytes = &self.map[self.centroid_offset..self.centroid_offset + self.dim() * self.k * 4];
         // SAFETY: the offset is 64-byte aligned (checked in `validate`) within a page-aligned
-        // mapping or an 8-byte-aligned buffer, so the pointer is f32-aligned; the length is a
-        // multiple of 4, and every bit pattern is a valid f32.
+        // private mapping, so the pointer is f32-aligned; the length is a multiple of 4, and
+        // every bit pattern is a valid f32. Nothing else can write to the mapping.
         unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
     }
 

@@ -96,3 +96,21 @@ fn routing_never_fails_across_100_replacements() {
         assert_eq!(router.tracker().inflight(w), 0);
     }
 }
+
+#[test]
+fn in_place_overwrite_cannot_touch_a_loaded_set() {
+    // `cp new.eldr c.eldr` truncates and rewrites the same inode; a shared mapping of it
+    // would fault (SIGBUS) on the next read. The loaded set holds a private copy.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.eldr");
+    write(&p, 1, 4);
+    let router = Router::new("eldr", Some(4), Some(&p), None, 0, 0, 1000).unwrap();
+    let before = router.store().unwrap().snapshot().centroids();
+    std::fs::write(&p, b"x").unwrap(); // truncate in place
+    let counts: Vec<u32> = (0..32).map(|i| (i % 3) as u32).collect();
+    let r = router.route(|set| from_counts::<u32, u32>(set, Counts::Dense(&counts)), true).unwrap();
+    assert_eq!(r.decision.reason, eldr_core::Reason::Band);
+    assert_eq!(router.store().unwrap().snapshot().centroids(), before);
+    assert!(router.store().unwrap().reload_if_changed().is_err());
+    assert_eq!(router.store().unwrap().snapshot().centroids(), before);
+}
