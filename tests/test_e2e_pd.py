@@ -212,7 +212,9 @@ def test_malformed_client_requests_get_400(router, body, message):
 
 def test_models_health_metrics(router):
     assert get_json(router + "/v1/models")["data"]
-    assert get_json(router + "/eldr/status")["load_factor"] is None  # the paper's rule by default
+    from eldr_sglang.router.config import DEFAULT_LOAD_FACTOR
+
+    assert get_json(router + "/eldr/status")["load_factor"] == DEFAULT_LOAD_FACTOR == 0.05  # bounded loads by default
     text = _metrics(router)
     for name in ("eldr_router_decode_routes_total", "eldr_router_band_size", "eldr_router_distance_best",
                  "eldr_router_queue_depth", "eldr_router_fallbacks_total", "eldr_router_signature_wait_seconds"):

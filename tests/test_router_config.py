@@ -27,7 +27,9 @@ def test_sglang_router_style_flags():
     cfg = parse_config(BASE + ["--decode-policy", "eldr", "--eldr-centroids", "c.eldr", "--eldr-tau", "0.2"])
     assert cfg.policy == "eldr" and cfg.late_binding and cfg.tau == 0.2
     assert parse_config(BASE + ["--disagg-router", "random", "--eldr-bind", "late"]).late_binding
-    assert parse_config(BASE + ["--eldr-centroids", "c.eldr", "--eldr-load-factor", "0.05"]).load_factor == 0.05
+    assert parse_config(BASE + ["--eldr-centroids", "c.eldr", "--eldr-load-factor", "0.2"]).load_factor == 0.2
+    assert parse_config(BASE + ["--eldr-centroids", "c.eldr"]).load_factor == 0.05  # bounded by default
+    assert parse_config(BASE + ["--eldr-centroids", "c.eldr", "--eldr-load-factor", "none"]).load_factor is None
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -10,8 +10,25 @@ Flag names follow sglang_router's `launch_router` where they overlap (--pd-disag
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from urllib.parse import urlparse
+
+
+# Bounded loads on by default: the simulated TPOT study (benchmarks/results/tpot_study*.md)
+# shows the paper's rule losing up to +48% median TPOT when one domain bursts, and F = 0.05
+# beating every load balancer on median TPOT in every skewed configuration.
+DEFAULT_LOAD_FACTOR = 0.05
+
+
+def _load_factor(text: str) -> float | None:
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'none', got {text!r}") from None
+
 
 DECODE_POLICIES = ("eldr", "random", "round_robin", "shortest_queue", "power_of_two")
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
@@ -91,9 +108,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     pol.add_argument("--eldr-centroids", metavar="PATH", help="centroid file from `eldr fit` (required for eldr)")
     pol.add_argument("--eldr-tau", type=float, default=None, help="band width tau (default: the file's)")
     pol.add_argument(
-        "--eldr-load-factor", type=float, default=None, metavar="F",
+        "--eldr-load-factor", type=_load_factor, default=DEFAULT_LOAD_FACTOR, metavar="F|none",
         help="ELDR with bounded loads: a worker is a candidate only while its load is below "
-        "ceil((1+F)*(total+1)/workers) (default: off, the paper's rule)",
+        f"ceil((1+F)*(total+1)/workers) (default {DEFAULT_LOAD_FACTOR}; 'none' = the paper's rule, "
+        "which piles single-domain bursts onto one worker: see benchmarks/results/tpot_study*.md)",
     )
     pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",
@@ -157,8 +175,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
     if a.eldr_tau is not None and not a.eldr_tau >= 0:
         raise ConfigError(f"--eldr-tau must be >= 0, got {a.eldr_tau}")
-    if a.eldr_load_factor is not None and not a.eldr_load_factor >= 0:
-        raise ConfigError(f"--eldr-load-factor must be >= 0, got {a.eldr_load_factor}")
+    if a.eldr_load_factor is not None and not (a.eldr_load_factor >= 0 and math.isfinite(a.eldr_load_factor)):
+        raise ConfigError(f"--eldr-load-factor must be a finite number >= 0 or 'none', got {a.eldr_load_factor}")
     if a.eldr_signature_timeout_secs <= 0:
         raise ConfigError("--eldr-signature-timeout-secs must be > 0")
     if a.prometheus_host is not None and a.prometheus_port is None:
