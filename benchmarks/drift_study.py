@@ -25,6 +25,9 @@ Part 2 (adaptive band): fixed tau=0.1 vs bounded loads (load_factor 0.1/0.25/0.5
 tau 0.1) with static centroids, at several loads, on the stationary phase-A stream and on the
 drifting A->B stream.
 
+Part 4 (rolling drift): one domain of the four in use is replaced every 1600 requests (1000
+with --quick), four times; fit on the first set.
+
 Part 3 (real routing): part 1's comparison on ../shared/traces/gptoss20b.npz split by domain
 (see `setup_real`; the trace is small, so requests repeat -- stated in the report).
 
@@ -172,6 +175,50 @@ def run_part1(labels, s, tmp, seed, interval, cooldown, em, cfg, conc):
     return stats, evs, curves
 
 
+ROLLING = [[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6], [4, 5, 6, 7]]
+
+
+def run_rolling(n_phase: int, calib: int, tmp: str, interval: int, cooldown: int, load: int, em) -> dict:
+    """Part 4, a rolling drift (seed 0): every n_phase requests one domain of the four in use is
+    replaced by a new one; fitted on phase 0's domains."""
+    t0 = time.perf_counter()
+    tr, cal, ph = drifting_trace([(d, n_phase) for d in ROLLING], calibration=calib, seed=0,
+                                 prompt_len=(64, 256), output_len=128)
+    fa = fit_trace(tr, workers=K, tau=TAU, requests=cal, seed=0)
+    pa = os.path.join(tmp, "roll-a.eldr")
+    fa.write(pa)
+    replay = TraceReplay(tr)
+    sigs = eldr_signatures(replay, pa)
+    ev = np.flatnonzero(ph >= 0)
+    s = dict(name="rolling", pa=pa, sigs=sigs, phase=ph[ev])
+    conc = load * K
+    wl = make_workload(replay, requests=ev, arrival="closed", concurrency=conc, seed=0)
+    C = np.asarray(_core_centroids(pa))
+    out = {"phases": ROLLING, "requests_per_phase": n_phase, "d_star": [], "stats": {}, "refits": {}}
+    for i in range(len(ROLLING)):
+        S = sigs[0][ev[(ph[ev] == i) & sigs[1][ev]]]
+        out["d_star"].append(float((1.0 - S @ C.T).min(axis=1).mean()))
+    log(f"rolling drift: {tr.num_requests} requests, fit, {time.perf_counter() - t0:.1f} s")
+    for lab in ["shortest_queue", "eldr", "eldr+drift-refit", "eldr+periodic-refit", "eldr+drift-refit+bl0.25"]:
+        t1 = time.perf_counter()
+        pol = make(lab, s, tmp, 0, interval, cooldown)
+        res = simulate(replay, wl, pol, em, ClusterConfig(num_decode=K))
+        assert (res.completions == 1).all(), f"{lab}: a request was lost or duplicated"
+        tp = (res.finish - res.first_token) / np.maximum(res.output_len - 1, 1) * 1e3
+        keep = np.arange(len(tp)) >= conc
+        out["stats"][lab] = [float(tp[(s["phase"] == i) & keep].mean()) for i in range(len(ROLLING))]
+        out["refits"][lab] = [e["triggered_at"] for e in getattr(pol, "events", [])]
+        log(f"  rolling {lab:26s} " + " ".join(f"{x:.3f}" for x in out["stats"][lab])
+            + f"  refits at {out['refits'][lab]}  ({time.perf_counter() - t1:.1f} s)")
+    return out
+
+
+def _core_centroids(path):
+    from eldr_sglang import _core
+
+    return _core.CentroidSet.open(path).centroids()
+
+
 def setup_real(path: Path, n_phase: int, tmp: str):
     """The real GPT-OSS-20B trace split by domain: phase A = the alphabetically first half of
     the domain names, phase B = the rest. Half of phase A's requests (seeded) are the
@@ -283,7 +330,9 @@ def main(argv=None) -> int:
     curves: dict = {}
     part2: list = []
     part3 = None
+    part4 = None
     n_real = 2000 if quick else 3000
+    n_roll = 1000 if quick else 1600
     fits = []
     try:
         for seed in seeds:
@@ -330,6 +379,7 @@ def main(argv=None) -> int:
                      "requests_per_phase": n_real}
         else:
             log(f"skipping the real trace: {real} not found")
+        part4 = run_rolling(n_roll, calib, tmp, interval, cooldown, args.load, em)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results = {
@@ -344,6 +394,7 @@ def main(argv=None) -> int:
         "curves": curves,
         "part2": part2,
         "part3_real": part3,
+        "part4_rolling": part4,
     }
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     md = render(results)
@@ -440,6 +491,21 @@ def render(res) -> str:
         if ev:
             L += ["", "Drift-triggered refits: " + describe_events(ev)]
         L += ["", "![TPOT over time, real trace](%s)" % ("drift_study_quick_real.png" if "quick" in m["command"] else "drift_study_real.png")]
+    r4 = res.get("part4_rolling")
+    if r4:
+        n4 = r4["requests_per_phase"]
+        L += ["", "## Part 4: rolling drift (synthetic, seed 0)", "",
+              f"Every {n4} requests one domain of the four in use is replaced by a new one: "
+              + " -> ".join("{" + ",".join(map(str, d)) + "}" for d in r4["phases"])
+              + ". Fitted on the first set. Mean TPOT (ms) per phase (ramp-up excluded); mean d* of each phase "
+              "against the original fit: " + ", ".join(f"{x:.3f}" for x in r4["d_star"]) + ".", "",
+              "| policy | " + " | ".join(f"phase {i}" for i in range(len(r4["phases"]))) + " | phases 1-4 vs shortest_queue | refits at request |",
+              "|---|" + "---|" * len(r4["phases"]) + "---|---|"]
+        sq4 = r4["stats"]["shortest_queue"]
+        for lab, v in r4["stats"].items():
+            rel = np.mean([pct(a, b) for a, b in zip(v[1:], sq4[1:])])
+            L.append(f"| {lab} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {rel:+.1f}% | "
+                     + (", ".join(map(str, r4["refits"][lab])) or "-") + " |")
     return "\n".join(L) + "\n"
 
 
