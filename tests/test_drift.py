@@ -491,3 +491,30 @@ def test_controller_schedule(drift_setup, tmp_path):
     assert ctl.maybe_trigger() is None  # next one is due at 200
     now[0] = 200.0
     assert ctl.maybe_trigger() == "schedule" and ctl.refits == 2
+
+
+def test_router_without_a_baseline_routes_on_without_drift_handling(tmp_path):
+    pytest.importorskip("aiohttp")
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from eldr_sglang.router.app import build_app
+    from eldr_sglang.router.config import build_parser, config_from_args
+
+    p = str(tmp_path / "nobaseline.eldr")
+    _core.write_centroids(p, np.eye(4, 8, dtype=np.float32), np.ones(1, np.float32), np.ones((1, 8), np.float32), 0.1, None, "{}")
+    args = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:9", "--disagg-router", "eldr", "--eldr-centroids", p]
+    for k in range(4):
+        args += ["--decode", f"http://127.0.0.1:{10 + k}"]
+    app = build_app(config_from_args(build_parser().parse_args(args)))
+    pd = next(v for v in app.values() if hasattr(v, "drift"))
+    assert pd.drift is None
+
+    async def main():
+        async with TestClient(TestServer(app)) as c:
+            for method, path in (("GET", "/eldr/drift"), ("POST", "/eldr/refit")):
+                r = await c.request(method, path)
+                assert r.status == 404 and "drift baseline" in (await r.json())["error"]["message"]
+
+    asyncio.run(main())

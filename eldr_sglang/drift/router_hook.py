@@ -201,13 +201,14 @@ def install(app, pd, **options) -> DriftHook | None:
     if enabled:
         try:
             hook = DriftHook(pd, **conf)
-        except ValueError as exc:  # e.g. a centroid file without a baseline: route on, without drift handling
+        except (ValueError, OSError) as exc:  # e.g. a centroid file without a baseline: route on, without drift handling
             logger.warning("drift handling off: %s", exc)
     pd.drift = hook
     if hook is None:
         async def off(_request):
-            return web.json_response({"error": {"message": "drift handling is off (needs --decode-policy eldr, a centroid "
-                                                           "file with a baseline)"}}, status=404)
+            return web.json_response({"error": {"message": "drift handling is off: it needs the eldr policy and a centroid "
+                                                           "file with a drift baseline, and --no-eldr-drift turns it off"}},
+                                     status=404)
         app.router.add_post("/eldr/refit", off)
         app.router.add_get("/eldr/drift", off)
         return None
