@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the k-means++ restarts (default 0)")
     p.add_argument("--restarts", type=int, default=4, help="seeded k-means++ restarts (default 4)")
     p.add_argument("--max-iter", type=int, default=50, help="k-means iterations per restart (default 50)")
+    p.add_argument(
+        "--tol", type=float, default=1e-5, help="stop when an iteration improves the objective by at most this share (default 1e-5)"
+    )
     p.add_argument("--no-idf-plus-one", action="store_true", help="use log((|C|+1)/(df+1)) without the +1")
     p.add_argument("--worker-names", help="comma-separated names of the K decode workers, in order")
     p.add_argument("--json", dest="json_out", help="also write the full report as JSON to this path")
@@ -83,6 +86,10 @@ def run(args) -> int:
     js = _check_out(args.json_out, "--json") if args.json_out else None
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
+    if not (args.tol >= 0):
+        raise CliError(f"--tol must be >= 0, got {args.tol}")
+    if args.max_iter < 1:
+        raise CliError(f"--max-iter must be >= 1, got {args.max_iter}")
     if args.restarts < 1:
         raise CliError(f"--restarts must be >= 1, got {args.restarts}")
     names = None
@@ -100,6 +107,7 @@ def run(args) -> int:
         progress=not args.quiet,
         n_init=args.restarts,
         max_iter=args.max_iter,
+        rtol=args.tol,
         idf_plus_one=not args.no_idf_plus_one,
         worker_names=names,
         source_path=args.trace,

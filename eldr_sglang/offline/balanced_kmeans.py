@@ -280,8 +280,11 @@ class _ClusterGraph:
         self._refresh(a)
 
 
-def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> list[int] | None:
-    """Bellman-Ford from a virtual source on a small dense graph; returns a cycle or None."""
+def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> tuple[list[int] | None, np.ndarray]:
+    """Bellman-Ford from a virtual source on a small dense graph.
+
+    Returns (cycle, dist): a negative cycle, or None and the shortest-path distances, which
+    are then dual prices of the assignment (W[a, b] >= dist[b] - dist[a])."""
     n = Wfull.shape[0]
     dist = np.zeros(n)
     pred = np.full(n, -1, dtype=np.int64)
@@ -293,7 +296,7 @@ def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> list[int] | None:
         nd = cand[u, ar]
         imp = nd < dist - tol
         if not imp.any():
-            return None
+            return None, dist
         dist[imp] = nd[imp]
         pred[imp] = u[imp]
         last = int(np.flatnonzero(imp)[0])
@@ -307,9 +310,9 @@ def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> list[int] | None:
         cycle.append(u)
         u = int(pred[u])
         if len(cycle) > n:
-            return None
+            return None, dist
     cycle.reverse()  # cycle[j] -> cycle[j+1] are edges
-    return cycle
+    return cycle, dist
 
 
 def _cancel_cycles(CT, assign, q, r, tol, max_cycles):
@@ -325,13 +328,13 @@ def _cancel_cycles(CT, assign, q, r, tol, max_cycles):
         if r:
             Wf[np.flatnonzero(sizes == q), S] = 0.0  # may gain a point
             Wf[S, np.flatnonzero(sizes == q + 1)] = 0.0  # may lose a point
-        cyc = _find_negative_cycle(Wf, tol)
+        cyc, dist = _find_negative_cycle(Wf, tol)
         if cyc is None:
-            return assign, cycles, True
+            return assign, cycles, True, dist[:K].copy()
         edges = list(zip(cyc, cyc[1:] + cyc[:1]))
         weight = sum(Wf[u, v] for u, v in edges)
         if not weight < -tol:
-            return assign, cycles, True  # only float noise left
+            return assign, cycles, True, None  # only float noise left
         real = [(u, v) for u, v in edges if u != S and v != S]
         if len(real) < len(edges):
             # through the slack node: the size freedom allows exactly one unit
@@ -363,7 +366,7 @@ def _cancel_cycles(CT, assign, q, r, tol, max_cycles):
             g._row(a)
         cycles += m
         rounds += 1
-    return assign, cycles, False
+    return assign, cycles, False, None
 
 
 # ---------------------------------------------------------------------------
@@ -410,7 +413,11 @@ def balanced_assign(
     repaired = 0
     if not conv:
         assign, repaired = _greedy_repair(CT, assign, target)
-    assign, cycles, optimal = _cancel_cycles(CT, assign, q, r, tol, max_cycles)
+    assign, cycles, optimal, duals = _cancel_cycles(CT, assign, q, r, tol, max_cycles)
+    if duals is not None:
+        # shortest-path potentials are exact dual prices of the optimum: the next call
+        # (slightly moved centroids) starts from a nearly balanced argmin
+        p = duals
     obj = float(CT[assign, np.arange(N)].sum())
     return assign, p, AssignInfo(obj, sweeps, conv, repaired, cycles, optimal, time.perf_counter() - t0)
 
@@ -600,7 +607,11 @@ def _lloyd(X, K, M, *, balanced, max_iter, rtol, stats, tag, progress):
         else:
             new = np.argmin(CT, axis=0).astype(np.int64)
         new_obj = float(2.0 * N + 2.0 * CT[new, ar].sum())
-        changed = assign is None or not np.array_equal(new, assign)
+        n_changed = N if assign is None else int(np.count_nonzero(new != assign))
+        changed = n_changed > 0
+        if stats["history"] and balanced:
+            stats["history"][-1]["changed"] = n_changed
+            stats["history"][-1]["objective_before_update"] = new_obj
         assign = new
         sums = true_sums = data.sums(assign, K)
         empty = ~np.any(sums != 0, axis=1)
@@ -612,7 +623,7 @@ def _lloyd(X, K, M, *, balanced, max_iter, rtol, stats, tag, progress):
                 sums[k] = np.asarray(row.toarray() if sp.issparse(row) else row).ravel()
         M = _normalize_rows(sums)
         if progress:
-            progress(f"k-means {tag} iter {it} objective {new_obj:.6f}")
+            progress(f"k-means {tag} iter {it} objective {new_obj:.6f} changed {n_changed}")
         done = not changed or (np.isfinite(obj) and obj - new_obj <= rtol * abs(new_obj))
         obj = new_obj
         if done:
@@ -631,7 +642,7 @@ def spherical_kmeans(
     n_init: int = 3,
     max_iter: int = 50,
     balanced: bool = True,
-    rtol: float = 1e-7,
+    rtol: float = 1e-5,
     restart_sample: int = 20_000,
     progress: Callable[[str], None] | None = None,
 ) -> KMeansResult:
@@ -643,6 +654,8 @@ def spherical_kmeans(
     When N > restart_sample, the n_init restarts are run and compared on one seeded
     subsample of restart_sample points, and only the winner is refined on all N points
     (the restarts then cost O(restart_sample) each instead of O(N)).
+    Lloyd's iterations stop when the assignment no longer changes or the objective
+    improves by at most ``rtol`` (relative) in one iteration, or after ``max_iter``.
     """
     t0 = time.perf_counter()
     N = X.shape[0]

@@ -145,6 +145,7 @@ def fit_trace(
     *,
     n_init: int = 4,
     max_iter: int = 50,
+    rtol: float = 1e-5,
     idf_plus_one: bool = True,
     worker_names: list[str] | None = None,
     source_path: str | None = None,
@@ -217,7 +218,7 @@ def fit_trace(
     bar = _kmeans_bar(progress)
     try:
         km: KMeansResult = spherical_kmeans(
-            X, K, seed=seed, n_init=n_init, max_iter=max_iter, balanced=True,
+            X, K, seed=seed, n_init=n_init, max_iter=max_iter, rtol=rtol, balanced=True,
             progress=(lambda m: bar.set_description_str(m, refresh=True)) if bar is not None else None,
         )
     finally:
@@ -305,6 +306,8 @@ def fit_trace(
             "layers": layers if isinstance(layers, str) else "weights",
             "seed": int(seed),
             "n_init": int(n_init),
+            "max_iter": int(max_iter),
+            "rtol": float(rtol),
             "idf_plus_one": bool(idf_plus_one),
             "calibration_requests": int(len(req)),
             "calibration_subset": requests is not None,
