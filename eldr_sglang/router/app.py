@@ -128,7 +128,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     )
     if ready is not None:
         ready.set()
-    if stop is None:  # SIGTERM/SIGINT: shut down cleanly (cleanup hooks, private files)
+    if stop is None:  # SIGTERM/SIGINT: shut down cleanly (cleanup hooks)
         import signal
 
         stop = asyncio.Event()

@@ -107,10 +107,7 @@ async def reload_centroids(pd, interval: float) -> None:
             if pd.check_centroids():
                 logger.info("centroids reloaded from %s (generation %d)", pd.cfg.centroids, pd.router.centroid_generation)
         except Exception as exc:  # CentroidFileError: keep serving with the old centroids
-            msg = str(exc)
-            if pd._centroids is not None:
-                msg = msg.replace(pd._centroids.path, pd.cfg.centroids)
-            logger.warning("centroid reload rejected, keeping the previous file: %s", msg)
+            logger.warning("centroid reload rejected, keeping the previous file: %s", exc)
 
 
 async def wait_for_workers(pd, timeout_s: float) -> None:

@@ -129,20 +129,19 @@ class PDRouter:
         self.cfg = cfg
         kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
                   reload_interval_ms=cfg.reload_interval_ms, load_report_ttl_ms=cfg.load_report_ttl_ms)
-        self._centroids = _PrivateCopy(cfg.centroids) if cfg.centroids else None
-        if self._centroids is not None:
-            kw["centroids"] = self._centroids.path
+        if cfg.centroids:
+            # The Rust set holds a private copy of the file's bytes, so an in-place overwrite
+            # of the user's file cannot fault a route; a bad file is rejected on reload.
+            kw["centroids"] = cfg.centroids
         if cfg.tau is not None:
             kw["tau"] = cfg.tau
         if cfg.load_factor is not None:
             kw["load_factor"] = cfg.load_factor
         try:
             self.router = _core.Router(**kw)
-        except Exception as exc:
-            if self._centroids is None:
-                raise
-            self._centroids.cleanup()
-            raise ValueError(str(exc).replace(self._centroids.path, cfg.centroids)) from None
+        except _core.CentroidFileError as exc:
+            raise ValueError(str(exc)) from None
+        self._generation = self.router.centroid_generation
         self._layout: tuple[int, int] | None = None
         self.on_centroids_reloaded()
         P, D = len(cfg.prefill), len(cfg.decode)
@@ -202,22 +201,20 @@ class PDRouter:
         )
 
     def check_centroids(self) -> bool:
-        """Hot reload: when the user's centroid file changed, copy it privately and reload.
-
-        The Rust router maps the file it loads; a file overwritten in place (cp, open 'wb')
-        would pull the pages from under that mapping. It therefore maps a private copy that
-        only this method replaces, by rename. A bad file raises CentroidFileError and the
+        """Hot reload: True when a new centroid file is serving (swapped in by this check or
+        by a route's own rate-limited check). A bad file raises CentroidFileError once and the
         previous centroids keep serving."""
-        if self._centroids is None or not self._centroids.refresh():
+        if not self.cfg.centroids:
             return False
-        if self.router.reload():
-            self.on_centroids_reloaded()
-            return True
-        return False
+        self.router.maybe_reload()
+        gen = self.router.centroid_generation
+        if gen == self._generation:
+            return False
+        self._generation = gen
+        self.on_centroids_reloaded()
+        return True
 
     async def close(self) -> None:
-        if self._centroids is not None:
-            self._centroids.cleanup()
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -491,53 +488,6 @@ class PDRouter:
                 return out
             finally:
                 dresp.release()
-
-
-class _PrivateCopy:
-    """A private copy of the centroid file, replaced only by atomic rename."""
-
-    def __init__(self, src: str):
-        import os
-        import tempfile
-
-        self.src = src
-        self.dir = tempfile.mkdtemp(prefix="eldr-router-")
-        self.path = os.path.join(self.dir, "centroids.eldr")
-        self._seen = None
-        if not self.refresh():
-            self.cleanup()
-            raise ValueError(f"centroid file not found: {src}")
-
-    def _stamp(self):
-        import os
-
-        try:
-            st = os.stat(self.src)
-        except OSError:
-            return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-    def refresh(self) -> bool:
-        """Copy the source if it changed since the last copy; True when a new copy is in place."""
-        import os
-        import shutil
-
-        stamp = self._stamp()
-        if stamp is None or stamp == self._seen:
-            return False
-        tmp = self.path + ".tmp"
-        try:
-            shutil.copyfile(self.src, tmp)
-        except OSError:
-            return False
-        os.replace(tmp, self.path)
-        self._seen = stamp
-        return True
-
-    def cleanup(self) -> None:
-        import shutil
-
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def _drain(resp: aiohttp.ClientResponse) -> None:
