@@ -21,7 +21,7 @@ Part 1 (drift), at `--load` clients per worker, every policy on the same workloa
 Refits run synchronously (the simulated clock is paused) and the new centroids take effect
 64 routed requests later (the background refit's latency, ~1-2 s of wall time here).
 
-Part 2 (adaptive band): fixed tau=0.1 vs bounded loads (load_factor 0.1/0.25/0.5 on top of
+Part 2 (adaptive band): fixed tau=0.1 vs bounded loads (load_factor 0.05/0.1/0.25/0.5 on top of
 tau 0.1) with static centroids, at several loads, on the stationary phase-A stream and on the
 drifting A->B stream.
 
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     interval = 1000
     cooldown = 1000
     loads = (8, 32) if quick else (8, 32, 64)
-    lfs = (0.1, 0.25, 0.5)
+    lfs = (0.05, 0.1, 0.25, 0.5)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "drift_study_quick" if quick else "drift_study"
