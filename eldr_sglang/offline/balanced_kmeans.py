@@ -30,7 +30,6 @@ from typing import Callable
 import numpy as np
 import scipy.sparse as sp
 
-_DEBUG = False
 BULK_CAP = 4096  # candidates per edge considered by one bulk cycle cancel
 
 
@@ -132,8 +131,6 @@ def _gauss_seidel_prices(CT, target, p, max_sweeps, deadline):
                 j1[idx], m1[idx], j2[idx], m2[idx] = a1, a2, a3, a4
             sizes = np.bincount(j1, minlength=K)
         new_err = int(np.abs(sizes - target).sum())
-        if _DEBUG:
-            print("sweep", sweeps, new_err, time.perf_counter())
         # the tail of coordinate ascent crawls (near-ties between clusters); once a sweep
         # removes less than a quarter of the imbalance, the repair + exact finish is cheaper
         stalled = new_err > 0.75 * err

@@ -32,7 +32,7 @@ from eldr_sglang.offline.signatures import (
     make_spec,
     raw_signatures,
 )
-from eldr_sglang.traces import Trace, TraceError
+from eldr_sglang.traces import Trace
 
 # Densify the signature matrix for K-means when it is at least this dense and fits in this
 # many bytes (dense BLAS beats sparse products there).
@@ -183,14 +183,11 @@ def fit_trace(
     # 2. layer weights
     auto = None
     mode = layers if isinstance(layers, str) else "weights"
-    prof_idx = None
-    profiles = None
     if isinstance(layers, str) and layers.strip().lower() == "auto":
         mode = "auto"
         cand = np.flatnonzero(valid & (trace.decode_len()[req] > 0))
         if len(cand) > PROFILE_SAMPLE:
             cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
-        prof_idx = cand
         profiles, _ = decode_profiles(trace, req[cand], chunk_tokens)
         say("selecting layers (greedy Spearman)")
         auto = select_layers_auto(raw[cand], idf.astype(np.float64), profiles, rng)
@@ -351,8 +348,5 @@ def _kmeans_bar(progress: bool):
 def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:
     from eldr_sglang.traces import load_trace
 
-    try:
-        trace = load_trace(path)
-    except TraceError:
-        raise
+    trace = load_trace(path)  # TraceError names what is wrong with the file
     return fit_trace(trace, source_path=str(path), **kw)
