@@ -22,6 +22,7 @@ COMMANDS = [
     "eldr_sglang.cli.simulate",
     "eldr_sglang.cli.demo",
     "eldr_sglang.cli.patch",
+    "eldr_sglang.cli.refit",
 ]
 
 

@@ -47,6 +47,9 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("eldr_router_requests", "Client requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
         self.routes = Counter("eldr_router_decode_routes", "Decode routing decisions by worker and reason", ["worker", "reason"], registry=r)
+        self.decode_failovers = Counter(
+            "eldr_router_decode_failovers", "Requests re-routed after a decode worker refused the connection", registry=r
+        )
         self.prefill_routes = Counter("eldr_router_prefill_routes", "Prefill choices by worker", ["worker"], registry=r)
         self.fallbacks = Counter(
             "eldr_router_fallbacks", "Requests routed without a usable signature, by cause", ["reason"], registry=r

@@ -51,6 +51,11 @@ class UpstreamError(RuntimeError):
         self.status, self.body, self.content_type, self.role = status, body, content_type, role
 
 
+class DecodeUnreachable(UpstreamError):
+    """The decode worker refused the connection: it never saw the request, so another
+    worker can take it (the prefill keeps the KV parked under the same room)."""
+
+
 @dataclass
 class SignatureResult:
     counts: np.ndarray | None
@@ -142,6 +147,7 @@ class PDRouter:
         except _core.CentroidFileError as exc:
             raise ValueError(str(exc)) from None
         self._generation = self.router.centroid_generation
+        self._reload_failures = 0
         self._layout: tuple[int, int] | None = None
         self.on_centroids_reloaded()
         P, D = len(cfg.prefill), len(cfg.decode)
@@ -179,6 +185,8 @@ class PDRouter:
             "prefill_healthy": list(self.prefill_healthy),
             "prefill_signatures": list(self.prefill_signs),
             "centroid_generation": int(self.router.centroid_generation),
+            "centroid_reload_failures": int(self.router.reload_failures),
+            "last_reload_error": self.router.last_reload_error,
             "tau": float(self.router.tau),
             "load_factor": self.router.load_factor,
         }
@@ -207,6 +215,10 @@ class PDRouter:
         if not self.cfg.centroids:
             return False
         self.router.maybe_reload()
+        failures = self.router.reload_failures  # also counts files a route's own check rejected
+        if failures != self._reload_failures:
+            self._reload_failures = failures
+            raise _core_errors().CentroidFileError(self.router.last_reload_error or "centroid file rejected")
         gen = self.router.centroid_generation
         if gen == self._generation:
             return False
@@ -322,6 +334,9 @@ class PDRouter:
         except UpstreamError as exc:
             status = exc.status
             return web.Response(body=exc.body, status=exc.status, content_type=(exc.content_type or "application/json").split(";")[0])
+        except _core_errors().NoHealthyWorker:
+            status = 503
+            return web.json_response({"error": {"message": "no healthy decode worker"}}, status=503)
         except asyncio.CancelledError:
             status = 499
             self.metrics.disconnects.inc()
@@ -380,7 +395,7 @@ class PDRouter:
                 decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
                 drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p))
             if late:
-                resp = await self._decode(request, kind, p, boot, dbody, decision, client_stream)
+                resp = await self._decode_with_failover(request, kind, p, boot, dbody, decision, client_stream, sig)
             else:
                 resp = await self._decode_racing_prefill(request, kind, p, boot, dbody, decision, client_stream, drain)
             ok = True
@@ -448,6 +463,22 @@ class PDRouter:
                 dec.cancel()
                 await asyncio.gather(dec, return_exceptions=True)
 
+    async def _decode_with_failover(self, request, kind, p, boot, dbody, decision, client_stream, sig):
+        """Late binding: a decode worker that refuses the connection is marked unhealthy at
+        once (without waiting for the health check) and the request is routed again among
+        the others; at most once per decode worker."""
+        for _ in range(len(self.cfg.decode)):
+            try:
+                return await self._decode(request, kind, p, boot, dbody, decision, client_stream)
+            except DecodeUnreachable as exc:
+                last = exc
+                try:
+                    decision = self.route(sig)
+                except _core_errors().NoHealthyWorker:
+                    break
+                self.metrics.decode_failovers.inc()
+        raise last
+
     async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, state=None) -> web.StreamResponse:
         w = decision.worker
         headers = {}
@@ -464,6 +495,10 @@ class PDRouter:
         with self.router.acquire(w, 0):
             try:
                 dresp = await self.session.post(durl, json=dbody)
+            except aiohttp.ClientConnectorError as exc:
+                self.metrics.worker_errors.labels("decode", str(w), "connect").inc()
+                self.set_healthy("decode", w, False)  # the health check brings it back
+                raise DecodeUnreachable(502, _err(f"decode worker {w} unreachable: {exc}"), "application/json", "decode") from None
             except aiohttp.ClientError as exc:
                 self.metrics.worker_errors.labels("decode", str(w), "connect").inc()
                 raise UpstreamError(502, _err(f"decode worker {w} unreachable: {exc}"), "application/json", "decode") from None
@@ -488,6 +523,12 @@ class PDRouter:
                 return out
             finally:
                 dresp.release()
+
+
+def _core_errors():
+    from eldr_sglang import _core
+
+    return _core
 
 
 async def _drain(resp: aiohttp.ClientResponse) -> None:

@@ -39,6 +39,7 @@ pub struct CentroidStore {
     /// (K, L, E) every later file must keep: the workers and the prefill count shape are fixed.
     shape: (usize, usize, usize),
     generation: AtomicU64,
+    failures: AtomicU64,
     interval_ms: u64,
     epoch: Instant,
     next_check_ms: AtomicU64,
@@ -66,6 +67,7 @@ impl CentroidStore {
             loaded_id: Mutex::new(id),
             shape,
             generation: AtomicU64::new(1),
+            failures: AtomicU64::new(0),
             interval_ms,
             epoch: Instant::now(),
             next_check_ms: AtomicU64::new(interval_ms),
@@ -86,6 +88,11 @@ impl CentroidStore {
     /// Increases by one on every successful swap.
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
+    }
+
+    /// Increases by one on every rejected file.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Acquire)
     }
 
     pub fn last_error(&self) -> Option<String> {
@@ -121,6 +128,7 @@ impl CentroidStore {
             }
             Err(e) => {
                 *self.last_error.lock().unwrap() = Some(e.to_string());
+                self.failures.fetch_add(1, Ordering::AcqRel);
                 Err(e)
             }
         }

@@ -634,6 +634,11 @@ impl PyRouter {
     fn centroid_generation(&self) -> u64 {
         self.inner.store().map_or(0, |s| s.generation())
     }
+    /// Centroid files rejected so far (each bad replacement counts once).
+    #[getter]
+    fn reload_failures(&self) -> u64 {
+        self.inner.store().map_or(0, |s| s.failures())
+    }
     #[getter]
     fn last_reload_error(&self) -> Option<String> {
         self.inner.store().and_then(|s| s.last_error())
