@@ -1,0 +1,173 @@
+"""Load test of the PD router on loopback: an open-loop Poisson stream through the router to
+emulated workers, then an audit: nothing lost, nothing duplicated, no queue slot left held.
+
+Setup: `python -m eldr_sglang.emulate cluster` (2 prefill, 4 decode, modelled times scaled
+down by --time-scale) and the router (`--disagg-router eldr`, late binding, bounded loads).
+Each request has its own text, and its answer carries the decode worker's id for the
+bootstrap room the router chose, so a lost or duplicated request shows up in the audit.
+
+Reported: requests sent / answered / failed / lost / duplicated, the send rate achieved,
+end-to-end latency p50/p99, the router's own decision time (its route-seconds histogram),
+router CPU per request, and the queue slots held once idle. Loopback only, bounded in count
+and time.
+
+    python benchmarks/load_test.py [--rate 1000] [--requests 20000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import aiohttp  # noqa: E402
+
+from pd_cluster import get_json, start_cluster, start_router  # noqa: E402
+
+
+def _cpu_s(pid: int) -> float:
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _histogram_quantiles(text: str, name: str, qs=(0.5, 0.99)) -> dict:
+    """Quantiles (upper bucket bounds) of a Prometheus histogram from its text exposition."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return {}
+    total = buckets[-1][1]
+    return {f"p{int(q * 100)}_le_ms": next(b * 1e3 for b, c in buckets if c >= q * total) for q in qs}
+
+
+async def _drive(router: str, n: int, rate: float, seed: int, timeout_s: float) -> dict:
+    rng = random.Random(seed)
+    lat: list[float] = []
+    outcome: dict[int, tuple[int, str | None]] = {}
+    errors: dict[str, int] = {}
+
+    async def one(s, i):
+        body = {"text": f"load {i}", "sampling_params": {"max_new_tokens": rng.randint(1, 4)},
+                "emulator": {"trace_request": i % 150}}
+        t0 = time.perf_counter()
+        try:
+            async with s.post(router + "/generate", json=body) as r:
+                data = await r.read()
+                if r.status == 200:
+                    rid = json.loads(data)["meta_info"]["id"]
+                    lat.append(time.perf_counter() - t0)
+                    outcome[i] = (200, rid)
+                else:
+                    outcome[i] = (r.status, None)
+                    errors[f"http_{r.status}"] = errors.get(f"http_{r.status}", 0) + 1
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+
+    conn = aiohttp.TCPConnector(limit=0)
+    t_start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        tasks = []
+        t_next = t_start
+        for i in range(n):
+            t_next += rng.expovariate(rate)
+            delay = t_next - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one(s, i)))
+        sent_s = time.perf_counter() - t_start
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s + 30)
+    rids = [rid for st, rid in outcome.values() if st == 200]
+    a = np.asarray(lat) * 1e3
+    return {
+        "sent": n, "answered": len(outcome), "ok": len(rids), "failed": len(outcome) - len(rids),
+        "lost": n - len(outcome) - sum(v for k, v in errors.items() if not k.startswith("http_")),
+        "transport_errors": {k: v for k, v in errors.items() if not k.startswith("http_")},
+        "http_errors": {k: v for k, v in errors.items() if k.startswith("http_")},
+        "duplicated_answers": len(rids) - len(set(rids)),
+        "target_rate_rps": rate, "achieved_send_rate_rps": n / sent_s, "wall_s": time.perf_counter() - t_start,
+        "latency_ms": {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())} if a.size else {},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, default=1000.0, help="requests per second (open loop, Poisson)")
+    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--time-scale", type=float, default=0.01, help="emulated worker time scale")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per-request client timeout, s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if args.requests < 1 or args.rate <= 0:
+        ap.error("--requests and --rate must be positive")
+    from eldr_sglang.offline.fit import fit_trace
+    from eldr_sglang.synth import generate
+    from eldr_sglang.traces import save_trace
+
+    with tempfile.TemporaryDirectory(prefix="eldr-load-") as tmp:
+        tmp = Path(tmp)
+        trace = generate(model="gpt-oss-20b", requests=150, seed=1, prompt_len=(16, 48), output_len=8)
+        save_trace(trace, tmp / "t.npz")
+        fit_trace(trace, workers=4, seed=0).write(tmp / "c.eldr")
+        cluster, urls = start_cluster(tmp / "t.npz", tmp, time_scale=args.time_scale)
+        router, base = start_router(urls, tmp, ["--disagg-router", "eldr", "--eldr-centroids", str(tmp / "c.eldr"),
+                                                "--no-explain-headers", "--log-level", "warning"])
+        try:
+            c0 = _cpu_s(router.p.pid)
+            res = asyncio.run(_drive(base, args.requests, args.rate, args.seed, args.timeout))
+            cpu = _cpu_s(router.p.pid) - c0
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                st = get_json(base + "/eldr/status")
+                if not any(st["decode_inflight"]) and not any(st["prefill_inflight"]):
+                    break
+                time.sleep(0.2)
+            import urllib.request
+
+            text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+            res["router_decision_time"] = _histogram_quantiles(text, "eldr_router_route_seconds")
+            res["router_cpu_ms_per_request"] = 1e3 * cpu / args.requests
+            res["slots_held_when_idle"] = {"decode": st["decode_inflight"], "prefill": st["prefill_inflight"]}
+        finally:
+            router.stop()
+            cluster.stop()
+    import os
+
+    res["machine"] = {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+                      "note": "client, router and emulated workers share these CPUs"}
+    lat = res["latency_ms"]
+    print(f"load test: {res['sent']} requests at {args.rate:g}/s target ({res['achieved_send_rate_rps']:.0f}/s sent), "
+          f"wall {res['wall_s']:.1f} s, {os.cpu_count()} CPUs shared by client, router and workers")
+    print(f"{'answered':>10}{'ok':>8}{'failed':>8}{'lost':>6}{'dup':>5}{'lat p50 ms':>12}{'lat p99 ms':>12}"
+          f"{'route p50<=':>13}{'route p99<=':>13}{'router CPU ms/req':>19}{'slots held':>12}")
+    rd = res["router_decision_time"]
+    held = sum(res["slots_held_when_idle"]["decode"]) + sum(res["slots_held_when_idle"]["prefill"])
+    print(f"{res['answered']:>10}{res['ok']:>8}{res['failed']:>8}{res['lost']:>6}{res['duplicated_answers']:>5}"
+          f"{lat.get('p50', float('nan')):>12.1f}{lat.get('p99', float('nan')):>12.1f}"
+          f"{rd.get('p50_le_ms', float('nan')):>13.3f}{rd.get('p99_le_ms', float('nan')):>13.3f}"
+          f"{res['router_cpu_ms_per_request']:>19.2f}{held:>12d}")
+    if res["transport_errors"] or res["http_errors"]:
+        print(f"errors: {res['transport_errors']} {res['http_errors']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0 if (res["lost"] == 0 and res["duplicated_answers"] == 0 and held == 0) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
