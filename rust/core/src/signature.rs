@@ -193,8 +193,9 @@ impl SignatureSpec {
         if counts.len() != self.scale.len() {
             return Err(NoSignature::Shape);
         }
+        Self::check_all(counts)?;
         // SAFETY: j < counts.len() == scale.len() == out_index.len().
-        let len = unsafe { self.compact(out, counts.len(), |j| Ok((j, Self::check(*counts.get_unchecked(j))?)))? };
+        let len = unsafe { self.compact(out, counts.len(), |j| (j, counts.get_unchecked(j).to_f32())) };
         out.norm = norm_of(&out.value[..len])?;
         Ok(())
     }
@@ -214,8 +215,9 @@ impl SignatureSpec {
             return Err(NoSignature::OutOfRange);
         }
         let ascending = index.windows(2).fold(true, |ok, w| ok & (w[1].as_u64() > w[0].as_u64()));
+        Self::check_all(counts)?;
         // SAFETY: t < index.len() == counts.len(), and every index is below n (checked above).
-        unsafe { self.compact(out, index.len(), |t| Ok((index.get_unchecked(t).as_u64() as usize, Self::check(*counts.get_unchecked(t))?)))? };
+        unsafe { self.compact(out, index.len(), |t| (index.get_unchecked(t).as_u64() as usize, counts.get_unchecked(t).to_f32())) };
         if !ascending {
             Self::sort_merge(out);
         }
@@ -231,14 +233,14 @@ impl SignatureSpec {
     /// # Safety
     /// `item(t)` must return `j < self.scale.len()` for every t in 0..candidates.
     #[inline(always)]
-    unsafe fn compact(&self, out: &mut SparseSignature, candidates: usize, item: impl Fn(usize) -> Result<(usize, f32), NoSignature>) -> Result<usize, NoSignature> {
+    unsafe fn compact(&self, out: &mut SparseSignature, candidates: usize, item: impl Fn(usize) -> (usize, f32)) -> usize {
         out.index.reserve(candidates);
         out.value.reserve(candidates);
         let (ip, vp) = (out.index.as_mut_ptr(), out.value.as_mut_ptr());
         let (scale, outi) = (self.scale.as_ptr(), self.out_index.as_ptr());
         let mut len = 0usize;
         for t in 0..candidates {
-            let (j, c) = item(t)?;
+            let (j, c) = item(t);
             let x = *scale.add(j) * c;
             ip.add(len).write(*outi.add(j));
             vp.add(len).write(x);
@@ -247,21 +249,22 @@ impl SignatureSpec {
         }
         out.index.set_len(len);
         out.value.set_len(len);
-        Ok(len)
+        len
     }
 
+    /// Reject NaN, infinite and negative counts, in one branch-free pass (it vectorizes);
+    /// only a bad input pays for finding out which kind it is. Unsigned types skip it.
     #[inline(always)]
-    fn check<T: CountValue>(c: T) -> Result<f32, NoSignature> {
-        let c = c.to_f32();
-        if T::MAY_BE_INVALID {
-            if !(c >= 0.0) {
-                return Err(if c.is_nan() { NoSignature::NonFinite } else { NoSignature::Negative });
-            }
-            if c == f32::INFINITY {
-                return Err(NoSignature::NonFinite);
-            }
+    fn check_all<T: CountValue>(counts: &[T]) -> Result<(), NoSignature> {
+        if !T::MAY_BE_INVALID {
+            return Ok(());
         }
-        Ok(c)
+        let ok = |c: f32| c >= 0.0 && c < f32::INFINITY;
+        if counts.iter().fold(true, |all, &c| all & ok(c.to_f32())) {
+            return Ok(());
+        }
+        let c = counts.iter().map(|&c| c.to_f32()).find(|&c| !ok(c)).unwrap_or(f32::NAN);
+        Err(if c < 0.0 { NoSignature::Negative } else { NoSignature::NonFinite })
     }
 
     /// Dense `[L, E]` counts -> signature.
