@@ -126,9 +126,10 @@ pub struct SignatureSpec {
     layer_weights: Vec<f32>,
     idf: Vec<f32>,
     /// `w_l * idf[l][e]` for every flat index `l*E + e` (0 on masked layers), computed in f64.
-    scale: Vec<f32>,
-    /// Output index of flat index `l*E + e`, or `u32::MAX` on masked layers.
-    out_index: Vec<u32>,
+    /// `(output index, w_l * idf[l][e])` for every flat index `l*E + e`, interleaved so a
+    /// sparse input's random access touches one cache line per entry; masked layers have
+    /// scale 0 (and output index u32::MAX, never emitted).
+    table: Vec<(u32, f32)>,
     selected: Vec<usize>,
 }
 
@@ -161,7 +162,8 @@ impl SignatureSpec {
                 out_index[l * experts + e] = (slot * experts + e) as u32;
             }
         }
-        Ok(SignatureSpec { layers, experts, layer_weights: layer_weights.to_vec(), idf: idf.to_vec(), scale, out_index, selected })
+        let table = out_index.into_iter().zip(scale).collect();
+        Ok(SignatureSpec { layers, experts, layer_weights: layer_weights.to_vec(), idf: idf.to_vec(), table, selected })
     }
 
     pub fn num_layers(&self) -> usize {
@@ -190,11 +192,11 @@ impl SignatureSpec {
     pub fn fill_dense<T: CountValue>(&self, counts: &[T], out: &mut SparseSignature) -> Result<(), NoSignature> {
         out.index.clear();
         out.value.clear();
-        if counts.len() != self.scale.len() {
+        if counts.len() != self.table.len() {
             return Err(NoSignature::Shape);
         }
         Self::check_all(counts)?;
-        // SAFETY: j < counts.len() == scale.len() == out_index.len().
+        // SAFETY: j < counts.len() == table.len().
         let len = unsafe { self.compact(out, counts.len(), |j| (j, counts.get_unchecked(j).to_f32())) };
         out.norm = norm_of(&out.value[..len])?;
         Ok(())
@@ -208,13 +210,19 @@ impl SignatureSpec {
         if index.len() != counts.len() {
             return Err(NoSignature::Shape);
         }
-        // Range and order first, in two tight passes (both vectorize), so the weighting
-        // loop below runs without checks.
-        let n = self.scale.len() as u64;
-        if index.iter().fold(false, |bad, i| bad | (i.as_u64() >= n)) {
+        // Order first, in one tight pass (it vectorizes): when the indices are strictly
+        // ascending the last one is the largest, so the range check is a single comparison.
+        // Then the weighting loop below runs without checks.
+        let n = self.table.len() as u64;
+        let ascending = index.windows(2).fold(true, |ok, w| ok & (w[1].as_u64() > w[0].as_u64()));
+        let out_of_range = match (ascending, index.last()) {
+            (_, None) => false,
+            (true, Some(last)) => last.as_u64() >= n,
+            (false, _) => index.iter().fold(false, |bad, i| bad | (i.as_u64() >= n)),
+        };
+        if out_of_range {
             return Err(NoSignature::OutOfRange);
         }
-        let ascending = index.windows(2).fold(true, |ok, w| ok & (w[1].as_u64() > w[0].as_u64()));
         Self::check_all(counts)?;
         // SAFETY: t < index.len() == counts.len(), and every index is below n (checked above).
         unsafe { self.compact(out, index.len(), |t| (index.get_unchecked(t).as_u64() as usize, counts.get_unchecked(t).to_f32())) };
@@ -225,24 +233,25 @@ impl SignatureSpec {
         Ok(())
     }
 
-    /// Append `(out_index[j], scale[j] * c)` for `(j, c) = item(t)`, t in 0..candidates,
+    /// Append `(out index of j, scale of j * c)` for `(j, c) = item(t)`, t in 0..candidates,
     /// keeping only nonzero values (branch-free: a zero's slot is overwritten by the next).
     /// Writes through raw pointers into capacity reserved up front, with the length in a
     /// register; returns the new length.
     ///
     /// # Safety
-    /// `item(t)` must return `j < self.scale.len()` for every t in 0..candidates.
+    /// `item(t)` must return `j < self.table.len()` for every t in 0..candidates.
     #[inline(always)]
     unsafe fn compact(&self, out: &mut SparseSignature, candidates: usize, item: impl Fn(usize) -> (usize, f32)) -> usize {
         out.index.reserve(candidates);
         out.value.reserve(candidates);
         let (ip, vp) = (out.index.as_mut_ptr(), out.value.as_mut_ptr());
-        let (scale, outi) = (self.scale.as_ptr(), self.out_index.as_ptr());
+        let table = self.table.as_ptr();
         let mut len = 0usize;
         for t in 0..candidates {
             let (j, c) = item(t);
-            let x = *scale.add(j) * c;
-            ip.add(len).write(*outi.add(j));
+            let (o, w) = *table.add(j);
+            let x = w * c;
+            ip.add(len).write(o);
             vp.add(len).write(x);
             // x != 0.0 as an integer test (x is finite or +inf here, never NaN)
             len += (x.to_bits() << 1 != 0) as usize;
