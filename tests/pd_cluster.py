@@ -38,6 +38,19 @@ def free_base_port(prefill: int, decode: int, lo: int = 20000, hi: int = 45000) 
     raise RuntimeError("no free loopback port range found")
 
 
+def make_trace_files(workdir: Path, requests: int, seed: int, workers: int):
+    """A small synthetic GPT-OSS-shaped trace and its centroid file: (trace, trace path, centroids path)."""
+    from eldr_sglang.offline.fit import fit_trace
+    from eldr_sglang.synth import generate
+    from eldr_sglang.traces import save_trace
+
+    trace = generate(model="gpt-oss-20b", requests=requests, seed=seed, prompt_len=(16, 48), output_len=24)
+    tpath, cpath = workdir / "trace.npz", workdir / "c.eldr"
+    save_trace(trace, tpath)
+    fit_trace(trace, workers=workers, tau=0.1, seed=0).write(cpath)
+    return trace, tpath, cpath
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

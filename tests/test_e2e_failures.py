@@ -18,7 +18,7 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from eldr_sglang import _core  # noqa: E402
-from pd_cluster import Proc, free_port, get_json, metric, start_cluster, start_router  # noqa: E402
+from pd_cluster import Proc, free_port, get_json, make_trace_files, metric, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 
@@ -30,15 +30,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trace_files(workdir):
-    from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
-    from eldr_sglang.traces import save_trace
-
-    trace = generate(model="gpt-oss-20b", requests=120, seed=5, prompt_len=(16, 48), output_len=24)
-    tpath, cpath = workdir / "trace.npz", workdir / "c.eldr"
-    save_trace(trace, tpath)
-    fit_trace(trace, workers=3, tau=0.1, seed=0).write(cpath)
-    return trace, tpath, cpath
+    return make_trace_files(workdir, requests=120, seed=5, workers=3)
 
 
 def start_decode(tpath, workdir, port: int) -> Proc:

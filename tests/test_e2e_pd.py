@@ -19,7 +19,7 @@ pytest.importorskip("prometheus_client")
 
 from eldr_sglang import _core  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
-from pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
+from pd_cluster import get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 SIG_TIMEOUT = 0.5
@@ -32,15 +32,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trace_files(workdir):
-    from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
-    from eldr_sglang.traces import save_trace
-
-    trace = generate(model="gpt-oss-20b", requests=160, seed=3, prompt_len=(16, 48), output_len=24)
-    tpath, cpath = workdir / "trace.npz", workdir / "c.eldr"
-    save_trace(trace, tpath)
-    fit_trace(trace, workers=4, tau=0.1, seed=0).write(cpath)
-    return trace, tpath, cpath
+    return make_trace_files(workdir, requests=160, seed=3, workers=4)
 
 
 @pytest.fixture(scope="module")
