@@ -128,6 +128,15 @@ def _color(name: str):
     return _COLORS.get(base, "#8c564b")
 
 
+def _save(plt, fig, path: str | Path, title: str) -> None:
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def plot_runs(policies: dict[str, dict], step_distinct: dict[str, np.ndarray], path: str | Path, title: str = "") -> None:
     """Two panels: TPOT p50/p99 per policy; distribution of distinct experts per MoE layer
     per decode step."""
@@ -150,12 +159,7 @@ def plot_runs(policies: dict[str, dict], step_distinct: dict[str, np.ndarray], p
     b.set_ylabel("density")
     b.legend(fontsize=7)
     b.set_title("experts touched per step", fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_sweep(sweep: dict[str, list[tuple[float, dict]]], path: str | Path, xlabel: str = "load", title: str = "") -> None:
@@ -172,9 +176,4 @@ def plot_sweep(sweep: dict[str, list[tuple[float, dict]]], path: str | Path, xla
     b.set_xlabel(xlabel)
     b.set_ylabel("distinct experts / MoE layer / step")
     a.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    _save(plt, fig, path, title)
