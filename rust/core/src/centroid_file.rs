@@ -32,6 +32,8 @@ pub enum CentroidFileError {
     Io { path: String, msg: String },
     #[error("{path}: not a regular file ({kind}); a centroid file must be a regular file")]
     NotRegular { path: String, kind: &'static str },
+    #[error("{path}: refusing to write over {kind}; give a new path or a regular file")]
+    WontReplace { path: String, kind: &'static str },
     #[error("{path}: {len} bytes is larger than the {MAX_FILE_LEN}-byte limit of a centroid file")]
     TooLarge { path: String, len: u64 },
     #[error("{path}: truncated: {what}")]
@@ -86,34 +88,75 @@ fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
+/// What a non-regular file is, for messages; None for a regular file.
+fn non_regular_kind(t: std::fs::FileType) -> Option<&'static str> {
+    if t.is_file() {
+        return None;
+    }
+    if t.is_dir() {
+        return Some("a directory");
+    }
+    if t.is_symlink() {
+        return Some("a symlink");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return Some("a FIFO");
+        } else if t.is_socket() {
+            return Some("a socket");
+        } else if t.is_block_device() {
+            return Some("a block device");
+        } else if t.is_char_device() {
+            return Some("a character device");
+        }
+    }
+    Some("not a file")
+}
+
 /// Refuse anything but a regular file, naming what it is.
 fn regular_file(p: &str, meta: &std::fs::Metadata) -> Result<(), CentroidFileError> {
-    let t = meta.file_type();
-    if t.is_file() {
-        return Ok(());
+    match non_regular_kind(meta.file_type()) {
+        None => Ok(()),
+        Some(kind) => Err(CentroidFileError::NotRegular { path: p.to_owned(), kind }),
     }
-    let kind = if t.is_dir() {
-        "a directory"
-    } else {
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::FileTypeExt;
-            if t.is_fifo() {
-                "a FIFO"
-            } else if t.is_socket() {
-                "a socket"
-            } else if t.is_block_device() {
-                "a block device"
-            } else if t.is_char_device() {
-                "a character device"
-            } else {
-                "not a file"
+}
+
+/// Write `bytes` to `path` atomically, with the rules every eldr writer follows (the Python
+/// twin is `eldr_sglang.io_safe`): refuse a destination that exists and is not a regular
+/// file (a device such as /dev/full, a FIFO, a directory, a symlink), write a uniquely named
+/// temporary file in the same directory, fsync it, rename it over the destination, fsync the
+/// directory. On any failure the temporary file is removed and the destination is untouched.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CentroidFileError> {
+    let p = path.display().to_string();
+    let io = |e: std::io::Error| CentroidFileError::Io { path: p.clone(), msg: e.to_string() };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) => {
+            if let Some(kind) = non_regular_kind(m.file_type()) {
+                return Err(CentroidFileError::WontReplace { path: p, kind });
             }
         }
-        #[cfg(not(unix))]
-        "not a file"
-    };
-    Err(CentroidFileError::NotRegular { path: p.to_owned(), kind })
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| io(std::io::Error::other("no file name")))?;
+    let prefix = format!(".{}.", name.to_string_lossy());
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(".tmp");
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666)); // less the umask, like File::create
+    // The temporary file is deleted when `tmp` drops on any early return.
+    let mut tmp = builder.tempfile_in(dir).map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    // Make the rename itself durable; a directory that cannot be opened or synced is no error.
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 /// Open for reading without blocking: opening a FIFO with no writer would otherwise wait
@@ -412,25 +455,10 @@ impl CentroidWriter<'_> {
         Ok(out)
     }
 
-    /// Write atomically: a temporary file in the same directory, fsync, then rename. Readers
-    /// (and a hot-reloading router) see either the old file or the complete new one.
+    /// Write atomically (see [`write_atomic`]): readers (and a hot-reloading router) see
+    /// either the old file or the complete new one.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<(), CentroidFileError> {
-        let path = path.as_ref();
-        let bytes = self.to_bytes()?;
-        let io = |e: std::io::Error| CentroidFileError::Io { path: path.display().to_string(), msg: e.to_string() };
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let name = path.file_name().ok_or_else(|| io(std::io::Error::other("no file name")))?;
-        let tmp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
-        let result = (|| {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result.map_err(io)
+        write_atomic(path.as_ref(), &self.to_bytes()?)
     }
 }
 
@@ -534,6 +562,37 @@ mod tests {
         let link2 = dir.path().join("link2.eldr");
         std::os::unix::fs::symlink(&fifo, &link2).unwrap();
         assert!(matches!(open_within(&link2, 20).unwrap_err(), CentroidFileError::NotRegular { .. }));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn writer_never_replaces_what_is_not_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, w, idf) = sample(2);
+        let wr = writer(&c, &w, &idf, 2);
+        let fifo = dir.path().join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let target = dir.path().join("target");
+        std::fs::write(&target, b"keep me").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        for (p, kind) in [(&fifo, "a FIFO"), (&link, "a symlink"), (&sub, "a directory")] {
+            let e = wr.write(p).unwrap_err();
+            assert!(matches!(e, CentroidFileError::WontReplace { kind: k, .. } if k == kind), "{e}");
+        }
+        let e = wr.write("/dev/null").unwrap_err();
+        assert!(e.to_string().contains("refusing to write over a character device"), "{e}");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep me");
+        // A regular file is replaced; a failed write (missing directory) leaves nothing behind.
+        wr.write(&target).unwrap();
+        assert_eq!(CentroidSet::open(&target).unwrap().num_workers(), 2);
+        assert!(wr.write(dir.path().join("nodir/c.eldr")).is_err());
+        let mut names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        assert_eq!(names, ["fifo", "link", "sub", "target"]);
     }
 
     #[test]
