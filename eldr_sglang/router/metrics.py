@@ -50,6 +50,24 @@ class RouterMetrics:
         self.decode_failovers = Counter(
             "eldr_router_decode_failovers", "Requests re-routed after a decode worker refused the connection", registry=r
         )
+        self.retries = Counter(
+            "eldr_router_retries", "Requests re-sent to another worker before any byte reached the client, by role and cause",
+            ["role", "cause"], registry=r,
+        )
+        self.timeouts = Counter(
+            "eldr_router_upstream_timeouts", "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)",
+            ["role", "worker", "phase"], registry=r,
+        )
+        self.ejections = Counter("eldr_router_ejections", "Outlier ejections of a worker", ["role", "worker"], registry=r)
+        self.probation_trials = Counter(
+            "eldr_router_probation_trials", "Trial requests sent to an ejected worker whose ejection ended", ["role", "worker"], registry=r
+        )
+        self.loads_dropped = Counter(
+            "eldr_router_load_reports_dropped", "/v1/loads answers ignored, by worker and cause", ["worker", "cause"], registry=r
+        )
+        self.centroid_rejections = Counter(
+            "eldr_router_centroid_files_rejected", "Centroid files refused at the path, by cause", ["cause"], registry=r
+        )
         self.prefill_routes = Counter("eldr_router_prefill_routes", "Prefill choices by worker", ["worker"], registry=r)
         self.fallbacks = Counter(
             "eldr_router_fallbacks", "Requests routed without a usable signature, by cause", ["reason"], registry=r
