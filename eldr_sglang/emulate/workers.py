@@ -24,7 +24,9 @@ Both: /health, /v1/models, /server_info, /v1/loads (SGLang 0.5.23 shape), /flush
 Test controls (a top-level "emulator" object in the request body, ignored otherwise):
   trace_request: int, prefill_status: int (prefill answers this HTTP status, after
   prefill_fail_delay seconds),
-  decode_status: int, signature: "none" | "malformed" | "omit" | "delay:<seconds>".
+  decode_status: int, signature: "none" | "malformed" | "omit" | "delay:<seconds>" |
+  "deep:<N>" (the payload is a list nested N deep) | "pad:<N>" (a line of N bytes) |
+  {"raw": <payload>} (sent as given).
 
 Worker faults (`--fault`, or at run time `POST /emulator/fault {"mode": MODE}`; "none" clears),
 the ways real workers fail short of refusing connections; /health keeps answering 200:
@@ -367,12 +369,16 @@ class PrefillWorker:
                     delay = ctl.get("signature", "")
                     if isinstance(delay, str) and delay.startswith("delay:"):
                         await asyncio.sleep(float(delay[6:]))
-                    if openai:
-                        event = {"id": rid, "object": "eldr.signature", "choices": [], "sglext": {META_KEY: sig}}
+                    if isinstance(sig, _RawJSON):  # hostile payloads, written as text (deep nesting)
+                        await resp.write(b'data: {"text": "", "meta_info": {"' + META_KEY.encode() + b'": '
+                                         + sig.text.encode() + b"}}\n\n")
                     else:
-                        event = {"text": "", "meta_info": {"id": rid, META_KEY: [sig], "prompt_tokens": entry.prompt_len,
-                                                           "completion_tokens": 1, "finish_reason": None}}
-                    await resp.write(_sse(event))
+                        if openai:
+                            event = {"id": rid, "object": "eldr.signature", "choices": [], "sglext": {META_KEY: sig}}
+                        else:
+                            event = {"text": "", "meta_info": {"id": rid, META_KEY: [sig], "prompt_tokens": entry.prompt_len,
+                                                               "completion_tokens": 1, "finish_reason": None}}
+                        await resp.write(_sse(event))
                     self.log.add("signature_sent", room=room, trace_request=r)
             try:
                 await asyncio.wait_for(entry.fetched.wait(), self.bootstrap_timeout_s)
@@ -388,7 +394,7 @@ class PrefillWorker:
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
-            if sig is not None:
+            if sig is not None and not isinstance(sig, _RawJSON):
                 final["meta_info"][META_KEY] = [sig]
             return web.json_response(final)
         finally:
@@ -403,7 +409,19 @@ class PrefillWorker:
             return {"v": 1, "none": "emulated"}
         if mode == "malformed":
             return {"v": 1, "layers": [0], "E": 4, "n": 1, "enc": "dense", "bits": 8, "d": "!!not base64!!"}
+        if isinstance(mode, dict) and "raw" in mode:  # a crafted payload, sent as given
+            return mode["raw"]
+        if isinstance(mode, str) and mode.startswith("deep:"):  # [[[...]]] nested N deep
+            depth = min(int(mode[5:]), 10_000_000)
+            return _RawJSON("[" * depth + "]" * depth)
+        if isinstance(mode, str) and mode.startswith("pad:"):  # one stream line of N bytes
+            return {**self.payload(r), "pad": "x" * min(int(mode[4:]), 1 << 30)}
         return self.payload(r)
+
+
+@dataclass
+class _RawJSON:
+    text: str
 
 
 # ============================================================================ decode

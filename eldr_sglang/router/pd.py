@@ -442,26 +442,22 @@ class PDRouter:
         A line longer than the stream buffer or a JSON too deep to parse is a malformed
         signature (the fallback), not a failed request."""
         last = None
-        while True:
-            try:
-                line = await presp.content.readline()
-            except ValueError:  # aiohttp: a line over its limit ("Chunk too big")
+        async for line in _bounded_lines(presp.content, MAX_EVENT_BYTES):
+            if line is None:  # a line over the bound: not read on, not parsed
                 self.metrics.malformed.inc()
-                self._log.warning("malformed", "prefill stream line over the read limit: signature ignored")
+                self._log.warning("malformed", "prefill stream line over %d bytes: signature ignored", MAX_EVENT_BYTES)
                 return SignatureResult(None, "malformed", time.perf_counter() - t0)
-            if not line:
-                break
             data = _sse_events(line)
             if data is None:
                 continue
-            if len(data) > MAX_EVENT_BYTES:
-                self.metrics.malformed.inc()
-                self._log.warning("malformed", "prefill stream event of %d bytes: signature ignored", len(data))
-                return SignatureResult(None, "malformed", time.perf_counter() - t0)
             try:
                 event = json.loads(data)
-            except (ValueError, RecursionError):
+            except ValueError:
                 continue
+            except RecursionError:  # nested too deep to be an event of ours: the signature is unusable
+                self.metrics.malformed.inc()
+                self._log.warning("malformed", "prefill stream event nested too deeply: signature ignored")
+                return SignatureResult(None, "malformed", time.perf_counter() - t0)
             if not isinstance(event, dict):
                 continue
             last = event
@@ -848,6 +844,31 @@ def _core_errors():
     from eldr_sglang import _core
 
     return _core
+
+
+async def _bounded_lines(content: aiohttp.StreamReader, limit: int):
+    """The stream's lines (with their newline); None, then the end, for a line over `limit`
+    bytes. Only what is needed is read: the rest stays for the drain."""
+    buf = b""
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            if buf:
+                yield buf
+            return
+        buf += chunk
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                break
+            line, buf = buf[: nl + 1], buf[nl + 1:]
+            if len(line) > limit:
+                yield None
+                return
+            yield line
+        if len(buf) > limit:
+            yield None
+            return
 
 
 async def _drain(resp: aiohttp.ClientResponse, deadline: float) -> None:
