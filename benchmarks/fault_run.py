@@ -48,7 +48,7 @@ import aiohttp  # noqa: E402
 from pd_cluster import Proc, free_port, get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 REQUEST_TIMEOUT = 15.0
-ROUTER_FLAGS = ["--first-byte-timeout-secs", "2", "--stall-timeout-secs", "2", "--request-timeout-secs", str(REQUEST_TIMEOUT),
+ROUTER_FLAGS = ["--first-byte-timeout-secs", "5", "--stall-timeout-secs", "5", "--request-timeout-secs", str(REQUEST_TIMEOUT),
                 "--eject-after-failures", "3", "--eject-base-secs", "5", "--eject-max-secs", "60", "--retries", "2",
                 "--health-check-interval-secs", "1", "--load-monitor-interval", "0.2", "--eldr-reload-interval-ms", "100",
                 "--eldr-signature-timeout-secs", "2", "--no-eldr-drift"]
@@ -62,6 +62,7 @@ FAULTS = [
     (4 / 8, "dead prefill (SIGKILL)", "prefill", 2),
     (5 / 8, "FIFO at the centroid path", "file", None),
 ]
+FAULT_KEYS = {"hang": 0, "500": 1, "loads": 2, "prefill": 3, "fifo": 4}
 RESTORE_FILE_AT = 7 / 8
 
 
@@ -247,7 +248,7 @@ def render(rep: dict) -> str:
     lines = [
         "# Mixed fault run (loopback, emulated workers)", "",
         f"{rep['requests']} requests at {rep['rate_target']:g} req/s (achieved {rep['rate_achieved']:g}); "
-        f"router --request-timeout-secs {rep['request_timeout_s']:g}, first byte / stall 2 s, eject after 3 failures.", "",
+        f"router --request-timeout-secs {rep['request_timeout_s']:g}, first byte / stall 5 s, eject after 3 failures.", "",
         "| check | result |", "|---|---|",
         f"| succeeded | {rep['ok']} |",
         f"| clear errors (a status and a message) | {rep['clear_errors']} |",
@@ -284,6 +285,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults", default=",".join(FAULT_KEYS),
+                    help=f"which faults to inject, comma-separated (default all: {','.join(FAULT_KEYS)}; 'none': none)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
     args = ap.parse_args(argv)
@@ -291,6 +294,11 @@ def main(argv=None) -> int:
         ap.error("--requests must be in [1, 1e6] and --rate in (0, 10000]")
     if not (math.isfinite(args.time_scale) and 0 < args.time_scale <= 10):
         ap.error("--time-scale must be in (0, 10]")
+    keys = [] if args.faults == "none" else args.faults.split(",")
+    if any(k not in FAULT_KEYS for k in keys):
+        ap.error(f"--faults: choose from {','.join(FAULT_KEYS)} or none")
+    global FAULTS
+    FAULTS = [FAULTS[FAULT_KEYS[k]] for k in FAULT_KEYS if k in keys]
     duration = args.requests / args.rate
     procs = []
     with tempfile.TemporaryDirectory(prefix="eldr-fault-run-") as tmp:
@@ -309,7 +317,7 @@ def main(argv=None) -> int:
             fault_times: dict = {}
             state: dict = {}
             pending = sorted([(frac * duration, name, role, k) for frac, name, role, k in FAULTS]
-                             + [(RESTORE_FILE_AT * duration, "restore", "restore", None)])
+                             + ([(RESTORE_FILE_AT * duration, "restore", "restore", None)] if "fifo" in keys else []))
 
             async def on_time(t: float):
                 while pending and pending[0][0] <= t:

@@ -358,13 +358,14 @@ class PrefillWorker:
         rid = f"emu-{room}"
         resp = None
         try:
+            if stream:  # like SGLang's StreamingResponse: headers go out before the prefill runs
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
             async with self._lock:  # one prefill batch at a time
                 await asyncio.sleep(self.spec.exec_model.prefill_time(entry.prompt_len) * self.spec.time_scale)
             entry.parked.set()
             sig = self._signature(r, ctl)
             if stream:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await resp.prepare(request)
                 if sig is not None:
                     delay = ctl.get("signature", "")
                     if isinstance(delay, str) and delay.startswith("delay:"):

@@ -63,7 +63,12 @@ async def _read_loads(pd, url: str, timeout: aiohttp.ClientTimeout) -> tuple[int
     async with pd.session.get(f"{url}/v1/loads?include=core,disagg", timeout=timeout) as r:
         if r.status != 200:
             raise _Dropped("http", f"HTTP {r.status}")
-        raw = await r.content.read(MAX_LOADS_BYTES + 1)
+        raw = b""
+        while len(raw) <= MAX_LOADS_BYTES:
+            chunk = await r.content.read(MAX_LOADS_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
     if len(raw) > MAX_LOADS_BYTES:
         raise _Dropped("too_large", f"answer over {MAX_LOADS_BYTES} bytes")
     try:

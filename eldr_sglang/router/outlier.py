@@ -11,8 +11,10 @@ outcome also counts (Envoy's outlier detection, the SGLang gateway's circuit bre
 - half-open (probation): when the ejection ends the worker gets exactly one trial request;
   success closes the circuit (and resets the back-off), failure opens it again for longer.
 
-The last routable worker of a role is never ejected (Envoy's max-ejection bound): with every
-worker failing, clients get the failures' errors rather than a blanket 503.
+At most half the workers of a role (rounded up) are ejected at a time, and never the last
+routable one (Envoy's max_ejection_percent): when failures are everywhere (an overload, a
+shared dependency down) ejecting more would only pile the load onto fewer workers, and
+clients get the failures' errors rather than a blanket 503.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class WorkerPool:
         elif w.circuit == CLOSED and w.consecutive >= self.threshold:
             if sum(self.routable(j) for j in range(len(self.workers)) if j != i) == 0:
                 return  # never eject the last routable worker
+            if sum(x.circuit != CLOSED for x in self.workers) >= (len(self.workers) + 1) // 2:
+                return  # at most half of them (rounded up) out at once
             self._eject(i, f"{w.consecutive} consecutive failures, last: {kind}")
 
     def abandoned(self, i: int) -> None:

@@ -268,6 +268,7 @@ class PDRouter:
         self.prefill = WorkerPool("prefill", [w.url for w in cfg.prefill], **pool_kw)
         self.decode = WorkerPool("decode", list(cfg.decode), on_change=self.router.set_healthy, **pool_kw)
         self._log = RateLimitedLog(logger)
+        self._prefill_of: dict[int, int] = {}  # drain task id -> prefill worker (for error labels)
 
     # ------------------------------------------------------------------ state
     def on_centroids_reloaded(self) -> None:
@@ -583,7 +584,11 @@ class PDRouter:
                 verdict = True
                 self.metrics.sig_wait.observe(sig.wait_s)
                 drain = asyncio.ensure_future(_drain(presp, deadline))
-                resp = await self._decode_with_failover(request, kind, p, boot, dbody, client_stream, sig, deadline)
+                self._prefill_of[id(drain)] = p
+                try:
+                    resp = await self._decode_with_failover(request, kind, p, boot, dbody, client_stream, sig, deadline, drain)
+                finally:
+                    self._prefill_of.pop(id(drain), None)
             else:
                 decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
                 drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p, deadline))
@@ -591,7 +596,7 @@ class PDRouter:
             ok = True
             return resp
         except Retryable as exc:
-            if exc.role == "prefill" and not verdict:
+            if exc.role == "prefill":
                 self.prefill.failure(p, exc.cause)
                 verdict = True
             raise
@@ -705,7 +710,7 @@ class PDRouter:
                 dec.cancel()
                 await asyncio.gather(dec, return_exceptions=True)
 
-    async def _decode_with_failover(self, request, kind, p, boot, dbody, client_stream, sig, deadline):
+    async def _decode_with_failover(self, request, kind, p, boot, dbody, client_stream, sig, deadline, drain):
         """Late binding: a decode worker that fails before the client got a byte (refused
         connection, 5xx, no first byte in time) is charged with the failure and the request
         goes to another one with the same bootstrap room: the prefill keeps the KV parked
@@ -725,8 +730,10 @@ class PDRouter:
                 self.metrics.retries.labels("decode", last.cause if isinstance(last, Retryable) else "error").inc()
             tried.add(decision.worker)
             try:
-                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline)
+                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain)
             except Retryable as exc:
+                if exc.role == "prefill":  # the KV is gone: start over from a prefill
+                    raise
                 last = exc
                 if loop.time() >= deadline:
                     break
@@ -734,7 +741,27 @@ class PDRouter:
         # Not the prefill's fault: end as a plain upstream error (no prefill retry).
         raise UpstreamError(last.status, last.body, last.content_type, last.role)
 
-    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, deadline, state=None) -> web.StreamResponse:
+    async def _kv_lost(self, drain: asyncio.Future | None) -> bool:
+        """Did the prefill's stream break (the prefill died, and its parked KV with it)?"""
+        if drain is None:
+            return False
+        if not drain.done():  # the decode may notice a dead prefill a moment before the router
+            await asyncio.wait({drain}, timeout=0.1)
+        if drain.done() and not drain.cancelled() and drain.result() is False:
+            self.metrics.worker_errors.labels("prefill", str(self._prefill_of.get(id(drain), -1)), "kv_lost").inc()
+            return True
+        return False
+
+    async def _blame(self, w: int, cause: str, drain: asyncio.Future | None) -> None:
+        """Charge decode worker w with a failure before the client's first byte, unless the
+        prefill broke meanwhile: then the decode is not at fault and the request starts over
+        on another prefill (raises a prefill Retryable)."""
+        if await self._kv_lost(drain):
+            raise _kv_lost_error()
+        self.decode.failure(w, cause)
+
+    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, deadline, state=None,
+                      drain: asyncio.Future | None = None) -> web.StreamResponse:
         w = decision.worker
         headers = {}
         if self.cfg.explain_headers:
@@ -759,7 +786,7 @@ class PDRouter:
                 try:
                     dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
                 except Retryable as exc:
-                    pool.failure(w, exc.cause)
+                    await self._blame(w, exc.cause, drain)
                     verdict = True
                     raise
                 try:
@@ -768,7 +795,7 @@ class PDRouter:
                             data = await asyncio.wait_for(dresp.read(), max(0.0, deadline - loop.time()))
                         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                             cause = "total_timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"
-                            pool.failure(w, cause)
+                            await self._blame(w, cause, drain)
                             verdict = True
                             raise Retryable(504 if cause == "total_timeout" else 502,
                                             _err(f"decode worker {w} answer cut: {exc.__class__.__name__}"),
@@ -781,10 +808,13 @@ class PDRouter:
                     left = min(t_start + self.cfg.first_byte_timeout_s, deadline) - loop.time()
                     first = await self._chunk(dresp, w, left, "first_byte")
                     if not first:
-                        pool.failure(w, "empty")
+                        await self._blame(w, "empty", drain)
                         verdict = True
                         raise Retryable(502, _err(f"decode worker {w} ended its stream without a byte"),
                                         "application/json", "decode", "empty")
+                    if b'"abort"' in first[:8192] and await self._kv_lost(drain):
+                        # aborted before any token because the KV is gone: the request can still start over
+                        raise _kv_lost_error()
                     out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
                     await out.prepare(request)
                     if state is not None:
@@ -813,8 +843,8 @@ class PDRouter:
                         await out.write_eof()
                     return out
                 except Retryable as exc:
-                    if not verdict:
-                        pool.failure(w, exc.cause)
+                    if not verdict and exc.role == "decode":
+                        await self._blame(w, exc.cause, drain)
                         verdict = True
                     raise
                 finally:
@@ -838,6 +868,11 @@ class PDRouter:
             self.metrics.worker_errors.labels("decode", str(w), "stream").inc()
             raise Retryable(502, _err(f"decode worker {w} stream failed: {exc.__class__.__name__}"), "application/json",
                             "decode", "stream") from None
+
+
+def _kv_lost_error() -> Retryable:
+    return Retryable(502, _err("the prefill worker went away before the KV reached a decode worker"),
+                     "application/json", "prefill", "kv_lost")
 
 
 def _core_errors():
@@ -871,17 +906,21 @@ async def _bounded_lines(content: aiohttp.StreamReader, limit: int):
             return
 
 
-async def _drain(resp: aiohttp.ClientResponse, deadline: float) -> None:
+async def _drain(resp: aiohttp.ClientResponse, deadline: float) -> bool | None:
     """Read the prefill stream to its end (closing it early would abort the KV transfer),
-    at most until the request's deadline."""
+    at most until the request's deadline. True: it ended; False: it broke (the prefill
+    went away); None: the deadline passed."""
     async def read_all():
         async for _ in resp.content.iter_any():
             pass
 
     try:
         await asyncio.wait_for(read_all(), max(0.0, deadline - asyncio.get_running_loop().time()))
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        pass
+    except aiohttp.ClientError:
+        return False
+    except asyncio.TimeoutError:
+        return None
+    return True
 
 
 def _err(msg: str) -> bytes:
