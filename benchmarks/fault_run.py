@@ -287,6 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", default=",".join(FAULT_KEYS),
                     help=f"which faults to inject, comma-separated (default all: {','.join(FAULT_KEYS)}; 'none': none)")
+    ap.add_argument("--workdir", metavar="DIR", help="keep the run's files and logs here (default: a temporary directory)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
     args = ap.parse_args(argv)
@@ -302,7 +303,8 @@ def main(argv=None) -> int:
     duration = args.requests / args.rate
     procs = []
     with tempfile.TemporaryDirectory(prefix="eldr-fault-run-") as tmp:
-        workdir = Path(tmp)
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         tpath, cpath = build_files(workdir)
         live = workdir / "live.eldr"
         shutil.copy(cpath, live)
@@ -354,10 +356,12 @@ def main(argv=None) -> int:
                          generation_restored=st["centroid_generation"])
             with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
                 text = r.read().decode()
-            state["retries"] = {f"{role}:{cause}": metric(text, "eldr_router_retries_total", role=role, cause=cause)
-                                for role in ("prefill", "decode")
-                                for cause in ("connect", "first_byte_timeout", "total_timeout", "http_500", "stream", "ended", "empty")
-                                if metric(text, "eldr_router_retries_total", role=role, cause=cause)}
+            state["retries"] = {}
+            for line in text.splitlines():  # every (role, cause) the router counted
+                if line.startswith("eldr_router_retries_total{"):
+                    role = line.split('role="', 1)[1].split('"', 1)[0]
+                    cause = line.split('cause="', 1)[1].split('"', 1)[0]
+                    state["retries"][f"{role}:{cause}"] = float(line.rsplit(" ", 1)[1])
             state["timeouts"] = {phase: metric(text, "eldr_router_upstream_timeouts_total", phase=phase)
                                  for phase in ("first_byte", "stall", "total")}
             logs = {"decode": [get_json(u + "/emulator/log") for u in urls["decode"]]}

@@ -158,7 +158,11 @@ async def check_health(pd, interval: float, threshold: int) -> None:
                 fails[("probe", i)] = 0
             if role == "prefill" and not ok:
                 fails[("probe", i)] = 1  # re-probe when it comes back (it may have been restarted)
-            pd.set_healthy(role, i, fails[key] < threshold)
+            if ok:
+                pd.set_healthy(role, i, True)
+            elif fails[key] >= threshold:
+                pd.set_healthy(role, i, False)
+            # in between: unchanged (a refused request may have marked it down already)
 
         await asyncio.gather(
             *(one("prefill", i, w.url) for i, w in enumerate(pd.cfg.prefill)),
