@@ -1,16 +1,24 @@
 """The per-request PD flow: prefill first, wait for the signature, bind decode late, stream back.
 
 Late binding (ELDR; the default for --disagg-router eldr):
-  1. pick a prefill worker, draw a bootstrap room, POST the request there (always streamed);
+  1. pick a routable prefill worker, draw a bootstrap room, POST the request there (always
+     streamed); no response head within the first-byte timeout, a refused connection, a
+     5xx or a stream that ends before its signature is the prefill's failure, and the
+     request starts over on another prefill with a new room (at most --retries times);
   2. read the prefill stream until its `eldr_signature` arrives (meta_info for /generate,
      sglext for the OpenAI endpoints), or the timeout passes (then: shortest queue);
   3. route with the Rust policy, take a queue slot (Lease) on the chosen decode worker;
-  4. POST the same request, same bootstrap host/port/room, to that decode worker and stream
-     its answer to the client, while the rest of the prefill stream is drained;
+  4. POST the same request, same bootstrap host/port/room, to that decode worker; the client
+     gets nothing until the decode's first chunk, so a decode that fails before it (refused,
+     5xx, no first byte in time) is charged and the request goes to another decode worker
+     with the same room (the prefill keeps the KV parked); then stream its answer to the
+     client, each chunk within the stall timeout, while the rest of the prefill stream is
+     drained; a failure after the first byte ends the client's stream with an error event;
   5. release the slot exactly once: on completion, error, or client disconnect (the handler
      is cancelled; closing the upstream connections aborts the request on the workers).
 Early binding (SGLang's usual flow, the default for the baselines): decode is picked first and
-both legs are sent at once.
+both legs are sent at once; failures are charged but not re-sent.
+Worker availability (health checks and outlier ejection) lives in `router.outlier`.
 """
 
 from __future__ import annotations
