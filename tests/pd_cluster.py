@@ -133,9 +133,10 @@ def get_json(url: str, timeout: float = 10.0):
         return json.loads(r.read())
 
 
-def post(url: str, body, timeout: float = 30.0) -> tuple[int, dict, bytes]:
+def post(url: str, body, timeout: float = 30.0, headers: dict | None = None) -> tuple[int, dict, bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, dict(r.headers), r.read()

@@ -18,6 +18,8 @@ from pd_cluster import get_json, metric, post, start_cluster, start_router  # no
 
 
 N_TRACE = 120
+TOKEN = "drift-e2e-admin-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,8 @@ def cluster(tmp_path_factory):
 def setup(cluster):
     d, cpath, urls = cluster
     rproc, base = start_router(urls, d, ["--disagg-router", "eldr", "--eldr-centroids", str(cpath),
-                                         "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0.5"])
+                                         "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0.5",
+                                         "--admin-token", TOKEN])
     yield base
     rproc.stop()
 
@@ -62,10 +65,12 @@ def test_router_feeds_the_drift_monitor_and_answers_refit(setup):
     bands = st["monitor"]["observations"]
     assert bands + st["monitor"]["no_signature"] == n and bands > 0
     assert st["reservoir"]["total_seen"] == bands and st["signature_errors"] == 0
-    status, _, body = post(base + "/eldr/refit", {"reason": "e2e"})
+    status, _, body = post(base + "/eldr/refit", {"reason": "e2e"}, headers=AUTH)
     assert status == 422 and "needs" in json.loads(body)["message"]  # 40 signatures are too few to refit
-    status, _, body = post(base + "/eldr/refit", b"[1, 2]")
+    status, _, body = post(base + "/eldr/refit", b"[1, 2]", headers=AUTH)
     assert status == 400
+    status, _, body = post(base + "/eldr/refit", {"reason": "e2e"})  # a control endpoint: no token, no refit
+    assert status == 401
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert metric(text, "eldr_drift_observations_total") == bands
@@ -91,7 +96,8 @@ def test_refit_under_load_in_the_router_app(cluster):
     mine = d / "refit-under-load.eldr"
     shutil.copyfile(cpath, mine)
     args = ["--pd-disaggregation", "--disagg-router", "eldr", "--eldr-centroids", str(mine),
-            "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0", "--eldr-reload-interval-ms", "50"]
+            "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0", "--eldr-reload-interval-ms", "50",
+            "--admin-token", TOKEN]
     for url, bport in urls["prefill"]:
         args += ["--prefill", url, str(bport)]
     for url in urls["decode"]:
@@ -123,7 +129,7 @@ def test_refit_under_load_in_the_router_app(cluster):
                 gen0 = pd.router.centroid_generation
                 load = [asyncio.ensure_future(one(i)) for i in range(160, 400)]
                 await asyncio.sleep(0)
-                async with s.post(base + "/eldr/refit", json={"force": True, "reason": "under load"}) as r:
+                async with s.post(base + "/eldr/refit", json={"force": True, "reason": "under load"}, headers=AUTH) as r:
                     assert r.status == 202, await r.text()
                 statuses = await asyncio.gather(*load)
                 assert statuses == [200] * len(statuses)
@@ -144,3 +150,5 @@ def test_refit_under_load_in_the_router_app(cluster):
 
     asyncio.run(main())
     assert json.loads(_core.CentroidSet.open(str(mine)).provenance_json)["refit"]["reason"] == "under load"
+    # the refit kept the file it replaced
+    assert _core.CentroidSet.open(str(mine) + ".prev").checksum == _core.CentroidSet.open(str(cpath)).checksum

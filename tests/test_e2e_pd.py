@@ -323,15 +323,16 @@ def test_baseline_policy_binds_early_with_the_same_room(cluster, workdir):
         for room, p, d in rooms:
             assert any(e["event"] == "kv_fetched" and e["room"] == room for e in _log(cluster["prefill"][p][0]))
             assert any(e["event"] == "decode_start" and e["room"] == room for e in _log(cluster["decode"][d]))
-        # a failed prefill leg ends the request instead of leaving decode waiting for its KV:
-        # with its status when nothing was sent yet, as an error event once the stream started
+        # a failed prefill leg ends the request instead of leaving decode waiting for its KV,
+        # with its status: the client's stream starts only with the decode's first chunk,
+        # which never comes without KV, so a streamed request gets the status too
         status, _, body = post(base + "/generate", {"text": "rr fail", "sampling_params": {"max_new_tokens": 2},
                                                     "emulator": {"prefill_status": 503}}, timeout=60)
         assert status == 503 and b"emulated prefill failure" in body
         status, _, body = post(base + "/generate", {"text": "rr fail", "sampling_params": {"max_new_tokens": 2},
                                                     "stream": True, "emulator": {"prefill_status": 503, "prefill_fail_delay": 0.3}},
                                timeout=60)
-        assert status == 200 and b"emulated prefill failure" in body and b"tok" not in body
+        assert status == 503 and b"emulated prefill failure" in body and b"tok" not in body
         st, dec, pre, idle = _wait_idle(base, cluster)
         assert idle and not any(st["decode_inflight"])
     finally:

@@ -77,3 +77,76 @@ def test_request_validation_and_signature_lookup():
     assert find_signature({"meta_info": {"eldr_signature": [1]}}) == [1]
     assert find_signature({"sglext": {"eldr_signature": {"v": 1}}}) == {"v": 1}
     assert find_signature({"meta_info": {}}) is None
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--port", "70000"], "--port"),
+    (["--port", "0"], "--port"),
+    (["--max-payload-size", "-1"], "--max-payload-size"),
+    (["--eldr-signature-timeout-secs", "nan"], "--eldr-signature-timeout-secs"),
+    (["--eldr-signature-timeout-secs", "inf"], "--eldr-signature-timeout-secs"),
+    (["--request-timeout-secs", "-1"], "--request-timeout-secs"),
+    (["--request-timeout-secs", "1e300"], "--request-timeout-secs"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--health-check-interval-secs", "nan"], "--health-check-interval-secs"),
+    (["--health-failure-threshold", "0"], "--health-failure-threshold"),
+    (["--load-monitor-interval", "-0.5"], "--load-monitor-interval"),
+    (["--eldr-reload-interval-ms", "-5"], "--eldr-reload-interval-ms"),
+    (["--eldr-load-report-ttl-ms", str(10**18)], "--eldr-load-report-ttl-ms"),
+    (["--eldr-tau", "nan"], "--eldr-tau"),
+    (["--eldr-load-factor", "nan"], "--eldr-load-factor"),
+    (["--eldr-load-factor", "inf"], "--eldr-load-factor"),
+    (["--prometheus-port", "99999"], "--prometheus-port"),
+    (["--worker-startup-timeout-secs", "-3"], "--worker-startup-timeout-secs"),
+    (["--first-byte-timeout-secs", "0"], "--first-byte-timeout-secs"),
+    (["--stall-timeout-secs", "nan"], "--stall-timeout-secs"),
+    (["--upstream-connect-timeout-secs", "-1"], "--upstream-connect-timeout-secs"),
+    (["--retries", "-1"], "--retries"),
+    (["--eject-after-failures", "0"], "--eject-after-failures"),
+    (["--eject-base-secs", "10", "--eject-max-secs", "5"], "--eject-max-secs"),
+    (["--client-header-timeout-secs", "0"], "--client-header-timeout-secs"),
+    (["--client-body-timeout-secs", "inf"], "--client-body-timeout-secs"),
+    (["--admin-token", "short"], "at least 16"),
+])
+def test_every_numeric_router_flag_is_range_checked(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(BASE + ["--disagg-router", "random", *flags])
+
+
+def test_flag_defaults_are_sane():
+    cfg = parse_config(BASE + ["--disagg-router", "random"])
+    assert cfg.max_payload_size == 8 << 20  # not 512 MiB
+    assert 0 < cfg.first_byte_timeout_s < cfg.request_timeout_s and 0 < cfg.stall_timeout_s < cfg.request_timeout_s
+    assert cfg.admin_token is None and cfg.retries >= 1 and cfg.eject_after_failures >= 2
+    # 0 still means off where it always did
+    cfg = parse_config(BASE + ["--disagg-router", "random", "--health-check-interval-secs", "0", "--load-monitor-interval", "0"])
+    assert cfg.health_check_interval_s == 0 and cfg.load_monitor_interval_s == 0
+
+
+def test_admin_token_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ELDR_ADMIN_TOKEN", "x" * 32)
+    assert parse_config(BASE + ["--disagg-router", "random"]).admin_token == "x" * 32
+
+
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--max-payload-size", "-1"], ["--eldr-signature-timeout-secs", "nan"]])
+def test_launch_router_refuses_bad_numbers_before_anything_runs(flags):
+    p = subprocess.run([sys.executable, "-m", "eldr_sglang.launch_router", *BASE, "--disagg-router", "random", *flags],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and flags[0] in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("body", [
+    {"loads": [{"num_running_reqs": float("inf")}]},
+    {"loads": [{"num_running_reqs": 1e30}]},
+    {"loads": [{"num_running_reqs": -5}]},
+    {"loads": [{"num_running_reqs": float("nan")}]},
+    {"loads": [{"num_running_reqs": "3"}]},
+    {"loads": [{"num_used_tokens": 10**30}]},
+    {"loads": [{"num_running_reqs": 2.5}]},
+    [1, 2],
+    "text",
+])
+def test_running_from_loads_refuses_bad_values(body):
+    with pytest.raises(ValueError):
+        running_from_loads(body)

@@ -16,7 +16,9 @@ The hook is deliberately small and keeps everything expensive off the request pa
   `GET /eldr/drift` returns the status JSON; `POST /eldr/refit` (optional JSON body
   `{"force": true, "reason": "..."}`) starts a refit: 202 when accepted, 409 while one runs
   or in the cooldown, 422 when the reservoir holds too few signatures, 404 when drift
-  handling is off (no centroid file or a baseline policy).
+  handling is off (no centroid file or a baseline policy). It is a control endpoint: 403
+  unless the router has an admin token, 401 without `Authorization: Bearer TOKEN`
+  (eldr_sglang.router.admin). The refit keeps the replaced file as FILE.prev.
 
 Options (keyword arguments of `install`, or a `drift` dict attribute on the router config;
 all optional):
@@ -43,8 +45,9 @@ logger = logging.getLogger("eldr.drift")
 class DriftHook:
     def __init__(self, pd, *, refit_on_drift: bool = True, interval_s: float | None = None, cooldown_s: float = 300.0,
                  window: int = 512, reservoir_capacity: int = 4096, reservoir_horizon: int = 16384,
-                 executor="process", check_interval_s: float = 1.0):
+                 executor="process", check_interval_s: float = 1.0, admin_token: str | None = None):
         self.pd = pd
+        self.admin_token = admin_token
         router = pd.router
         path = pd.cfg.centroids
         self.check_interval_s = float(check_interval_s)
@@ -120,6 +123,12 @@ class DriftHook:
     async def handle_refit(self, request):
         from aiohttp import web
 
+        from eldr_sglang.router.admin import denied
+        from eldr_sglang.router.logsafe import safe
+
+        refusal = denied(request, self.admin_token)
+        if refusal is not None:
+            return refusal
         body = {}
         if request.can_read_body:
             try:
@@ -132,6 +141,7 @@ class DriftHook:
         reason = body.get("reason", "POST /eldr/refit")
         if not isinstance(force, bool) or not isinstance(reason, str):
             return web.json_response({"error": {"message": "force must be a boolean and reason a string"}}, status=400)
+        reason = safe(reason, 200)  # it reaches log lines and the file's provenance: one escaped line
         r = await asyncio.to_thread(self.ctl.request, reason, force)
         status = 202 if r["accepted"] else {"running": 409, "cooldown": 409, "too_few": 422}.get(r.get("why"), 409)
         return web.json_response(r, status=status)
@@ -187,7 +197,7 @@ def _json_safe(o):
     return str(o)
 
 
-def install(app, pd, **options) -> DriftHook | None:
+def install(app, pd, admin_token: str | None = None, **options) -> DriftHook | None:
     """Attach drift handling to the router app: sets `pd.drift`, adds `POST /eldr/refit`,
     `GET /eldr/drift`, the gauges, and the background task. Returns None (and adds 404
     answers for the two endpoints) when drift handling is off. Options: a `drift` dict on
@@ -200,7 +210,7 @@ def install(app, pd, **options) -> DriftHook | None:
     hook = None
     if enabled:
         try:
-            hook = DriftHook(pd, **conf)
+            hook = DriftHook(pd, admin_token=admin_token, **conf)
         except (ValueError, OSError) as exc:  # e.g. a centroid file without a baseline: route on, without drift handling
             logger.warning("drift handling off: %s", exc)
     pd.drift = hook

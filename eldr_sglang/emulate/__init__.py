@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-running-requests", type=int, default=256, help="decode batch limit")
         p.add_argument("--bootstrap-timeout-secs", type=float, default=300.0)
         p.add_argument("--log-level", default="warning")
+        p.add_argument("--fault", action="append", default=[], metavar="[ROLE:INDEX=]MODE",
+                       help="inject a fault (see eldr_sglang.emulate.workers): MODE for a single worker, "
+                       "ROLE:INDEX=MODE (e.g. decode:1=hang) in a cluster; repeatable")
 
     p = sub.add_parser("prefill", help="one emulated prefill worker")
     common(p)
@@ -76,7 +79,21 @@ async def _run(args) -> None:
         plan = [("prefill", args.port, args.bootstrap_port)]
     else:
         plan = [("decode", args.port, None)]
+    faults: dict[tuple[str, int], list[str]] = {}
+    for f in args.fault:
+        key, sep, mode = f.partition("=")
+        if sep:
+            role_name, _, idx = key.partition(":")
+            if role_name not in ("prefill", "decode") or not idx.isdigit():
+                raise ValueError(f"--fault {f!r}: expected ROLE:INDEX=MODE with ROLE prefill or decode")
+            faults.setdefault((role_name, int(idx)), []).append(mode)
+        else:
+            faults.setdefault((args.role, 0), []).append(f)
+    seen = {"prefill": 0, "decode": 0}
     for role, port, bport in plan:
+        index = seen[role]
+        seen[role] += 1
+        specs = faults.get((role, index), [])
         if role == "prefill":
             w = PrefillWorker(spec, signature=not args.no_signature, bootstrap_timeout_s=args.bootstrap_timeout_secs,
                               sequence=sequence)
@@ -87,6 +104,8 @@ async def _run(args) -> None:
             w = DecodeWorker(spec, max_running=args.max_running_requests, kv_timeout_s=args.bootstrap_timeout_secs)
             await site(w.app(), port)
             urls["decode"].append(f"http://{args.host}:{port}")
+        for mode in specs:
+            w.faults.set(mode)
     print("READY " + json.dumps(urls), flush=True)
     try:
         await asyncio.Event().wait()

@@ -24,7 +24,23 @@ Both: /health, /v1/models, /server_info, /v1/loads (SGLang 0.5.23 shape), /flush
 Test controls (a top-level "emulator" object in the request body, ignored otherwise):
   trace_request: int, prefill_status: int (prefill answers this HTTP status, after
   prefill_fail_delay seconds),
-  decode_status: int, signature: "none" | "malformed" | "omit" | "delay:<seconds>".
+  decode_status: int, signature: "none" | "malformed" | "omit" | "delay:<seconds>" |
+  "deep:<N>" (the payload is a list nested N deep) | "pad:<N>" (a line of N bytes) |
+  {"raw": <payload>} (sent as given).
+
+Worker faults (`--fault`, or at run time `POST /emulator/fault {"mode": MODE}`; "none" clears),
+the ways real workers fail short of refusing connections; /health keeps answering 200:
+  hang            accept the request, never answer (decode: never fetches the KV either)
+  hang_midstream  decode: fetch the KV, stream two chunks, then go silent (non-streamed: silent)
+  error500        answer HTTP 500 to every generation request
+  slow:F          decode: every step takes F times as long
+  loads:inf | loads:1e30 | loads:negative | loads:nonjson | loads:shape | loads:hang
+                  a bad /v1/loads answer (Infinity, 10^30, -5, HTML, a list, no answer)
+
+A bootstrap room is transferred once: a second decode that asks for a room already being
+or already transferred gets 409, as the KV can only move once. An aborted transfer (the
+decode went away mid-transfer) leaves the KV parked for another decode: late binding's
+retry of a failed decode on another worker relies on it.
 """
 
 from __future__ import annotations
@@ -135,9 +151,74 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+FAULTS = ("none", "hang", "hang_midstream", "error500")
+LOADS_FAULTS = {
+    "loads:inf": '{"loads": [{"dp_rank": 0, "num_running_reqs": Infinity, "num_waiting_reqs": 0}]}',
+    "loads:1e30": '{"loads": [{"dp_rank": 0, "num_running_reqs": 1e30, "num_waiting_reqs": 0, "num_used_tokens": 1e30}]}',
+    "loads:negative": '{"loads": [{"dp_rank": 0, "num_running_reqs": -5, "num_waiting_reqs": 0}]}',
+    "loads:nonjson": "<html><body>502 Bad Gateway</body></html>",
+    "loads:shape": "[1, 2, 3]",
+    "loads:hang": None,
+}
+
+
+class Faults:
+    """A worker's injected faults (see the module doc)."""
+
+    def __init__(self, spec: str | None = None):
+        self.mode = "none"
+        self.loads = None
+        self.slow = 1.0
+        if spec:
+            self.set(spec)
+
+    def set(self, spec: str) -> None:
+        if spec == "none":
+            self.mode, self.loads, self.slow = "none", None, 1.0
+        elif spec in LOADS_FAULTS:
+            self.loads = spec
+        elif spec.startswith("slow:"):
+            try:
+                f = float(spec[5:])
+            except ValueError:
+                f = float("nan")
+            if not (f > 0 and f < 1e6):
+                raise ValueError(f"fault {spec!r}: slow:F needs a factor F > 0")
+            self.slow = f
+        elif spec in FAULTS:
+            self.mode = spec
+        else:
+            raise ValueError(f"unknown fault {spec!r}: one of {', '.join(FAULTS)}, slow:F, {', '.join(LOADS_FAULTS)}")
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "loads": self.loads, "slow": self.slow}
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
 def _common_routes(app: web.Application, worker) -> None:
     async def health(_):
         return web.Response(text="ok")
+
+    async def fault(request: web.Request):
+        try:
+            body = await request.json()
+            worker.faults.set(str(body["mode"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            return _json_err(400, f"bad fault: {exc}")
+        worker.log.add("fault", mode=str(body["mode"]))
+        return web.json_response(worker.faults.describe())
+
+    async def loads(request: web.Request):
+        lf = worker.faults.loads
+        if lf is None:
+            return await worker.loads(request)
+        text = LOADS_FAULTS[lf]
+        if text is None:
+            await _forever()
+        return web.Response(text=text, content_type="application/json")
 
     async def models(_):
         return web.json_response({"object": "list", "data": [{"id": worker.spec.name, "object": "model", "owned_by": "eldr-emulator"}]})
@@ -152,7 +233,8 @@ def _common_routes(app: web.Application, worker) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/emulator/log", log)
     app.router.add_post("/flush_cache", flush)
-    app.router.add_get("/v1/loads", worker.loads)
+    app.router.add_get("/v1/loads", loads)
+    app.router.add_post("/emulator/fault", fault)
     app.router.add_get("/server_info", worker.server_info)
     app.router.add_get("/emulator/stats", worker.stats)
 
@@ -164,12 +246,14 @@ class _Parked:
     prompt_len: int
     parked: asyncio.Event = field(default_factory=asyncio.Event)
     fetched: asyncio.Event = field(default_factory=asyncio.Event)
+    claimed: bool = False  # a decode is transferring it (or has): the KV moves once
 
 
 class PrefillWorker:
     def __init__(self, spec: WorkerSpec, *, signature: bool = True, max_bytes: int = 16384,
-                 bootstrap_timeout_s: float = 300.0, sequence=None):
+                 bootstrap_timeout_s: float = 300.0, sequence=None, fault: str | None = None):
         self.spec, self.signature, self.max_bytes = spec, signature, max_bytes
+        self.faults = Faults(fault)
         self.sequence = sequence  # shared counter: assign trace requests in arrival order
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.log = EventLog()
@@ -232,7 +316,15 @@ class PrefillWorker:
             await asyncio.wait_for(entry.parked.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             return _json_err(504, f"room {room} was never prefilled")
-        await asyncio.sleep(self.spec.exec_model.kv_transfer_time(entry.prompt_len) * self.spec.time_scale)
+        if entry.claimed:
+            self.log.add("kv_refused", room=room)
+            return _json_err(409, f"room {room} is already transferred to another decode worker")
+        entry.claimed = True
+        try:
+            await asyncio.sleep(self.spec.exec_model.kv_transfer_time(entry.prompt_len) * self.spec.time_scale)
+        except asyncio.CancelledError:  # the decode went away mid-transfer: the KV stays parked
+            entry.claimed = False
+            raise
         entry.fetched.set()
         self.log.add("kv_fetched", room=room)
         return web.json_response({"trace_request": entry.trace_request, "prompt_len": entry.prompt_len})
@@ -251,6 +343,10 @@ class PrefillWorker:
         else:
             r = trace_request_of(body, self._R)
         self.log.add("prefill_recv", room=room, trace_request=r)
+        if self.faults.mode == "hang":
+            await _forever()
+        if self.faults.mode == "error500":
+            return _json_err(500, "emulated prefill fault: error500")
         if isinstance(ctl.get("prefill_status"), int):
             await asyncio.sleep(float(ctl.get("prefill_fail_delay", 0)))
             return _json_err(ctl["prefill_status"], "emulated prefill failure")
@@ -262,23 +358,28 @@ class PrefillWorker:
         rid = f"emu-{room}"
         resp = None
         try:
+            if stream:  # like SGLang's StreamingResponse: headers go out before the prefill runs
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
             async with self._lock:  # one prefill batch at a time
                 await asyncio.sleep(self.spec.exec_model.prefill_time(entry.prompt_len) * self.spec.time_scale)
             entry.parked.set()
             sig = self._signature(r, ctl)
             if stream:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await resp.prepare(request)
                 if sig is not None:
                     delay = ctl.get("signature", "")
                     if isinstance(delay, str) and delay.startswith("delay:"):
                         await asyncio.sleep(float(delay[6:]))
-                    if openai:
-                        event = {"id": rid, "object": "eldr.signature", "choices": [], "sglext": {META_KEY: sig}}
+                    if isinstance(sig, _RawJSON):  # hostile payloads, written as text (deep nesting)
+                        await resp.write(b'data: {"text": "", "meta_info": {"' + META_KEY.encode() + b'": '
+                                         + sig.text.encode() + b"}}\n\n")
                     else:
-                        event = {"text": "", "meta_info": {"id": rid, META_KEY: [sig], "prompt_tokens": entry.prompt_len,
-                                                           "completion_tokens": 1, "finish_reason": None}}
-                    await resp.write(_sse(event))
+                        if openai:
+                            event = {"id": rid, "object": "eldr.signature", "choices": [], "sglext": {META_KEY: sig}}
+                        else:
+                            event = {"text": "", "meta_info": {"id": rid, META_KEY: [sig], "prompt_tokens": entry.prompt_len,
+                                                               "completion_tokens": 1, "finish_reason": None}}
+                        await resp.write(_sse(event))
                     self.log.add("signature_sent", room=room, trace_request=r)
             try:
                 await asyncio.wait_for(entry.fetched.wait(), self.bootstrap_timeout_s)
@@ -294,7 +395,7 @@ class PrefillWorker:
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
-            if sig is not None:
+            if sig is not None and not isinstance(sig, _RawJSON):
                 final["meta_info"][META_KEY] = [sig]
             return web.json_response(final)
         finally:
@@ -309,7 +410,19 @@ class PrefillWorker:
             return {"v": 1, "none": "emulated"}
         if mode == "malformed":
             return {"v": 1, "layers": [0], "E": 4, "n": 1, "enc": "dense", "bits": 8, "d": "!!not base64!!"}
+        if isinstance(mode, dict) and "raw" in mode:  # a crafted payload, sent as given
+            return mode["raw"]
+        if isinstance(mode, str) and mode.startswith("deep:"):  # [[[...]]] nested N deep
+            depth = min(int(mode[5:]), 10_000_000)
+            return _RawJSON("[" * depth + "]" * depth)
+        if isinstance(mode, str) and mode.startswith("pad:"):  # one stream line of N bytes
+            return {**self.payload(r), "pad": "x" * min(int(mode[4:]), 1 << 30)}
         return self.payload(r)
+
+
+@dataclass
+class _RawJSON:
+    text: str
 
 
 # ============================================================================ decode
@@ -324,8 +437,9 @@ class _Running:
 
 
 class DecodeWorker:
-    def __init__(self, spec: WorkerSpec, *, max_running: int = 256, kv_timeout_s: float = 300.0):
+    def __init__(self, spec: WorkerSpec, *, max_running: int = 256, kv_timeout_s: float = 300.0, fault: str | None = None):
         self.spec = spec
+        self.faults = Faults(fault)
         self.max_running = max_running
         self.kv_timeout_s = kv_timeout_s
         self.log = EventLog()
@@ -401,7 +515,7 @@ class DecodeWorker:
             distinct = np.asarray(self._distinct(np.ascontiguousarray(rp.step_ids(reqs, steps)), E))
             kv = int(sum(x.prompt_len + x.generated for x in batch))
             dt = em.decode_step_time(len(batch), kv, distinct)
-            await asyncio.sleep(dt * scale)
+            await asyncio.sleep(dt * scale * self.faults.slow)
             self.steps += 1
             self.step_time_total += dt
             self.batch_total += len(batch)
@@ -426,6 +540,10 @@ class DecodeWorker:
         ctl = body.get("emulator") if isinstance(body.get("emulator"), dict) else {}
         room = body["bootstrap_room"]
         self.log.add("decode_recv", room=room)
+        if self.faults.mode == "hang":
+            await _forever()
+        if self.faults.mode == "error500":
+            return _json_err(500, "emulated decode fault: error500")
         if isinstance(ctl.get("decode_status"), int):
             return _json_err(ctl["decode_status"], "emulated decode failure")
         host, port = body["bootstrap_host"], body.get("bootstrap_port")
@@ -459,7 +577,10 @@ class DecodeWorker:
             if item.output_len > 1:
                 self.waiting.append(item)
                 self._wake.set()
+            midstream = self.faults.mode == "hang_midstream"
             if not stream:
+                if midstream:
+                    await _forever()
                 while item.generated < item.output_len:
                     await item.queue.get()
                 self.log.add("decode_done", room=room)
@@ -467,6 +588,8 @@ class DecodeWorker:
             await resp.write(_sse(_chunk(kind, rid, item, 1, item.output_len <= 1)))
             n = 1
             while n < item.output_len:
+                if midstream and n >= 2:
+                    await _forever()
                 finished = await item.queue.get()
                 n += 1
                 await resp.write(_sse(_chunk(kind, rid, item, n, finished)))

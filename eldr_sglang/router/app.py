@@ -9,6 +9,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from eldr_sglang.router.admin import guarded
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.loads import (
     check_health,
@@ -66,7 +67,7 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
         async def post(url):
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with pd.session.post(f"{url}/flush_cache", timeout=aiohttp.ClientTimeout(total=30)) as r:
-                    await r.read()
+                    await r.content.read(1 << 16)
 
         await asyncio.gather(*(post(u) for u in [w.url for w in pd.cfg.prefill] + pd.cfg.decode))
         return web.Response(text="ok")
@@ -75,7 +76,7 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
         # drift monitor + online refits (eldr_sglang.drift): GET /eldr/drift, POST /eldr/refit
         from eldr_sglang.drift.router_hook import install as install_drift
 
-        install_drift(app, pd)
+        install_drift(app, pd, admin_token=cfg.admin_token)
 
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -83,7 +84,7 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)
-    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/flush_cache", guarded(flush_cache, cfg.admin_token))
 
     async def lifecycle(app):
         await pd.start()
@@ -98,7 +99,7 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
             tasks.append(
                 asyncio.ensure_future(check_health(pd, cfg.health_check_interval_s, cfg.health_failure_threshold))
             )
-        if cfg.centroids:
+        if cfg.centroids and cfg.reload_interval_ms > 0:
             tasks.append(asyncio.ensure_future(reload_centroids(pd, cfg.reload_interval_ms / 1000.0)))
         yield
         for t in tasks:
@@ -113,7 +114,9 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever). Client disconnects cancel their handlers."""
     app = build_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # keepalive_timeout doubles as the request-head timeout: aiohttp arms it when a
+    # connection opens and closes one that has no complete request head by then (slowloris).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.client_header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
     await site.start()

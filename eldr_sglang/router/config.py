@@ -30,6 +30,12 @@ def _load_factor(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'none', got {text!r}") from None
 
 
+# A client body of a few MiB holds a 128k-token prompt as JSON ids or text; aiohttp keeps
+# several copies while parsing, so the old 512 MiB default let one client claim GBs.
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
+DAY_S = 86400.0
+
 DECODE_POLICIES = ("eldr", "random", "round_robin", "shortest_queue", "power_of_two")
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
 
@@ -66,7 +72,17 @@ class RouterConfig:
     load_monitor_interval_s: float = 1.0
     load_report_ttl_ms: int = 2000
     reload_interval_ms: int = 250
-    max_payload_size: int = 512 * 1024 * 1024
+    max_payload_size: int = DEFAULT_MAX_PAYLOAD
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 60.0
+    stall_timeout_s: float = 60.0
+    retries: int = 2
+    eject_after_failures: int = 5
+    eject_base_s: float = 5.0
+    eject_max_s: float = 300.0
+    client_header_timeout_s: float = 30.0
+    client_body_timeout_s: float = 30.0
+    admin_token: str | None = None
     prometheus_host: str | None = None
     prometheus_port: int | None = None
     log_level: str = "info"
@@ -138,7 +154,34 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         "--load-monitor-interval", type=float, default=1.0,
         help="seconds between polls of the decode workers' /v1/loads (0: off)",
     )
-    req.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024)
+    req.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD,
+                     help=f"largest client request body in bytes (default {DEFAULT_MAX_PAYLOAD}); larger gets 413")
+    up = ap.add_argument_group("Upstream timeouts, retries and outlier ejection")
+    up.add_argument("--upstream-connect-timeout-secs", type=float, default=5.0, help="TCP connect to a worker (default 5)")
+    up.add_argument(
+        "--first-byte-timeout-secs", type=float, default=60.0,
+        help="a worker's first byte: prefill response headers, a decode stream's first chunk (default 60); "
+        "a non-streamed decode answer is bounded by --request-timeout-secs only",
+    )
+    up.add_argument("--stall-timeout-secs", type=float, default=60.0,
+                    help="longest silence between two chunks of a worker's stream (default 60)")
+    up.add_argument("--retries", type=int, default=2,
+                    help="re-sends of a request to another worker while nothing reached the client (default 2)")
+    up.add_argument("--eject-after-failures", type=int, default=5,
+                    help="consecutive failures (5xx, timeouts, connect errors) that eject a worker (default 5)")
+    up.add_argument("--eject-base-secs", type=float, default=5.0,
+                    help="first ejection's length; doubles on each re-ejection (default 5)")
+    up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
+    cl = ap.add_argument_group("Clients and control endpoints")
+    cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
+                    help="a connection that sends no complete request head in this long is closed (default 30)")
+    cl.add_argument("--client-body-timeout-secs", type=float, default=30.0,
+                    help="reading a request body may take this long, else 408 (default 30)")
+    cl.add_argument(
+        "--admin-token", default=None,
+        help=f"token for POST /eldr/refit and /flush_cache (header 'Authorization: Bearer TOKEN'); "
+        f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
+    )
     req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
     req.add_argument("--prometheus-port", type=int, default=None)
     req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -173,12 +216,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         raise ConfigError("at least one --prefill and one --decode worker are needed")
     if a.policy == "eldr" and not a.eldr_centroids:
         raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
-    if a.eldr_tau is not None and not a.eldr_tau >= 0:
-        raise ConfigError(f"--eldr-tau must be >= 0, got {a.eldr_tau}")
-    if a.eldr_load_factor is not None and not (a.eldr_load_factor >= 0 and math.isfinite(a.eldr_load_factor)):
-        raise ConfigError(f"--eldr-load-factor must be a finite number >= 0 or 'none', got {a.eldr_load_factor}")
-    if a.eldr_signature_timeout_secs <= 0:
-        raise ConfigError("--eldr-signature-timeout-secs must be > 0")
+    _check_numbers(a)
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -197,14 +235,83 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         request_timeout_s=a.request_timeout_secs,
         worker_startup_timeout_s=a.worker_startup_timeout_secs,
         health_check_interval_s=a.health_check_interval_secs,
-        health_failure_threshold=max(1, a.health_failure_threshold),
+        health_failure_threshold=a.health_failure_threshold,
         load_monitor_interval_s=a.load_monitor_interval,
         load_report_ttl_ms=a.eldr_load_report_ttl_ms,
         reload_interval_ms=a.eldr_reload_interval_ms,
         max_payload_size=a.max_payload_size,
+        connect_timeout_s=a.upstream_connect_timeout_secs,
+        first_byte_timeout_s=a.first_byte_timeout_secs,
+        stall_timeout_s=a.stall_timeout_secs,
+        retries=a.retries,
+        eject_after_failures=a.eject_after_failures,
+        eject_base_s=a.eject_base_secs,
+        eject_max_s=a.eject_max_secs,
+        client_header_timeout_s=a.client_header_timeout_secs,
+        client_body_timeout_s=a.client_body_timeout_secs,
+        admin_token=_admin_token(a.admin_token),
         prometheus_host=a.prometheus_host,
         prometheus_port=a.prometheus_port,
         log_level=a.log_level,
         explain_headers=not a.no_explain_headers,
         drift={"enabled": False} if a.no_eldr_drift else None,
     )
+
+
+# flag -> (attribute, lowest, highest, integer, zero allowed (0 = off) though lowest > 0)
+_NUMERIC_FLAGS = {
+    "--port": ("port", 1, 65535, True, False),
+    "--eldr-tau": ("eldr_tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
+    "--eldr-load-factor": ("eldr_load_factor", 0.0, 1e6, False, True),
+    "--eldr-signature-timeout-secs": ("eldr_signature_timeout_secs", 1e-3, DAY_S, False, False),
+    "--eldr-reload-interval-ms": ("eldr_reload_interval_ms", 1, 86_400_000, True, True),
+    "--eldr-load-report-ttl-ms": ("eldr_load_report_ttl_ms", 0, 86_400_000, True, True),
+    "--seed": ("seed", 0, 2**64 - 1, True, True),
+    "--request-timeout-secs": ("request_timeout_secs", 1e-3, 7 * DAY_S, False, False),
+    "--worker-startup-timeout-secs": ("worker_startup_timeout_secs", 0.0, DAY_S, False, True),
+    "--health-check-interval-secs": ("health_check_interval_secs", 1e-3, DAY_S, False, True),
+    "--health-failure-threshold": ("health_failure_threshold", 1, 1_000_000, True, False),
+    "--load-monitor-interval": ("load_monitor_interval", 1e-3, DAY_S, False, True),
+    "--max-payload-size": ("max_payload_size", 1, 1 << 31, True, False),
+    "--prometheus-port": ("prometheus_port", 1, 65535, True, False),
+    "--upstream-connect-timeout-secs": ("upstream_connect_timeout_secs", 1e-3, DAY_S, False, False),
+    "--first-byte-timeout-secs": ("first_byte_timeout_secs", 1e-3, 7 * DAY_S, False, False),
+    "--stall-timeout-secs": ("stall_timeout_secs", 1e-3, 7 * DAY_S, False, False),
+    "--retries": ("retries", 0, 64, True, True),
+    "--eject-after-failures": ("eject_after_failures", 1, 1_000_000, True, False),
+    "--eject-base-secs": ("eject_base_secs", 1e-3, DAY_S, False, False),
+    "--eject-max-secs": ("eject_max_secs", 1e-3, 7 * DAY_S, False, False),
+    "--client-header-timeout-secs": ("client_header_timeout_secs", 1e-3, DAY_S, False, False),
+    "--client-body-timeout-secs": ("client_body_timeout_secs", 1e-3, DAY_S, False, False),
+}
+
+
+def _check_numbers(a: argparse.Namespace) -> None:
+    """Every numeric flag in range before anything runs: NaN, infinities, negative or absurd
+    values are refused with the flag's name (argparse's float() accepts 'nan' and 'inf')."""
+    for flag, (attr, lo, hi, integer, zero_ok) in _NUMERIC_FLAGS.items():
+        v = getattr(a, attr, None)
+        if v is None:
+            continue
+        if integer and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"{flag} must be an integer, got {v!r}")
+        if not math.isfinite(v):
+            raise ConfigError(f"{flag} must be a finite number, got {v}")
+        if zero_ok and v == 0:
+            continue
+        if not lo <= v <= hi:
+            what = f"between {lo:g} and {hi:g}" + (" (or 0: off)" if zero_ok and lo > 0 else "")
+            raise ConfigError(f"{flag} must be {what}, got {v:g}" if not integer else f"{flag} must be {what}, got {v}")
+    if a.eject_max_secs < a.eject_base_secs:
+        raise ConfigError(f"--eject-max-secs ({a.eject_max_secs:g}) must be >= --eject-base-secs ({a.eject_base_secs:g})")
+
+
+def _admin_token(flag: str | None) -> str | None:
+    import os
+
+    token = flag if flag is not None else os.environ.get(ADMIN_TOKEN_ENV)
+    if token is None or token == "":
+        return None
+    if len(token) < 16:
+        raise ConfigError(f"the admin token (--admin-token or ${ADMIN_TOKEN_ENV}) must be at least 16 characters")
+    return token

@@ -4,51 +4,117 @@ checks, centroid hot reload."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 
 import aiohttp
+
+from eldr_sglang.router.logsafe import RateLimitedLog, safe
 
 logger = logging.getLogger("eldr.router")
 
 
-def running_from_loads(body: dict) -> tuple[int, int]:
+# A /v1/loads count above this is not a real queue (SGLang caps running requests in the
+# thousands): it is a bad answer, and 10**30 would overflow the i64 load tracker.
+MAX_REPORTED = 10_000_000
+MAX_LOADS_BYTES = 1 << 20
+
+
+def _count(rank: dict, key: str) -> int:
+    v = rank.get(key, 0)
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{key} is {type(v).__name__}, not a number")
+    if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+        raise ValueError(f"{key} = {v!r} is not a whole number")
+    if not 0 <= v <= MAX_REPORTED:
+        raise ValueError(f"{key} = {v!r} is out of range [0, {MAX_REPORTED}]")
+    return int(v)
+
+
+def running_from_loads(body: object) -> tuple[int, int]:
     """(running requests, used tokens) of a SGLang 0.5.23 /v1/loads answer, summed over DP ranks.
 
     Running counts every request the decode worker holds: running, waiting, and those still
-    in its PD pre-allocation / KV-transfer queues."""
+    in its PD pre-allocation / KV-transfer queues. Any other shape or value (negative,
+    non-finite, huge, not a number) raises ValueError."""
+    if not isinstance(body, dict):
+        raise ValueError("the answer is not a JSON object")
     loads = body.get("loads")
     if not isinstance(loads, list):
         raise ValueError("no 'loads' list")
+    if len(loads) > 4096:
+        raise ValueError(f"{len(loads)} DP ranks")
     running = tokens = 0
     for rank in loads:
         if not isinstance(rank, dict):
             raise ValueError("a 'loads' entry is not an object")
-        running += int(rank.get("num_running_reqs", 0)) + int(rank.get("num_waiting_reqs", 0))
+        running += _count(rank, "num_running_reqs") + _count(rank, "num_waiting_reqs")
         d = rank.get("disaggregation")
         if isinstance(d, dict):
-            running += int(d.get("decode_prealloc_queue_reqs", 0)) + int(d.get("decode_transfer_queue_reqs", 0))
-        tokens += int(rank.get("num_used_tokens", 0))
+            running += _count(d, "decode_prealloc_queue_reqs") + _count(d, "decode_transfer_queue_reqs")
+        tokens += _count(rank, "num_used_tokens")
     return running, tokens
 
 
+async def _read_loads(pd, url: str, timeout: aiohttp.ClientTimeout) -> tuple[int, int]:
+    async with pd.session.get(f"{url}/v1/loads?include=core,disagg", timeout=timeout) as r:
+        if r.status != 200:
+            raise _Dropped("http", f"HTTP {r.status}")
+        raw = b""
+        while len(raw) <= MAX_LOADS_BYTES:
+            chunk = await r.content.read(MAX_LOADS_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+    if len(raw) > MAX_LOADS_BYTES:
+        raise _Dropped("too_large", f"answer over {MAX_LOADS_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise _Dropped("not_json", f"not JSON ({exc.__class__.__name__})") from None
+    try:
+        return running_from_loads(body)
+    except ValueError as exc:
+        raise _Dropped("bad_value", str(exc)) from None
+
+
+class _Dropped(Exception):
+    def __init__(self, cause: str, msg: str):
+        super().__init__(msg)
+        self.cause = cause
+
+
 async def poll_loads(pd, interval: float) -> None:
-    """Every `interval` seconds, read each decode worker's /v1/loads and report it."""
+    """Every `interval` seconds, read each decode worker's /v1/loads and report it. Each
+    worker is polled on its own with a timeout; an answer that cannot be used is counted
+    (eldr_router_load_reports_dropped) and logged (rate-limited), and never stops the loop."""
     timeout = aiohttp.ClientTimeout(total=max(0.05, min(interval, 5.0)))
-    while True:
-        async def one(i: int, url: str) -> None:
-            try:
-                async with pd.session.get(f"{url}/v1/loads?include=core,disagg", timeout=timeout) as r:
-                    if r.status != 200:
-                        raise ValueError(f"HTTP {r.status}")
-                    running, tokens = running_from_loads(await r.json(content_type=None))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError) as exc:
-                pd.metrics.worker_errors.labels("decode", str(i), "loads").inc()
-                logger.debug("decode %d /v1/loads: %s", i, exc)
-                return
+    dropped_log = RateLimitedLog(logger)
+
+    async def one(i: int, url: str) -> None:
+        try:
+            running, tokens = await _read_loads(pd, url, timeout)
+        except _Dropped as exc:
+            cause, msg = exc.cause, str(exc)
+        except asyncio.TimeoutError:
+            cause, msg = "timeout", f"no answer in {timeout.total:g} s"
+        except aiohttp.ClientError as exc:
+            cause, msg = "connect", exc.__class__.__name__
+        except Exception as exc:  # anything else a worker can provoke: drop it, keep polling
+            cause, msg = "error", f"{exc.__class__.__name__}: {exc}"
+        else:
             pd.reported[i] = running
             pd.router.report_load(i, running, tokens)
+            return
+        pd.metrics.loads_dropped.labels(str(i), cause).inc()
+        if cause != "connect":  # a worker that is down is the health check's news
+            dropped_log.warning(("loads", i, cause), "decode %d /v1/loads answer dropped (%s): %s", i, cause, safe(msg))
 
-        await asyncio.gather(*(one(i, u) for i, u in enumerate(pd.cfg.decode)))
+    while True:
+        await asyncio.gather(*(one(i, u) for i, u in enumerate(pd.cfg.decode)), return_exceptions=True)
         await asyncio.sleep(interval)
 
 
@@ -72,7 +138,9 @@ async def probe_prefill_signature(pd, i: int) -> None:
 
 
 async def check_health(pd, interval: float, threshold: int) -> None:
-    """Mark workers unhealthy after `threshold` failed /health calls in a row, healthy on success."""
+    """Mark workers unhealthy after `threshold` failed /health calls in a row, healthy on success.
+    A passing health check does not end an outlier ejection (see router.outlier): a hung
+    worker's /health may answer."""
     timeout = aiohttp.ClientTimeout(total=max(0.1, min(interval, 5.0)))
     fails = {("prefill", i): 0 for i in range(len(pd.cfg.prefill))}
     fails.update({("decode", i): 0 for i in range(len(pd.cfg.decode))})
@@ -88,26 +156,31 @@ async def check_health(pd, interval: float, threshold: int) -> None:
             if role == "prefill" and ok and (fails.get(("probe", i)) or pd.prefill_signs[i] is None):
                 await probe_prefill_signature(pd, i)
                 fails[("probe", i)] = 0
-            if not ok:
+            if role == "prefill" and not ok:
                 fails[("probe", i)] = 1  # re-probe when it comes back (it may have been restarted)
-            pd.set_healthy(role, i, fails[key] < threshold)
+            if ok:
+                pd.set_healthy(role, i, True)
+            elif fails[key] >= threshold:
+                pd.set_healthy(role, i, False)
+            # in between: unchanged (a refused request may have marked it down already)
 
         await asyncio.gather(
             *(one("prefill", i, w.url) for i, w in enumerate(pd.cfg.prefill)),
             *(one("decode", i, u) for i, u in enumerate(pd.cfg.decode)),
+            return_exceptions=True,
         )
         await asyncio.sleep(interval)
 
 
 async def reload_centroids(pd, interval: float) -> None:
-    """Hot reload: the Rust router swaps in a changed centroid file (a bad file keeps the old)."""
+    """Hot reload, off the event loop: a changed file is checked and swapped in by a worker
+    thread (pd.reload_centroids); a bad file keeps the old centroids serving."""
     while True:
         await asyncio.sleep(interval)
         try:
-            if pd.check_centroids():
-                logger.info("centroids reloaded from %s (generation %d)", pd.cfg.centroids, pd.router.centroid_generation)
-        except Exception as exc:  # CentroidFileError: keep serving with the old centroids
-            logger.warning("centroid reload rejected, keeping the previous file: %s", exc)
+            await pd.reload_centroids()
+        except Exception as exc:  # never let the loop die; the status says what failed
+            logger.error("centroid reload check failed: %s", safe(str(exc)))
 
 
 async def wait_for_workers(pd, timeout_s: float) -> None:

@@ -23,7 +23,8 @@ class _StateCollector:
         q = GaugeMetricFamily("eldr_router_queue_depth", "Decode load the policy sees (in-flight, blended with /v1/loads)", labels=["worker"])
         own = GaugeMetricFamily("eldr_router_inflight", "Requests this router has in flight", labels=["role", "worker"])
         rep = GaugeMetricFamily("eldr_router_reported_running", "Running requests a decode worker last reported (/v1/loads)", labels=["worker"])
-        h = GaugeMetricFamily("eldr_router_worker_healthy", "1 if the worker passes health checks", labels=["role", "worker"])
+        h = GaugeMetricFamily("eldr_router_worker_healthy", "1 if the worker is routable (health check passing, not ejected)",
+                              labels=["role", "worker"])
         for i, v in enumerate(s["decode_loads"]):
             q.add_metric([str(i)], v)
         for i, v in enumerate(s["decode_inflight"]):
@@ -37,9 +38,14 @@ class _StateCollector:
             h.add_metric(["decode", str(i)], 1.0 if v else 0.0)
         for i, v in enumerate(s["prefill_healthy"]):
             h.add_metric(["prefill", str(i)], 1.0 if v else 0.0)
+        ej = GaugeMetricFamily("eldr_router_worker_ejected", "1 while outlier detection keeps the worker out (ejected or on probation)",
+                               labels=["role", "worker"])
+        for role in ("prefill", "decode"):
+            for i, w in enumerate(s.get(f"{role}_workers", [])):
+                ej.add_metric([role, str(i)], 0.0 if w["circuit"] == "closed" else 1.0)
         gen = GaugeMetricFamily("eldr_router_centroid_generation", "Centroid file generation (grows on each hot reload)")
         gen.add_metric([], s["centroid_generation"])
-        yield from (q, own, rep, h, gen)
+        yield from (q, own, rep, h, ej, gen)
 
 
 class RouterMetrics:
@@ -48,7 +54,25 @@ class RouterMetrics:
         self.requests = Counter("eldr_router_requests", "Client requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
         self.routes = Counter("eldr_router_decode_routes", "Decode routing decisions by worker and reason", ["worker", "reason"], registry=r)
         self.decode_failovers = Counter(
-            "eldr_router_decode_failovers", "Requests re-routed after a decode worker refused the connection", registry=r
+            "eldr_router_decode_failovers", "Requests re-sent to another decode worker before any byte reached the client", registry=r
+        )
+        self.retries = Counter(
+            "eldr_router_retries", "Requests re-sent to another worker before any byte reached the client, by role and cause",
+            ["role", "cause"], registry=r,
+        )
+        self.timeouts = Counter(
+            "eldr_router_upstream_timeouts", "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)",
+            ["role", "worker", "phase"], registry=r,
+        )
+        self.ejections = Counter("eldr_router_ejections", "Outlier ejections of a worker", ["role", "worker"], registry=r)
+        self.probation_trials = Counter(
+            "eldr_router_probation_trials", "Trial requests sent to an ejected worker whose ejection ended", ["role", "worker"], registry=r
+        )
+        self.loads_dropped = Counter(
+            "eldr_router_load_reports_dropped", "/v1/loads answers ignored, by worker and cause", ["worker", "cause"], registry=r
+        )
+        self.centroid_rejections = Counter(
+            "eldr_router_centroid_files_rejected", "Centroid files refused at the path, by cause", ["cause"], registry=r
         )
         self.prefill_routes = Counter("eldr_router_prefill_routes", "Prefill choices by worker", ["worker"], registry=r)
         self.fallbacks = Counter(

@@ -1,16 +1,24 @@
 """The per-request PD flow: prefill first, wait for the signature, bind decode late, stream back.
 
 Late binding (ELDR; the default for --disagg-router eldr):
-  1. pick a prefill worker, draw a bootstrap room, POST the request there (always streamed);
+  1. pick a routable prefill worker, draw a bootstrap room, POST the request there (always
+     streamed); no response head within the first-byte timeout, a refused connection, a
+     5xx or a stream that ends before its signature is the prefill's failure, and the
+     request starts over on another prefill with a new room (at most --retries times);
   2. read the prefill stream until its `eldr_signature` arrives (meta_info for /generate,
      sglext for the OpenAI endpoints), or the timeout passes (then: shortest queue);
   3. route with the Rust policy, take a queue slot (Lease) on the chosen decode worker;
-  4. POST the same request, same bootstrap host/port/room, to that decode worker and stream
-     its answer to the client, while the rest of the prefill stream is drained;
+  4. POST the same request, same bootstrap host/port/room, to that decode worker; the client
+     gets nothing until the decode's first chunk, so a decode that fails before it (refused,
+     5xx, no first byte in time) is charged and the request goes to another decode worker
+     with the same room (the prefill keeps the KV parked); then stream its answer to the
+     client, each chunk within the stall timeout, while the rest of the prefill stream is
+     drained; a failure after the first byte ends the client's stream with an error event;
   5. release the slot exactly once: on completion, error, or client disconnect (the handler
      is cancelled; closing the upstream connections aborts the request on the workers).
 Early binding (SGLang's usual flow, the default for the baselines): decode is picked first and
-both legs are sent at once.
+both legs are sent at once; failures are charged but not re-sent.
+Worker availability (health checks and outlier ejection) lives in `router.outlier`.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
+import stat
 import time
 from dataclasses import dataclass
 
@@ -28,7 +38,9 @@ import numpy as np
 from aiohttp import web
 
 from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.router.outlier import WorkerPool
 from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload, to_layout
 
 logger = logging.getLogger("eldr.router")
@@ -42,7 +54,11 @@ _CLIENT_GONE = (ConnectionResetError,) + tuple(
 
 
 class BadRequest(ValueError):
-    """The client's request is malformed (-> HTTP 400 with this message)."""
+    """The client's request is malformed (-> HTTP 400, or `status`, with this message)."""
+
+    def __init__(self, msg: str, status: int = 400):
+        super().__init__(msg)
+        self.status = status
 
 
 class UpstreamError(RuntimeError):
@@ -51,9 +67,93 @@ class UpstreamError(RuntimeError):
         self.status, self.body, self.content_type, self.role = status, body, content_type, role
 
 
-class DecodeUnreachable(UpstreamError):
-    """The decode worker refused the connection: it never saw the request, so another
-    worker can take it (the prefill keeps the KV parked under the same room)."""
+class Retryable(UpstreamError):
+    """A worker failed before any byte reached the client (refused connection, timeout, 5xx,
+    a stream that broke before its first chunk): another worker may take the request.
+    `cause` is what the outlier detector is told."""
+
+    def __init__(self, status: int, body: bytes, content_type: str | None, role: str, cause: str):
+        super().__init__(status, body, content_type, role)
+        self.cause = cause
+
+
+@dataclass
+class RetryDecision:
+    """A decode choice made for a re-send: the least loaded routable worker not tried yet."""
+
+    worker: int
+    generation: int
+    reason: str = "retry"
+    band: list[int] | None = None
+    distances: list[float] | None = None
+    d_star: float = float("nan")
+
+
+# Bounds on what a worker can make the router read: a stream event (the signature one is
+# <= 16 KiB by default) and an error body passed on to the client.
+MAX_EVENT_BYTES = 1 << 20
+MAX_ERROR_BYTES = 64 << 10
+# Names and provenance of a centroid file: generous room beyond its fixed arrays.
+_CENTROID_TEXT_ALLOWANCE = 64 << 20
+
+
+class CentroidFileWatch:
+    """Pre-flight checks of the centroid path by stat alone (it never opens the file): a
+    FIFO, device or directory would block or mislead the reader, and a file far larger than
+    the running shape allows would be read whole before being found bad. A bad file is
+    reported once per version (inode, size, mtime) and the previous centroids keep serving."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.error: str | None = None
+        self.rejected = 0
+        self._bad_id: tuple | None = None
+
+    @staticmethod
+    def max_size(shape: tuple[int, int, int]) -> int:
+        K, L, E = shape
+        return 256 + 4 * L + 4 * L * E + 4 * L * E * K + _CENTROID_TEXT_ALLOWANCE
+
+    def problem(self, shape: tuple[int, int, int] | None) -> str | None:
+        p = self._inspect(shape)
+        return None if p is None else p[1]
+
+    def _inspect(self, shape):
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return "missing", "no such file", None
+        except OSError as exc:
+            return "unreadable", f"cannot stat it ({exc.strerror})", None
+        ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            return "not_regular", f"is {kind}, not a regular file", ident
+        if shape is not None and st.st_size > self.max_size(shape):
+            K, L, E = shape
+            return ("too_large", f"is {st.st_size} bytes, more than a centroid file for K={K}, L={L}, E={E} can be "
+                    f"({self.max_size(shape)})", ident)
+        return None
+
+    def check(self, shape) -> tuple[str, str, bool] | None:
+        """None when the path may be read; else (cause, message, new) where new is False
+        for the same bad file as last time."""
+        p = self._inspect(shape)
+        if p is None:
+            self.error, self._bad_id = None, None
+            return None
+        cause, msg, ident = p
+        new = ident is None and self.error is None or ident is not None and ident != self._bad_id
+        self._bad_id = ident
+        self.error = f"{self.path} {msg}: rejected, the previous centroids keep serving"
+        if new:
+            self.rejected += 1
+        return cause, self.error, new
+
+    def status(self) -> dict:
+        return {"path": self.path, "ok": self.error is None, "error": self.error, "rejected": self.rejected}
 
 
 @dataclass
@@ -132,9 +232,16 @@ class PDRouter:
         from eldr_sglang import _core
 
         self.cfg = cfg
+        # reload_interval_ms=0: the Rust route path never touches the file (its own
+        # rate-limited check would stat and read it on the event loop); the service checks
+        # the file in a worker thread instead (reload_centroids).
         kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
-                  reload_interval_ms=cfg.reload_interval_ms, load_report_ttl_ms=cfg.load_report_ttl_ms)
+                  reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
+        self.centroid_file = CentroidFileWatch(cfg.centroids) if cfg.centroids else None
         if cfg.centroids:
+            problem = self.centroid_file.problem(None)
+            if problem is not None:
+                raise ValueError(f"--eldr-centroids {cfg.centroids}: {problem}")
             # The Rust set holds a private copy of the file's bytes, so an in-place overwrite
             # of the user's file cannot fault a route; a bad file is rejected on reload.
             kw["centroids"] = cfg.centroids
@@ -149,19 +256,27 @@ class PDRouter:
         self._generation = self.router.centroid_generation
         self._reload_failures = 0
         self._layout: tuple[int, int] | None = None
+        self._shape: tuple[int, int, int] | None = None
         self.on_centroids_reloaded()
-        P, D = len(cfg.prefill), len(cfg.decode)
-        self.prefill_inflight = [0] * P
-        self.prefill_healthy = [True] * P
-        self.decode_healthy = [True] * D
+        D = len(cfg.decode)
         self.reported: list[int | None] = [None] * D
-        self.prefill_signs: list[bool | None] = [None] * P  # None: not known yet
+        self.prefill_signs: list[bool | None] = [None] * len(cfg.prefill)  # None: not known yet
         self._rr = 0
         self._rng = random.Random(cfg.seed)
         self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
+        self._reload_pool = None  # one thread: a stuck file read never takes another thread
+        self._reload_busy_since: float | None = None
         self.drift = None  # eldr_sglang.drift.router_hook.DriftHook, set by the app when enabled
         self.metrics = RouterMetrics(self.state)
+        pool_kw = dict(threshold=cfg.eject_after_failures, base_s=cfg.eject_base_s, max_s=cfg.eject_max_s,
+                       metrics=self.metrics)
+        # Prefill and decode availability live in one place each: health checks and request
+        # outcomes both feed these pools (router.outlier).
+        self.prefill = WorkerPool("prefill", [w.url for w in cfg.prefill], **pool_kw)
+        self.decode = WorkerPool("decode", list(cfg.decode), on_change=self.router.set_healthy, **pool_kw)
+        self._log = RateLimitedLog(logger)
+        self._prefill_of: dict[int, int] = {}  # drain task id -> prefill worker (for error labels)
 
     # ------------------------------------------------------------------ state
     def on_centroids_reloaded(self) -> None:
@@ -172,52 +287,61 @@ class PDRouter:
                     f"the centroid file has {cs.num_workers} workers, the router {len(self.cfg.decode)} decode workers"
                 )
             self._layout = (cs.num_layers, cs.num_experts)
+            self._shape = (cs.num_workers, cs.num_layers, cs.num_experts)
 
     def state(self) -> dict:
+        pre, dec = self.prefill.state(), self.decode.state()
+        rust_error = self.router.last_reload_error
+        watch = self.centroid_file.status() if self.centroid_file is not None else None
         return {
             "policy": self.cfg.policy,
             "late_binding": self.cfg.late_binding,
             "decode_loads": list(self.router.loads()),
             "decode_inflight": list(self.router.inflight()),
-            "prefill_inflight": list(self.prefill_inflight),
+            "prefill_inflight": [w["inflight"] for w in pre],
             "decode_reported": list(self.reported),
-            "decode_healthy": list(self.decode_healthy),
-            "prefill_healthy": list(self.prefill_healthy),
+            "decode_healthy": [self.decode.routable(i) for i in range(len(dec))],
+            "prefill_healthy": [self.prefill.routable(i) for i in range(len(pre))],
+            "decode_workers": dec,
+            "prefill_workers": pre,
             "prefill_signatures": list(self.prefill_signs),
             "centroid_generation": int(self.router.centroid_generation),
-            "centroid_reload_failures": int(self.router.reload_failures),
-            "last_reload_error": self.router.last_reload_error,
+            "centroid_reload_failures": int(self.router.reload_failures) + (watch["rejected"] if watch else 0),
+            "last_reload_error": (watch["error"] if watch and watch["error"] else None) or rust_error,
+            "centroid_file": watch,
             "tau": float(self.router.tau),
             "load_factor": self.router.load_factor,
         }
 
     def set_healthy(self, role: str, i: int, ok: bool) -> None:
-        if role == "decode":
-            if self.decode_healthy[i] != ok:
-                logger.warning("decode worker %d (%s) is now %s", i, self.cfg.decode[i], "healthy" if ok else "UNHEALTHY")
-            self.decode_healthy[i] = ok
-            self.router.set_healthy(i, ok)
-        else:
-            if self.prefill_healthy[i] != ok:
-                logger.warning("prefill worker %d (%s) is now %s", i, self.cfg.prefill[i].url, "healthy" if ok else "UNHEALTHY")
-            self.prefill_healthy[i] = ok
+        (self.decode if role == "decode" else self.prefill).set_health(i, ok)
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(
-            connector=conn, timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s), read_bufsize=1 << 20
+            connector=conn, read_bufsize=1 << 20,
+            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s),
         )
 
     def check_centroids(self) -> bool:
-        """Hot reload: True when a new centroid file is serving (swapped in by this check or
-        by a route's own rate-limited check). A bad file raises CentroidFileError once and the
-        previous centroids keep serving."""
+        """Hot reload, blocking (call it off the event loop): True when a new centroid file is
+        serving. The path is checked first (a regular file of plausible size: never a FIFO
+        or device, never gigabytes); a bad file raises CentroidFileError once and the previous
+        centroids keep serving."""
         if not self.cfg.centroids:
             return False
+        problem = self.centroid_file.check(self._shape)
+        if problem is not None:
+            cause, msg, new = problem
+            if not new:  # the same bad file as at the last check: reported once
+                return False
+            self.metrics.centroid_rejections.labels(cause).inc()
+            raise _core_errors().CentroidFileError(msg)
         self.router.maybe_reload()
-        failures = self.router.reload_failures  # also counts files a route's own check rejected
+        failures = self.router.reload_failures
         if failures != self._reload_failures:
             self._reload_failures = failures
+            self.metrics.centroid_rejections.labels("invalid").inc()
             raise _core_errors().CentroidFileError(self.router.last_reload_error or "centroid file rejected")
         gen = self.router.centroid_generation
         if gen == self._generation:
@@ -226,22 +350,50 @@ class PDRouter:
         self.on_centroids_reloaded()
         return True
 
+    async def reload_centroids(self) -> None:
+        """One hot-reload check in the reload thread; the event loop only awaits it. A check
+        still running (a slow disk, a file system that blocks) is never stacked on."""
+        import concurrent.futures as cf
+
+        if self._reload_busy_since is not None:
+            stuck = time.monotonic() - self._reload_busy_since
+            self._log.warning("reload-stuck", "centroid reload check still running after %.0f s", stuck)
+            return
+        if self._reload_pool is None:
+            self._reload_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eldr-reload")
+        self._reload_busy_since = time.monotonic()
+        fut = asyncio.get_running_loop().run_in_executor(self._reload_pool, self.check_centroids)
+        fut.add_done_callback(lambda _f: setattr(self, "_reload_busy_since", None))
+        try:
+            if await asyncio.shield(fut):
+                logger.info("centroids reloaded from %s (generation %d)", self.cfg.centroids, self.router.centroid_generation)
+        except _core_errors().CentroidFileError as exc:
+            logger.warning("centroid reload rejected, keeping the previous file: %s", safe(str(exc), 500))
+
     async def close(self) -> None:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        self.prefill.close()
+        self.decode.close()
         if self.session is not None:
             await self.session.close()
+        if self._reload_pool is not None:
+            self._reload_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ choices
-    def pick_prefill(self) -> int:
+    def pick_prefill(self, exclude: set[int] = frozenset()) -> int | None:
         P = len(self.cfg.prefill)
-        cand = [i for i in range(P) if self.prefill_healthy[i]] or list(range(P))
+        cand = [i for i in self.prefill.candidates() if i not in exclude]
+        if not cand:
+            if exclude:
+                return None
+            cand = list(range(P))  # every prefill out: try them anyway (their errors say why)
         pol = self.cfg.prefill_policy
         if pol == "random":
             return self._rng.choice(cand)
         if pol == "shortest_queue":
-            return min(cand, key=lambda i: (self.prefill_inflight[i], i))
+            return min(cand, key=lambda i: (self.prefill.workers[i].inflight, i))
         for _ in range(P):
             i = self._rr % P
             self._rr += 1
@@ -249,12 +401,18 @@ class PDRouter:
                 return i
         return cand[0]
 
-    def route(self, sig: SignatureResult | None):
+    def route(self, sig: SignatureResult | None, exclude: set[int] = frozenset()):
         t0 = time.perf_counter()
         if sig is None or sig.counts is None:
             d = self.router.route_signature(None, explain=True)
         else:
             d = self.router.route_dense(sig.counts, explain=True)
+        if d.worker in exclude:  # a retry: the least loaded routable worker not tried yet
+            loads = self.router.loads()
+            others = [k for k in self.decode.candidates() if k not in exclude]
+            if not others:
+                raise _core_errors().NoHealthyWorker("no other decode worker to retry on")
+            d = RetryDecision(min(others, key=lambda k: (loads[k], k)), d.generation)
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         reason = d.reason
         self.metrics.routes.labels(str(d.worker), reason.split(":")[0]).inc()
@@ -262,10 +420,10 @@ class PDRouter:
             self.metrics.band_size.observe(len(d.band))
             self.metrics.d_star.observe(d.d_star)
             self.metrics.d_chosen.observe(d.distances[d.worker])
-        elif self.cfg.policy == "eldr":
+        elif self.cfg.policy == "eldr" and reason != "retry":
             why = sig.reason if (sig is not None and sig.counts is None) else reason
             self.metrics.fallbacks.labels(why).inc()
-        if self.drift is not None:  # O(K) monitor update; never raises
+        if self.drift is not None and reason != "retry":  # O(K) monitor update; never raises
             self.drift.on_route(d, None if sig is None else sig.counts)
         return d
 
@@ -275,23 +433,29 @@ class PDRouter:
         if isinstance(raw, list) and len(raw) >= 1:  # meta_info holds per-token values
             raw = raw[0]
         if isinstance(raw, dict) and "none" in raw and raw.get("v") == 1:
-            return SignatureResult(None, f"prefill_none:{raw.get('none')}", wait)
+            return SignatureResult(None, f"prefill_none:{safe(raw.get('none'), 60)}", wait)
         if self._layout is None:
             return SignatureResult(None, "no_centroids", wait)
         try:
-            dec = decode_payload(raw)
+            dec = decode_payload(raw, layout=self._layout)
             counts = to_layout(dec, *self._layout)
         except PayloadError as exc:
             self.metrics.malformed.inc()
-            logger.warning("malformed signature payload: %s", exc)
+            self._log.warning("malformed", "malformed signature payload: %s", safe(str(exc)))
             return SignatureResult(None, "malformed", wait)
         self.metrics.sig_bytes.observe(dec.data_bytes)
         return SignatureResult(counts, "ok", wait, dec.data_bytes)
 
     async def _await_signature(self, presp: aiohttp.ClientResponse, t0: float) -> SignatureResult:
-        """Read prefill stream events until the signature; the rest is left for the drain."""
+        """Read prefill stream events until the signature; the rest is left for the drain.
+        A line longer than the stream buffer or a JSON too deep to parse is a malformed
+        signature (the fallback), not a failed request."""
         last = None
-        async for line in presp.content:
+        async for line in _bounded_lines(presp.content, MAX_EVENT_BYTES):
+            if line is None:  # a line over the bound: not read on, not parsed
+                self.metrics.malformed.inc()
+                self._log.warning("malformed", "prefill stream line over %d bytes: signature ignored", MAX_EVENT_BYTES)
+                return SignatureResult(None, "malformed", time.perf_counter() - t0)
             data = _sse_events(line)
             if data is None:
                 continue
@@ -299,6 +463,10 @@ class PDRouter:
                 event = json.loads(data)
             except ValueError:
                 continue
+            except RecursionError:  # nested too deep to be an event of ours: the signature is unusable
+                self.metrics.malformed.inc()
+                self._log.warning("malformed", "prefill stream event nested too deeply: signature ignored")
+                return SignatureResult(None, "malformed", time.perf_counter() - t0)
             if not isinstance(event, dict):
                 continue
             last = event
@@ -310,27 +478,24 @@ class PDRouter:
         # The prefill ended the request before any signature: it failed or was aborted.
         msg = "prefill worker ended the request before its signature"
         if isinstance(last, dict):
-            fr = (last.get("meta_info") or {}).get("finish_reason") or last.get("error")
+            meta = last.get("meta_info")
+            fr = (meta.get("finish_reason") if isinstance(meta, dict) else None) or last.get("error")
             if fr:
                 msg += f": {json.dumps(fr)[:500]}"
-        raise UpstreamError(502, json.dumps({"error": {"message": msg}}).encode(), "application/json", "prefill")
+        raise UpstreamError(502, _err(msg), "application/json", "prefill")
 
     # ------------------------------------------------------------------ request
     async def handle(self, request: web.Request) -> web.StreamResponse:
         kind = ENDPOINTS[request.path]
         status = 500
         try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                raise BadRequest("the request body is not valid JSON") from None
-            body = validate_request(kind, body)
+            body = validate_request(kind, await self._read_body(request))
             resp = await self._serve(request, kind, body)
             status = resp.status
             return resp
         except BadRequest as exc:
-            status = 400
-            return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
+            status = exc.status
+            return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=exc.status)
         except UpstreamError as exc:
             status = exc.status
             return web.Response(body=exc.body, status=exc.status, content_type=(exc.content_type or "application/json").split(";")[0])
@@ -348,15 +513,51 @@ class PDRouter:
         finally:
             self.metrics.requests.labels(kind, str(status)).inc()
 
+    async def _read_body(self, request: web.Request) -> object:
+        """The client's JSON body, read within the body timeout and the size limit."""
+        try:
+            raw = await asyncio.wait_for(request.read(), self.cfg.client_body_timeout_s)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body did not arrive within {self.cfg.client_body_timeout_s:g} s", 408) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise BadRequest(f"the request body is larger than {self.cfg.max_payload_size} bytes "
+                             "(the router's --max-payload-size)", 413) from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+        except RecursionError:
+            raise BadRequest("the request body is nested too deeply") from None
+
     def _bootstrap(self, p: int) -> dict:
         w = self.cfg.prefill[p]
         return {"bootstrap_host": w.host, "bootstrap_port": w.bootstrap_port, "bootstrap_room": random.getrandbits(63)}
 
     async def _serve(self, request: web.Request, kind: str, body: dict) -> web.StreamResponse:
-        p = self.pick_prefill()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.request_timeout_s
+        client_stream = bool(body.get("stream", False))
+        tried: set[int] = set()
+        last: UpstreamError | None = None
+        for attempt in range(min(len(self.cfg.prefill), 1 + self.cfg.retries)):
+            p = self.pick_prefill(tried)
+            if p is None:
+                break
+            tried.add(p)
+            if attempt:
+                self.metrics.retries.labels("prefill", last.cause if isinstance(last, Retryable) else "error").inc()
+            try:
+                return await self._serve_with_prefill(request, kind, body, p, client_stream, deadline)
+            except Retryable as exc:  # the prefill failed before anything reached a decode or the client
+                last = exc
+                if loop.time() >= deadline:
+                    break
+        assert last is not None
+        raise last
+
+    async def _serve_with_prefill(self, request, kind, body, p, client_stream, deadline) -> web.StreamResponse:
         self.metrics.prefill_routes.labels(str(p)).inc()
         boot = self._bootstrap(p)
-        client_stream = bool(body.get("stream", False))
         dbody = {**body, **boot}
         pbody = {**body, **boot}
         late = self.cfg.late_binding
@@ -366,42 +567,51 @@ class PDRouter:
         if late:
             pbody["stream"] = True
         purl = f"{self.cfg.prefill[p].url}{request.path}"
-        self.prefill_inflight[p] += 1
+        self.prefill.dispatched(p)
         presp: aiohttp.ClientResponse | None = None
         drain: asyncio.Future | None = None
         ok = False
+        verdict = False  # the prefill's outcome was recorded (success or failure)
         try:
             if late:
                 t0 = time.perf_counter()
+                presp = await self._open("prefill", p, purl, pbody, self.cfg.first_byte_timeout_s, deadline)
+                remaining = deadline - asyncio.get_running_loop().time()
                 try:
-                    presp = await self.session.post(purl, json=pbody)
-                except aiohttp.ClientError as exc:
-                    self.metrics.worker_errors.labels("prefill", str(p), "connect").inc()
-                    raise UpstreamError(502, _err(f"prefill worker {p} unreachable: {exc}"), "application/json", "prefill") from None
-                if presp.status != 200:
-                    self.metrics.worker_errors.labels("prefill", str(p), f"http_{presp.status}").inc()
-                    raise UpstreamError(presp.status, await presp.read(), presp.content_type, "prefill")
-                try:
-                    sig = await asyncio.wait_for(self._await_signature(presp, t0), self.cfg.signature_timeout_s)
+                    sig = await asyncio.wait_for(self._await_signature(presp, t0), min(self.cfg.signature_timeout_s, remaining))
                 except asyncio.TimeoutError:
                     sig = SignatureResult(None, "timeout", time.perf_counter() - t0)
                 except aiohttp.ClientError as exc:
                     self.metrics.worker_errors.labels("prefill", str(p), "stream").inc()
-                    raise UpstreamError(502, _err(f"prefill worker {p} stream failed: {exc}"), "application/json", "prefill") from None
+                    raise Retryable(502, _err(f"prefill worker {p} stream failed: {exc.__class__.__name__}"),
+                                    "application/json", "prefill", "stream") from None
+                except UpstreamError as exc:  # ended before its signature
+                    self.metrics.worker_errors.labels("prefill", str(p), "no_signature").inc()
+                    raise Retryable(exc.status, exc.body, exc.content_type, "prefill", "ended") from None
+                self.prefill.success(p)
+                verdict = True
                 self.metrics.sig_wait.observe(sig.wait_s)
-                drain = asyncio.ensure_future(_drain(presp))
-                decision = self.route(sig)
+                drain = asyncio.ensure_future(_drain(presp, deadline))
+                self._prefill_of[id(drain)] = p
+                try:
+                    resp = await self._decode_with_failover(request, kind, p, boot, dbody, client_stream, sig, deadline, drain)
+                finally:
+                    self._prefill_of.pop(id(drain), None)
             else:
                 decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
-                drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p))
-            if late:
-                resp = await self._decode_with_failover(request, kind, p, boot, dbody, decision, client_stream, sig)
-            else:
-                resp = await self._decode_racing_prefill(request, kind, p, boot, dbody, decision, client_stream, drain)
+                drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p, deadline))
+                resp = await self._decode_racing_prefill(request, kind, p, boot, dbody, decision, client_stream, drain, deadline)
             ok = True
             return resp
+        except Retryable as exc:
+            if exc.role == "prefill":
+                self.prefill.failure(p, exc.cause)
+                verdict = True
+            raise
         finally:
-            self.prefill_inflight[p] -= 1
+            if not verdict and late:
+                self.prefill.abandoned(p)
+            self.prefill.finished(p)
             if drain is not None and not drain.done():
                 if ok:  # the prefill's last event may trail the decode's answer: let it end
                     self._finish_later(drain, presp)
@@ -410,6 +620,43 @@ class PDRouter:
                     drain.cancel()
             if presp is not None:
                 presp.release()
+
+    async def _open(self, role: str, i: int, url: str, body: dict, first_byte_s: float | None, deadline: float):
+        """POST to a worker; the response once its headers are in. Raises Retryable for
+        connect errors, timeouts and 5xx (nothing reached the client yet), UpstreamError for
+        other statuses (the client's own fault: passed on)."""
+        loop = asyncio.get_running_loop()
+        budget = deadline - loop.time()
+        limit = budget if first_byte_s is None else min(first_byte_s, budget)
+        phase = "total" if first_byte_s is None or budget <= first_byte_s else "first_byte"
+        try:
+            resp = await asyncio.wait_for(self.session.post(url, json=body), max(limit, 0.0))
+        except asyncio.TimeoutError:
+            self.metrics.timeouts.labels(role, str(i), phase).inc()
+            self.metrics.worker_errors.labels(role, str(i), "timeout").inc()
+            raise Retryable(504, _err(f"{role} worker {i} sent no response in {limit:.3g} s"), "application/json", role,
+                            f"{phase}_timeout") from None
+        except aiohttp.ClientConnectorError as exc:
+            self.metrics.worker_errors.labels(role, str(i), "connect").inc()
+            self.set_healthy(role, i, False)  # refused: out at once, the health check brings it back
+            raise Retryable(502, _err(f"{role} worker {i} unreachable: {exc.__class__.__name__}"), "application/json",
+                            role, "connect") from None
+        except aiohttp.ClientError as exc:
+            self.metrics.worker_errors.labels(role, str(i), "connect").inc()
+            raise Retryable(502, _err(f"{role} worker {i} failed: {exc.__class__.__name__}"), "application/json",
+                            role, "connect") from None
+        if resp.status != 200:
+            self.metrics.worker_errors.labels(role, str(i), f"http_{resp.status}").inc()
+            try:
+                data = await asyncio.wait_for(resp.content.read(MAX_ERROR_BYTES), 5.0)
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                data = _err(f"{role} worker {i} answered HTTP {resp.status}")
+            ctype = resp.content_type
+            resp.release()
+            if resp.status >= 500:
+                raise Retryable(resp.status, data, ctype, role, f"http_{resp.status}")
+            raise UpstreamError(resp.status, data, ctype, role)
+        return resp
 
     def _finish_later(self, drain: asyncio.Future, presp: aiohttp.ClientResponse | None) -> None:
         async def finish():
@@ -425,24 +672,29 @@ class PDRouter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _early_prefill(self, url: str, body: dict, p: int) -> UpstreamError | None:
+    async def _early_prefill(self, url: str, body: dict, p: int, deadline: float) -> UpstreamError | None:
         """The prefill leg of early binding; returns its failure (None when it succeeded)."""
         try:
-            async with self.session.post(url, json=body) as r:
-                data = await r.read()
-                if r.status != 200:
-                    self.metrics.worker_errors.labels("prefill", str(p), f"http_{r.status}").inc()
-                    return UpstreamError(r.status, data, r.content_type, "prefill")
-        except aiohttp.ClientError as exc:
-            self.metrics.worker_errors.labels("prefill", str(p), "connect").inc()
-            return UpstreamError(502, _err(f"prefill worker {p} unreachable: {exc}"), "application/json", "prefill")
+            r = await self._open("prefill", p, url, body, None, deadline)
+            try:
+                await asyncio.wait_for(r.read(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            finally:
+                r.release()
+        except UpstreamError as exc:
+            if isinstance(exc, Retryable):
+                self.prefill.failure(p, exc.cause)
+            return exc
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            self.prefill.failure(p, "stream")
+            return UpstreamError(504, _err(f"prefill worker {p} failed: {exc.__class__.__name__}"), "application/json", "prefill")
+        self.prefill.success(p)
         return None
 
-    async def _decode_racing_prefill(self, request, kind, p, boot, dbody, decision, client_stream, prefill):
+    async def _decode_racing_prefill(self, request, kind, p, boot, dbody, decision, client_stream, prefill, deadline):
         """Early binding: both legs run at once; a failed prefill ends the request (the decode
         leg would otherwise wait for KV that never comes)."""
         state: dict = {}
-        dec = asyncio.ensure_future(self._decode(request, kind, p, boot, dbody, decision, client_stream, state))
+        dec = asyncio.ensure_future(self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, state))
         try:
             done, _ = await asyncio.wait({dec, prefill}, return_when=asyncio.FIRST_COMPLETED)
             if dec not in done and prefill.result() is not None:
@@ -451,35 +703,73 @@ class PDRouter:
                 err = prefill.result()
                 out = state.get("out")
                 if out is None:
-                    raise err
+                    raise UpstreamError(err.status, err.body, err.content_type, err.role)
                 # the client's stream has started: end it with an error event
                 with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
                     await out.write(b"data: " + err.body + b"\n\n")
                     await out.write_eof()
                 return out
-            return await dec
+            try:
+                return await dec
+            except Retryable as exc:  # early binding does not re-send: the prefill is bound to it
+                raise UpstreamError(exc.status, exc.body, exc.content_type, exc.role) from None
         finally:
             if not dec.done():
                 dec.cancel()
                 await asyncio.gather(dec, return_exceptions=True)
 
-    async def _decode_with_failover(self, request, kind, p, boot, dbody, decision, client_stream, sig):
-        """Late binding: a decode worker that refuses the connection is marked unhealthy at
-        once (without waiting for the health check) and the request is routed again among
-        the others; at most once per decode worker."""
-        for _ in range(len(self.cfg.decode)):
+    async def _decode_with_failover(self, request, kind, p, boot, dbody, client_stream, sig, deadline, drain):
+        """Late binding: a decode worker that fails before the client got a byte (refused
+        connection, 5xx, no first byte in time) is charged with the failure and the request
+        goes to another one with the same bootstrap room: the prefill keeps the KV parked
+        until a decode fetches it. At most 1 + --retries decode workers per request."""
+        loop = asyncio.get_running_loop()
+        tried: set[int] = set()
+        last: UpstreamError | None = None
+        for attempt in range(min(len(self.cfg.decode), 1 + self.cfg.retries)):
             try:
-                return await self._decode(request, kind, p, boot, dbody, decision, client_stream)
-            except DecodeUnreachable as exc:
-                last = exc
-                try:
-                    decision = self.route(sig)
-                except _core_errors().NoHealthyWorker:
-                    break
+                decision = self.route(sig, tried)
+            except _core_errors().NoHealthyWorker:
+                if last is None:
+                    raise
+                break
+            if attempt:
                 self.metrics.decode_failovers.inc()
-        raise last
+                self.metrics.retries.labels("decode", last.cause if isinstance(last, Retryable) else "error").inc()
+            tried.add(decision.worker)
+            try:
+                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain)
+            except Retryable as exc:
+                if exc.role == "prefill":  # the KV is gone: start over from a prefill
+                    raise
+                last = exc
+                if loop.time() >= deadline:
+                    break
+        assert last is not None
+        # Not the prefill's fault: end as a plain upstream error (no prefill retry).
+        raise UpstreamError(last.status, last.body, last.content_type, last.role)
 
-    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, state=None) -> web.StreamResponse:
+    async def _kv_lost(self, drain: asyncio.Future | None) -> bool:
+        """Did the prefill's stream break (the prefill died, and its parked KV with it)?"""
+        if drain is None:
+            return False
+        if not drain.done():  # the decode may notice a dead prefill a moment before the router
+            await asyncio.wait({drain}, timeout=0.1)
+        if drain.done() and not drain.cancelled() and drain.result() is False:
+            self.metrics.worker_errors.labels("prefill", str(self._prefill_of.get(id(drain), -1)), "kv_lost").inc()
+            return True
+        return False
+
+    async def _blame(self, w: int, cause: str, drain: asyncio.Future | None) -> None:
+        """Charge decode worker w with a failure before the client's first byte, unless the
+        prefill broke meanwhile: then the decode is not at fault and the request starts over
+        on another prefill (raises a prefill Retryable)."""
+        if await self._kv_lost(drain):
+            raise _kv_lost_error()
+        self.decode.failure(w, cause)
+
+    async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, deadline, state=None,
+                      drain: asyncio.Future | None = None) -> web.StreamResponse:
         w = decision.worker
         headers = {}
         if self.cfg.explain_headers:
@@ -492,37 +782,105 @@ class PDRouter:
             if decision.band is not None:
                 headers["X-ELDR-Band"] = ",".join(map(str, decision.band))
         durl = f"{self.cfg.decode[w]}{request.path}"
-        with self.router.acquire(w, 0):
-            try:
-                dresp = await self.session.post(durl, json=dbody)
-            except aiohttp.ClientConnectorError as exc:
-                self.metrics.worker_errors.labels("decode", str(w), "connect").inc()
-                self.set_healthy("decode", w, False)  # the health check brings it back
-                raise DecodeUnreachable(502, _err(f"decode worker {w} unreachable: {exc}"), "application/json", "decode") from None
-            except aiohttp.ClientError as exc:
-                self.metrics.worker_errors.labels("decode", str(w), "connect").inc()
-                raise UpstreamError(502, _err(f"decode worker {w} unreachable: {exc}"), "application/json", "decode") from None
-            try:
-                if dresp.status != 200:
-                    self.metrics.worker_errors.labels("decode", str(w), f"http_{dresp.status}").inc()
-                    raise UpstreamError(dresp.status, await dresp.read(), dresp.content_type, "decode")
-                if not client_stream:
-                    data = await dresp.read()
-                    return web.Response(body=data, status=200, headers=headers, content_type=dresp.content_type)
-                out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
-                await out.prepare(request)
-                if state is not None:
-                    state["out"] = out
+        loop = asyncio.get_running_loop()
+        t_start = loop.time()
+        # a non-streamed answer comes whole at the end: only the total deadline bounds it
+        first_byte_s = self.cfg.first_byte_timeout_s if client_stream else None
+        pool = self.decode
+        pool.dispatched(w)
+        verdict = False
+        try:
+            with self.router.acquire(w, 0):
                 try:
-                    async for chunk in dresp.content.iter_any():
+                    dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
+                except Retryable as exc:
+                    await self._blame(w, exc.cause, drain)
+                    verdict = True
+                    raise
+                try:
+                    if not client_stream:
+                        try:
+                            data = await asyncio.wait_for(dresp.read(), max(0.0, deadline - loop.time()))
+                        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                            cause = "total_timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"
+                            await self._blame(w, cause, drain)
+                            verdict = True
+                            raise Retryable(504 if cause == "total_timeout" else 502,
+                                            _err(f"decode worker {w} answer cut: {exc.__class__.__name__}"),
+                                            "application/json", "decode", cause) from None
+                        pool.success(w)
+                        verdict = True
+                        return web.Response(body=data, status=200, headers=headers, content_type=dresp.content_type)
+                    # The client sees nothing until the decode's first chunk: until then the
+                    # request can still move to another worker.
+                    left = min(t_start + self.cfg.first_byte_timeout_s, deadline) - loop.time()
+                    first = await self._chunk(dresp, w, left, "first_byte")
+                    if not first:
+                        await self._blame(w, "empty", drain)
+                        verdict = True
+                        raise Retryable(502, _err(f"decode worker {w} ended its stream without a byte"),
+                                        "application/json", "decode", "empty")
+                    if b'"abort"' in first[:8192] and await self._kv_lost(drain):
+                        # aborted before any token because the KV is gone: the request can still start over
+                        raise _kv_lost_error()
+                    out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
+                    await out.prepare(request)
+                    if state is not None:
+                        state["out"] = out
+                    await out.write(first)
+                    failed = None
+                    while True:
+                        remaining = deadline - loop.time()
+                        phase = "stall" if self.cfg.stall_timeout_s < remaining else "total"
+                        try:
+                            chunk = await self._chunk(dresp, w, min(self.cfg.stall_timeout_s, remaining), phase)
+                        except Retryable as exc:  # too late to move: end the client's stream with an error event
+                            failed = exc
+                            break
+                        if not chunk:
+                            break
                         await out.write(chunk)
-                except aiohttp.ClientError as exc:
-                    self.metrics.worker_errors.labels("decode", str(w), "stream").inc()
-                    await out.write(b"data: " + _err(f"decode worker {w} stream failed: {exc}") + b"\n\n")
-                await out.write_eof()
-                return out
-            finally:
-                dresp.release()
+                    if failed is not None:
+                        pool.failure(w, failed.cause)
+                        with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
+                            await out.write(b"data: " + failed.body + b"\n\n")
+                    else:
+                        pool.success(w)
+                    verdict = True
+                    with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
+                        await out.write_eof()
+                    return out
+                except Retryable as exc:
+                    if not verdict and exc.role == "decode":
+                        await self._blame(w, exc.cause, drain)
+                        verdict = True
+                    raise
+                finally:
+                    dresp.release()
+        finally:
+            if not verdict:
+                pool.abandoned(w)
+            pool.finished(w)
+
+    async def _chunk(self, resp: aiohttp.ClientResponse, w: int, limit: float, phase: str) -> bytes:
+        """The next chunk of a decode stream within `limit` seconds (b'' at its end)."""
+        try:
+            return await asyncio.wait_for(resp.content.readany(), max(limit, 0.0))
+        except asyncio.TimeoutError:
+            self.metrics.timeouts.labels("decode", str(w), phase).inc()
+            self.metrics.worker_errors.labels("decode", str(w), "timeout").inc()
+            what = "first byte" if phase == "first_byte" else "next chunk"
+            raise Retryable(504, _err(f"decode worker {w} sent no {what} in {limit:.3g} s"), "application/json",
+                            "decode", f"{phase}_timeout") from None
+        except aiohttp.ClientError as exc:
+            self.metrics.worker_errors.labels("decode", str(w), "stream").inc()
+            raise Retryable(502, _err(f"decode worker {w} stream failed: {exc.__class__.__name__}"), "application/json",
+                            "decode", "stream") from None
+
+
+def _kv_lost_error() -> Retryable:
+    return Retryable(502, _err("the prefill worker went away before the KV reached a decode worker"),
+                     "application/json", "prefill", "kv_lost")
 
 
 def _core_errors():
@@ -531,13 +889,46 @@ def _core_errors():
     return _core
 
 
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    """Read the prefill stream to its end: closing it early would abort the KV transfer."""
-    try:
+async def _bounded_lines(content: aiohttp.StreamReader, limit: int):
+    """The stream's lines (with their newline); None, then the end, for a line over `limit`
+    bytes. Only what is needed is read: the rest stays for the drain."""
+    buf = b""
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            if buf:
+                yield buf
+            return
+        buf += chunk
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                break
+            line, buf = buf[: nl + 1], buf[nl + 1:]
+            if len(line) > limit:
+                yield None
+                return
+            yield line
+        if len(buf) > limit:
+            yield None
+            return
+
+
+async def _drain(resp: aiohttp.ClientResponse, deadline: float) -> bool | None:
+    """Read the prefill stream to its end (closing it early would abort the KV transfer),
+    at most until the request's deadline. True: it ended; False: it broke (the prefill
+    went away); None: the deadline passed."""
+    async def read_all():
         async for _ in resp.content.iter_any():
             pass
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        pass
+
+    try:
+        await asyncio.wait_for(read_all(), max(0.0, deadline - asyncio.get_running_loop().time()))
+    except aiohttp.ClientError:
+        return False
+    except asyncio.TimeoutError:
+        return None
+    return True
 
 
 def _err(msg: str) -> bytes:

@@ -131,19 +131,32 @@ def payload_size(payload: dict) -> int:
 def _int(obj: dict, key: str, lo: int, hi: int) -> int:
     v = obj.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise PayloadError(f"field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
+        shown = repr(v) if not isinstance(v, int) or abs(v) < 1 << 64 else "a huge integer"
+        raise PayloadError(f"field {key!r} must be an integer in [{lo}, {hi}], got {shown[:80]}")
     return v
 
 
-def decode_payload(payload: object, max_bytes: int = 1 << 20) -> DecodedSignature:
-    """Validate and decode a payload (a dict, or a JSON string of one). Raises PayloadError."""
+# Largest count grid a payload may claim (L*E): DeepSeek-V3 is 61 x 256 = 15,616 with its
+# dense layers; 1M entries leaves room for any MoE in sight and bounds the decoder's work.
+MAX_ENTRIES = 1 << 20
+MAX_LAYERS = 4096
+MAX_COUNT = 1 << 40  # a count (and a log-quantizer maximum) is at most the tokens counted
+
+
+def decode_payload(payload: object, max_bytes: int = 1 << 20,
+                   layout: tuple[int, int] | None = None) -> DecodedSignature:
+    """Validate and decode a payload (a dict, or a JSON string of one). Raises PayloadError.
+
+    The cost is bounded before any array is made: at most `max_bytes` of data, at most
+    MAX_ENTRIES counts, and with `layout` = (num_layers, num_experts) of the centroid file
+    the payload must fit it (same E, layer ids below num_layers) or it is refused unread."""
     if isinstance(payload, (str, bytes)):
         if len(payload) > max_bytes:
             raise PayloadError(f"payload of {len(payload)} bytes exceeds {max_bytes}")
         try:
             payload = json.loads(payload)
-        except ValueError as exc:
-            raise PayloadError(f"payload is not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise PayloadError(f"payload is not JSON ({exc.__class__.__name__})") from None
     if isinstance(payload, list) and len(payload) == 1:  # meta_info lists per-request values
         payload = payload[0]
     if not isinstance(payload, dict):
@@ -151,13 +164,23 @@ def decode_payload(payload: object, max_bytes: int = 1 << 20) -> DecodedSignatur
     if payload.get("v") != PAYLOAD_VERSION:
         raise PayloadError(f"unsupported payload version {payload.get('v')!r} (expected {PAYLOAD_VERSION})")
     layers = payload.get("layers")
-    if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and 0 <= x < 4096 for x in layers):
-        raise PayloadError("field 'layers' must be a non-empty list of layer ids")
+    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS:
+        raise PayloadError(f"field 'layers' must be a non-empty list of at most {MAX_LAYERS} layer ids")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYERS for x in layers):
+        raise PayloadError(f"field 'layers' must hold layer ids in [0, {MAX_LAYERS})")
     if len(set(layers)) != len(layers):
         raise PayloadError("field 'layers' repeats a layer id")
     E = _int(payload, "E", 1, 1 << 16)
-    n = _int(payload, "n", 0, 1 << 40)
+    n = _int(payload, "n", 0, MAX_COUNT)
     bits = _int(payload, "bits", 1, 32)
+    if len(layers) * E > MAX_ENTRIES:
+        raise PayloadError(f"{len(layers)} layers x {E} experts exceeds {MAX_ENTRIES} counts")
+    if layout is not None:
+        num_layers, num_experts = layout
+        if E != num_experts:
+            raise PayloadError(f"payload has {E} experts per layer, the centroids {num_experts}")
+        if len(layers) != num_layers and max(layers) >= num_layers:
+            raise PayloadError(f"payload layer id {max(layers)} is outside the centroids' {num_layers} layers")
     enc = payload.get("enc")
     d = payload.get("d")
     if not isinstance(d, str):
@@ -177,8 +200,8 @@ def decode_payload(payload: object, max_bytes: int = 1 << 20) -> DecodedSignatur
         nnz = _int(payload, "nnz", 0, size)
         idx_dtype = np.dtype("<u2" if size <= 1 << 16 else "<u4")
         ib = nnz * idx_dtype.itemsize
-        if len(raw) < ib:
-            raise PayloadError("sparse data is shorter than its index block")
+        if len(raw) != ib + (nnz * bits + 7) // 8:
+            raise PayloadError(f"sparse data holds {len(raw)} bytes, expected {ib + (nnz * bits + 7) // 8} for {nnz} entries")
         idx = np.frombuffer(raw[:ib], dtype=idx_dtype).astype(np.int64)
         if idx.size and (idx.max() >= size or np.any(np.diff(idx) <= 0)):
             raise PayloadError("sparse indices must be increasing and below layers*E")
@@ -188,8 +211,10 @@ def decode_payload(payload: object, max_bytes: int = 1 << 20) -> DecodedSignatur
         exact = True
     elif enc == "log":
         q = payload.get("q")
-        if not isinstance(q, list) or len(q) != L or not all(isinstance(x, int) and x >= 0 for x in q):
-            raise PayloadError("field 'q' must list one non-negative maximum per layer")
+        if not isinstance(q, list) or len(q) != L or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_COUNT for x in q
+        ):
+            raise PayloadError(f"field 'q' must list one maximum count in [0, {MAX_COUNT}] per layer")
         if bits > 16:
             raise PayloadError("log encoding uses at most 16 bits")
         levels = (1 << bits) - 1
