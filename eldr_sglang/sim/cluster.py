@@ -336,7 +336,7 @@ def simulate(
                 raise RuntimeError(f"policy {policy.name} returned worker {wi} outside 0..{K - 1}")
             assigned[r] = wi
             w = workers[wi]
-            w.leases[r] = policy.acquire(wi, int(prompt[r] + out[r]))
+            w.leases[r] = policy.acquire(wi, int(prompt[r] + out[r]))  # right after route: the same request
             n = int(prompt[r])
             tt = transfer_cache.get(n)
             if tt is None:

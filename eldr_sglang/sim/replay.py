@@ -90,6 +90,32 @@ class TraceReplay:
         ([R, D] float32, [R] valid)."""
         return spec.batch_from_topk(self.expert_ids, self.trace.req_offsets.astype(np.int64), self.prompt_len)
 
+    def decode_signatures(self, spec) -> tuple[np.ndarray, np.ndarray]:
+        """Signatures from each request's decode rows instead of its prompt: what a clairvoyant
+        router that knew the decode-time routing would use (the protocol's upper bound)."""
+        rows = np.concatenate([np.arange(s, s + n) for s, n in zip(self.dec_start.tolist(), self.dec_len.tolist())])
+        off = np.zeros(self.num_requests + 1, np.int64)
+        np.cumsum(self.dec_len, out=off[1:])
+        return spec.batch_from_topk(np.ascontiguousarray(self.expert_ids[rows]), off, None)
+
+    def expert_profiles(self) -> list:
+        """Per request, its prompt's expert profile for the locality balancer (Rust
+        ExpertProfile: counts of prompt tokens per (layer, expert) over the prompt length)."""
+        cached = getattr(self, "_profiles", None)
+        if cached is not None:
+            return cached
+        from eldr_sglang._core import ExpertProfile, count_topk
+
+        L, E = self.num_layers, self.num_experts
+        out = []
+        off = self.trace.req_offsets.astype(np.int64)
+        for r in range(self.num_requests):
+            c = np.asarray(count_topk(np.ascontiguousarray(self.expert_ids[off[r] : off[r] + self.prompt_len[r]]), E)).ravel()
+            nz = np.flatnonzero(c)
+            out.append(ExpertProfile(L, E, nz.astype(np.int64), c[nz].astype(np.float64), max(int(self.prompt_len[r]), 1)))
+        self._profiles = out
+        return out
+
     def signature(self, spec, r: int) -> np.ndarray | None:
         """Request r's prefill signature, or None when it has no usable one."""
         from eldr_sglang._core import NoSignature
