@@ -90,13 +90,22 @@ class TraceReplay:
         ([R, D] float32, [R] valid)."""
         return spec.batch_from_topk(self.expert_ids, self.trace.req_offsets.astype(np.int64), self.prompt_len)
 
-    def decode_signatures(self, spec) -> tuple[np.ndarray, np.ndarray]:
-        """Signatures from each request's decode rows instead of its prompt: what a clairvoyant
-        router that knew the decode-time routing would use (the protocol's upper bound)."""
+    def decode_trace(self) -> Trace:
+        """The trace with each request's decode rows as its whole prompt: fitting and signing
+        it gives what a clairvoyant router that knew the decode-time routing would use (the
+        protocol's upper bound). Request order and domains are kept."""
         rows = np.concatenate([np.arange(s, s + n) for s, n in zip(self.dec_start.tolist(), self.dec_len.tolist())])
         off = np.zeros(self.num_requests + 1, np.int64)
         np.cumsum(self.dec_len, out=off[1:])
-        return spec.batch_from_topk(np.ascontiguousarray(self.expert_ids[rows]), off, None)
+        t = self.trace
+        return Trace(expert_ids=np.ascontiguousarray(self.expert_ids[rows]), req_offsets=off,
+                     prefill_len=self.dec_len.astype(t.prefill_len.dtype), meta=dict(t.meta), domain=t.domain,
+                     subdomain=t.subdomain, arrival_s=t.arrival_s)
+
+    def decode_signatures(self, spec) -> tuple[np.ndarray, np.ndarray]:
+        """Signatures from each request's decode rows instead of its prompt (see decode_trace)."""
+        d = self.decode_trace()
+        return spec.batch_from_topk(d.expert_ids, d.req_offsets, None)
 
     def expert_profiles(self) -> list:
         """Per request, its prompt's expert profile for the locality balancer (Rust

@@ -100,9 +100,12 @@ def run_comparison(
     keep_results: bool = False,
     signatures: tuple[np.ndarray, np.ndarray] | None = None,
     warmup_frac: float = 0.0,
+    clairvoyant: tuple[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[dict[str, dict], dict[str, SimResult]]:
     """Simulate each policy on the same workload. Domain labels are read from the trace only
-    for the oracle, and only here."""
+    for the oracle, and only here. `clairvoyant` = (centroid file fitted on decode-row
+    signatures, those signatures) for the clairvoyant bound; without it the bound signs the
+    decode rows against the prompt-fitted `centroids`."""
     out: dict[str, dict] = {}
     results: dict[str, SimResult] = {}
     dec_sigs = None
@@ -117,14 +120,17 @@ def run_comparison(
                 raise ValueError("policy eldr needs a centroid file (--centroids)")
             signatures = eldr_signatures(replay, centroids)
         sigs = signatures if spec.policy == "eldr" else None
-        if spec.bound == "clairvoyant":
+        cpath = centroids
+        if spec.bound == "clairvoyant" and clairvoyant is not None:
+            cpath, sigs = clairvoyant
+        elif spec.bound == "clairvoyant":
             if dec_sigs is None:
                 from eldr_sglang._core import CentroidSet
 
                 dec_sigs = replay.decode_signatures(CentroidSet.open(str(centroids)).spec())
             sigs = dec_sigs
         pol = make_policy(
-            spec.policy, config.num_decode, replay=replay, centroids=centroids, tau=spec.tau,
+            spec.policy, config.num_decode, replay=replay, centroids=cpath, tau=spec.tau,
             seed=seed, labels=labels, signatures=sigs, load_factor=spec.load_factor,
         )
         cfg = replace(config, perfect_overlap=True) if spec.bound == "perfect" else config
