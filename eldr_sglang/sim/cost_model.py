@@ -339,7 +339,7 @@ def load_calibration(path, model: str, hardware: str | None = None) -> dict:
         raise ValueError(f"{path} is not an eldr-moe-calibration/1 file")
     cal = {}
     for e in doc.get("entries", []):
-        if e.get("model") == model and (hardware is None or e.get("hardware", "").lower().startswith(hardware.lower())):
+        if e.get("model") == model and (hardware is None or hardware.lower() in str(e.get("hardware", "")).lower()):
             cal[int(e["batch"])] = (float(e["a_s"]), float(e["b_s"]))
     if not cal:
         have = sorted({(e.get("model"), e.get("hardware")) for e in doc.get("entries", [])})
