@@ -80,7 +80,8 @@ def plan(splits: int) -> list[dict]:
              cells=_cells(strict_cells(recorded=False), ALL_VARIANTS), splits=splits, variants=ALL_VARIANTS, skewed=True,
              note="synthetic domain-skewed DeepSeek-V3 routing (calibrated generator), 8xH200 TP"),
         dict(name="deepseek-v3-synth-ep8", make=lambda: _synth("deepseek-v3"), hardware="h200", ep=8, context=None,
-             cells=_cells(strict_cells(recorded=False), TWO_VARIANTS), splits=1, variants=TWO_VARIANTS, skewed=True,
+             cells={"default": one_closed + [Cell("shuffle", "open", OPEN_LOAD, "fixed")], "paper-fixed": one_closed},
+             splits=1, variants=TWO_VARIANTS, skewed=True,
              note="the same, experts on 8 EP ranks (slowest rank + NVLink all-to-all)"),
         dict(name="qwen3-30b-a3b-synth", make=lambda: _synth("qwen3-30b-a3b"), hardware="h200", ep=1, context=None,
              cells=_cells(strict_cells(recorded=False), ALL_VARIANTS), splits=splits, variants=ALL_VARIANTS, skewed=True,
@@ -213,7 +214,9 @@ def render(res: dict) -> str:
          "**Cut to fit a 2-core machine shared with four other jobs (about 40 min of study time):** K = 4 and 16; more than two "
          "closed-loop loads; more than one open-loop rate; a third split for the main workloads (side studies have one); under the "
          "paper-fixed and paper-fixed+overhead variants, the open-loop and recorded-length cells (they run the fixed-output "
-         "closed-loop cells only); the paper-fixed+overhead variant on the EP and 2k-context side studies; recorded output "
+         "closed-loop cells only); the paper-fixed+overhead variant on the EP and 2k-context side studies; on the EP side study "
+         "the 8-clients-per-worker and trace-order open-loop cells (closed loop at 32/worker in both orders, open loop shuffled); "
+         "recorded output "
          "lengths on the synthetic traces (they record one length). "
          f"Runtime of what ran: {m['runtime_s']:.0f} s.", ""]
     chosen, score = choose_default(res)
