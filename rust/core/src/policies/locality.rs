@@ -33,9 +33,36 @@ const LOG_SCALE: f64 = (1u64 << 24) as f64;
 /// Fixed-point scale of the "no request selects this expert" mass `exp(S)`.
 const MASS_SCALE: f64 = (1u64 << 30) as f64;
 
+/// `exp(s / LOG_SCALE)` for s <= 0 from three 1024-entry tables (one per 10-bit chunk of -s),
+/// a pure function of s (so the telescoping sums below stay exact) and much cheaper than exp:
+/// the route reads K x nnz cells.
+struct ExpTables([[f64; 1024]; 3]);
+
+fn exp_tables() -> &'static ExpTables {
+    static T: OnceLock<ExpTables> = OnceLock::new();
+    T.get_or_init(|| {
+        let mut t = [[0.0f64; 1024]; 3];
+        for (j, tab) in t.iter_mut().enumerate() {
+            for (i, v) in tab.iter_mut().enumerate() {
+                *v = (-((i as f64) * (1u64 << (10 * j)) as f64) / LOG_SCALE).exp();
+            }
+        }
+        ExpTables(t)
+    })
+}
+
 #[inline]
-fn mass(s: i64) -> i64 {
-    ((s as f64 / LOG_SCALE).exp() * MASS_SCALE).round() as i64
+fn keep_prob(t: &ExpTables, s: i64) -> f64 {
+    let x = s.clamp(i64::MIN + 1, 0).unsigned_abs();
+    if x >= 1 << 30 {
+        return 0.0; // exp(-64): no mass left
+    }
+    t.0[2][(x >> 20) as usize] * t.0[1][((x >> 10) & 1023) as usize] * t.0[0][(x & 1023) as usize]
+}
+
+#[inline]
+fn mass(t: &ExpTables, s: i64) -> i64 {
+    (keep_prob(t, s) * MASS_SCALE).round() as i64
 }
 
 /// A request's expected expert use per decode token (see the module docs).
@@ -111,9 +138,11 @@ impl ExpertProfile {
     }
 }
 
-/// Per-worker in-flight expert state (see the module docs).
+/// Per-worker in-flight expert state (see the module docs). Cells are laid out
+/// `[cell][worker]`, so a route reads each of the request's cells for all K workers at once.
 pub struct ExpertLoad {
     layers: usize,
+    workers: usize,
     cells_per_worker: usize,
     log_sum: Box<[AtomicI64]>,
     distinct: Box<[PaddedI64]>,
@@ -128,6 +157,7 @@ impl ExpertLoad {
         let n = layers * experts;
         ExpertLoad {
             layers,
+            workers,
             cells_per_worker: n,
             log_sum: (0..workers * n).map(|_| AtomicI64::new(0)).collect(),
             distinct: (0..workers).map(|_| PaddedI64::default()).collect(),
@@ -143,11 +173,12 @@ impl ExpertLoad {
     }
 
     fn apply(&self, worker: usize, p: &ExpertProfile, sign: i64) {
-        let base = worker * self.cells_per_worker;
+        let t = exp_tables();
+        let k = self.workers;
         let mut d = 0i64;
         for (&c, &lk) in p.cells.iter().zip(&p.log_keep) {
-            let old = self.log_sum[base + c as usize].fetch_add(sign * lk, Ordering::AcqRel);
-            d += mass(old) - mass(old + sign * lk);
+            let old = self.log_sum[c as usize * k + worker].fetch_add(sign * lk, Ordering::AcqRel);
+            d += mass(t, old) - mass(t, old + sign * lk);
         }
         self.distinct[worker].0.fetch_add(d, Ordering::AcqRel);
     }
@@ -159,9 +190,24 @@ impl ExpertLoad {
 
     /// `Delta_w`: expected new experts per layer that `p` adds to worker w's steps.
     pub fn added(&self, worker: usize, p: &ExpertProfile) -> f64 {
-        let base = worker * self.cells_per_worker;
-        let s: f64 = p.cells.iter().zip(&p.p).map(|(&c, &pr)| pr * mass(self.log_sum[base + c as usize].load(Ordering::Acquire)) as f64).sum();
-        s / MASS_SCALE / self.layers as f64
+        let (t, k) = (exp_tables(), self.workers);
+        let s: f64 = p.cells.iter().zip(&p.p).map(|(&c, &pr)| pr * keep_prob(t, self.log_sum[c as usize * k + worker].load(Ordering::Relaxed))).sum();
+        s / self.layers as f64
+    }
+
+    /// `Delta_w` for every worker in one pass over the profile's cells.
+    pub fn added_all(&self, p: &ExpertProfile, out: &mut Vec<f64>) {
+        let (t, k) = (exp_tables(), self.workers);
+        out.clear();
+        out.resize(k, 0.0);
+        for (&c, &pr) in p.cells.iter().zip(&p.p) {
+            let row = &self.log_sum[c as usize * k..(c as usize + 1) * k];
+            for (acc, cell) in out.iter_mut().zip(row) {
+                *acc += pr * keep_prob(t, cell.load(Ordering::Relaxed));
+            }
+        }
+        let l = self.layers as f64;
+        out.iter_mut().for_each(|v| *v /= l);
     }
 
     /// Count `p` on `worker` until the guard is released (or dropped).
@@ -246,18 +292,36 @@ impl Policy for Locality {
         };
         let p = prof.expect("checked above");
         let cap = ctx.load_factor.map(|f| load_cap(ctx, f));
+        let mut delta = Vec::with_capacity(k);
+        load.added_all(p, &mut delta);
         let mut best: Option<(f64, i64, usize)> = None;
         for w in 0..k {
             if !ctx.healthy[w] || cap.is_some_and(|c| ctx.loads[w] >= c) {
                 continue;
             }
             let b = ctx.loads[w].max(0);
-            let cost = load.distinct(w) + (b + 1) as f64 * load.added(w, p);
+            let cost = load.distinct(w) + (b + 1) as f64 * delta[w];
             let key = (cost, b, w);
             if best.is_none_or(|bk| key.0 < bk.0 || (key.0 == bk.0 && (key.1, key.2) < (bk.1, bk.2))) {
                 best = Some(key);
             }
         }
         Decision { worker: best.map(|b| b.2), reason: Reason::Policy, d_star: None, band: None }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_exp_matches_exp() {
+        let t = exp_tables();
+        for s in [0i64, -1, -1023, -1024, -(1 << 20) - 7, -123_456_789, -(1 << 30) + 1] {
+            let want = (s as f64 / LOG_SCALE).exp();
+            assert!((keep_prob(t, s) - want).abs() <= 1e-12 * want.max(1e-300), "s={s}");
+        }
+        assert_eq!(keep_prob(t, -(1 << 30)), 0.0);
+        assert_eq!(keep_prob(t, 5), 1.0, "positive sums (never reached) clamp to no mass taken");
     }
 }
