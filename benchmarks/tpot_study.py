@@ -1,8 +1,17 @@
 """TPOT study: ELDR against the load balancers and the label oracle, in the simulator.
 
-    python benchmarks/tpot_study.py [--quick] [--out benchmarks/results]
+    python benchmarks/tpot_study.py [--workloads a,b] [--splits 2] [--out benchmarks/results]
+    python benchmarks/tpot_study.py --protocol legacy [--quick] [--eldr-load-factor F]
 
-Workloads (fit on one part, evaluate on the other, requests replayed in trace order so
+By default the study runs under the strict protocol (eldr_sglang/sim/protocol.py: >= 2000
+held-out requests with warm-up dropped, several fit/eval splits, shuffled and trace-order
+arrivals, open and closed loop, fixed and recorded output lengths, two bounds) and the
+cost-model sensitivity band (default roofline; + the per-MoE-layer fixed cost that reproduces
+the paper's 4.7x; + a 2 ms step overhead), writing tpot_study_protocol.md/.json. Each
+workload's runs are saved as they finish (--parts DIR); --render merges saved parts.
+
+The legacy study (--protocol legacy) is the first one, kept to reproduce its results files.
+Legacy workloads (fit on one part, evaluate on the other, requests replayed in trace order so
 domain bursts stay bursts):
 - gptoss20b-real: ../shared/traces/gptoss20b.npz (GPT-OSS-20B on H100): a seeded random half
   of the requests is the calibration set, the other half is evaluated;
@@ -114,6 +123,24 @@ def fmt_pct(x):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--protocol" in argv:
+        i = argv.index("--protocol")
+        mode = argv[i + 1] if i + 1 < len(argv) else ""
+        argv = argv[:i] + argv[i + 2:]
+    else:
+        mode = "strict"
+    if mode == "legacy":
+        return legacy_main(argv)
+    if mode != "strict":
+        raise SystemExit(f"--protocol must be strict or legacy, got {mode!r}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tpot_protocol import strict_main
+
+    return strict_main(argv)
+
+
+def legacy_main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sweep (a few minutes)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

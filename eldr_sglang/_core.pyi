@@ -120,6 +120,14 @@ class Decision:
     loads: list[int]
     generation: int  # centroid snapshot generation used (0 without centroids)
 
+class ExpertProfile:
+    """A request's expected expert use per decode token from its prompt counts:
+    p[l][e] = counts / (tokens + 1); the locality balancer's input."""
+
+    def __init__(self, num_layers: int, num_experts: int, index: npt.NDArray[np.int64], counts: npt.NDArray[np.float64], tokens: int) -> None: ...
+    @property
+    def experts_per_layer(self) -> float: ...
+
 class Lease:
     """One in-flight request on one worker; released exactly once."""
 
@@ -168,7 +176,10 @@ class Router:
     def route_signature(self, signature: npt.NDArray[np.float32] | None, explain: bool = False) -> int | Decision: ...
     def route_fallback(self, reason: str, explain: bool = False) -> int | Decision:
         """Route a request known to have no usable signature (reason as in NoSignature)."""
-    def acquire(self, worker: int, tokens: int = 0) -> Lease: ...
+    def route_profile(self, profile: ExpertProfile, explain: bool = False) -> int | Decision:
+        """Route by the request's expert profile (policy "locality"; others route as with no signature)."""
+    def acquire(self, worker: int, tokens: int = 0, profile: ExpertProfile | None = None) -> Lease:
+        """Count a request on `worker`; with `profile` the locality balancer also counts its experts."""
     def inflight(self) -> list[int]:
         """This router's own in-flight requests per worker (without external reports)."""
     def loads(self) -> list[int]: ...

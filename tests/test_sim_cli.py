@@ -112,3 +112,27 @@ def test_demo_small(tmp_path, capsys):
     assert len(obj["sweep"]) == 2
     assert (out / "centroids.eldr").exists() and (out / "results.md").exists()
     assert "ELDR demo" in capsys.readouterr().out
+
+
+def test_simulate_strict_protocol(tmp_path, capsys):
+    from test_sim_policies import two_domain_trace
+
+    t = two_domain_trace(n_per_block=8, blocks=8)
+    save_trace(t, tmp_path / "two.npz")
+    base = ["simulate", "--trace", str(tmp_path / "two.npz"), "--protocol", "strict", "--workers", "2", "--no-progress"]
+    rc = _run(base + ["--concurrency", "8", "--splits", "1", "--policies", "round_robin,shortest_queue,eldr/0.05,locality/0.05",
+                      "--json", str(tmp_path / "s.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for lab in ("| eldr/0.05 | default |", "| locality/0.05 | default |", "| perfect_overlap | default |", "| clairvoyant/0.05 | default |"):
+        assert lab in out
+    recs = json.loads((tmp_path / "s.json").read_text())["records"]
+    assert {r["cell"] for r in recs} == {"shuffle,closed@4/worker,fixed", "shuffle,open@0.85xcap,fixed",
+                                         "trace,closed@4/worker,fixed", "trace,open@0.85xcap,fixed"}
+    assert all(r["policies"]["_workload"]["requests"] >= 2000 for r in recs)
+    for argv, msg in ((["--centroids", "x.eldr"], "fits its own centroids"), (["--requests", "100"], "--requests >= 2000"),
+                      (["--order", "shuffle"], "sets arrivals")):
+        with pytest.raises(ValueError, match=msg):
+            _run(base + argv)
+    with pytest.raises(ValueError, match="needs --protocol strict"):
+        _run(["simulate", "--trace", str(tmp_path / "two.npz"), "--cost-model", "band", "--policies", "random"])

@@ -172,3 +172,29 @@ def test_locality_near_one_without_locality(small):
     wl = make_workload(small, arrival="closed", concurrency=32, requests=np.random.default_rng(0).permutation(small.num_requests))
     m = compute_metrics(simulate(small, wl, make_policy("round_robin", 2), _em(), ClusterConfig(num_decode=2)))
     assert 0.93 < m["expert_locality"] < 1.02
+
+
+def test_perfect_overlap_bound_and_expert_parallel_and_context(small):
+    wl = make_workload(small, requests=60, arrival="closed", concurrency=16, output_len=12)
+    em = _em()
+    pol = lambda: make_policy("round_robin", 4)
+    base = simulate(small, wl, pol(), em, ClusterConfig(num_decode=4))
+    bound = simulate(small, wl, pol(), em, ClusterConfig(num_decode=4, perfect_overlap=True))
+    _check_conservation(bound, wl)
+    # the bound touches exactly top_k experts per layer and is never slower
+    assert np.allclose(bound.step_distinct, small.top_k)
+    assert bound.step_dt.sum() < base.step_dt.sum()
+    # EP over 2 ranks (tp=2): per-rank counts, same routing, same distinct totals
+    ep = ExecutionModel(get_model("gpt-oss-20b"), get_hardware("h100"), tp=2, ep=2)
+    res = simulate(small, wl, pol(), ep, ClusterConfig(num_decode=4))
+    _check_conservation(res, wl)
+    # step_distinct still counts all of a layer's distinct experts (summed over ranks)
+    assert np.all(res.step_distinct >= small.top_k)
+    assert np.all(res.step_distinct <= np.minimum(res.step_batch * small.top_k, small.num_experts))
+    # a longer simulated context reads more KV: slower steps
+    long = make_workload(small, requests=60, arrival="closed", concurrency=16, output_len=12, context_len=4096)
+    assert (long.prompt_len == 4096).all()
+    rl = simulate(small, long, pol(), em, ClusterConfig(num_decode=4))
+    assert rl.step_dt.sum() > base.step_dt.sum()
+    with pytest.raises(ValueError, match="context length"):
+        make_workload(small, requests=4, arrival="closed", concurrency=2, context_len=0)

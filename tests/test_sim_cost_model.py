@@ -136,3 +136,80 @@ def test_decode_step_time_by_hand():
     assert em.decode_step_time(1, 1000, d) - em.decode_step_time(1, 0, d) == pytest.approx(kv / bw, rel=1e-9)
     # MXFP4 expert: 24.88M params x 4.25 bits
     assert m.expert_bytes() == pytest.approx((3 * 2880 * 2880 + 2 * 2880 + 2880) * 4.25 / 8)
+
+
+def test_mla_kv_is_replicated_under_tp():
+    # DeepSeek-V3 on 8xH200: each rank keeps the whole 576-wide latent (plain TP)
+    em = ExecutionModel(get_model("deepseek-v3"), get_hardware("h200"))
+    m, hw = em.model, em.hardware
+    per_gpu_free = hw.hbm_bytes * em.mem_fraction - m.weight_bytes() / em.tp
+    assert em.kv_capacity_tokens() == int(per_gpu_free // m.kv_bytes_per_token())
+    L = m.num_moe_layers
+    d = np.full(L, 8)
+    # attention reads come at one GPU's bandwidth, not tp GPUs'
+    extra = em.decode_step_time(1, 1_000_000, d) - em.decode_step_time(1, 0, d)
+    reads = 1_000_000 * m.kv_bytes_per_token() / (hw.hbm_bw * em.bw_efficiency)
+    assert extra == pytest.approx(reads, rel=1e-6)
+    # GQA with tp <= kv heads still splits
+    q = ExecutionModel(get_model("qwen3-30b-a3b"), get_hardware("h100"), tp=4)
+    assert q.describe()["kv_replicated_over_tp"] is False
+
+
+def test_paper_fixed_cost_reproduces_the_measured_slowdown():
+    from eldr_sglang.sim.cost_model import PAPER_MOE_16_TO_128_SLOWDOWN, paper_fixed_cost, sensitivity_model
+
+    base = ExecutionModel(get_model("deepseek-v3"), get_hardware("h200"))
+    f = base.paper_fixed_cost_s()
+    assert f > 0 and f == paper_fixed_cost()
+    fixed = ExecutionModel(get_model("deepseek-v3"), get_hardware("h200"), moe_layer_fixed_s=f)
+    assert fixed.moe_slowdown(16, 128) == pytest.approx(PAPER_MOE_16_TO_128_SLOWDOWN, rel=1e-9)
+    # the fixed cost adds the same time to every step whatever the experts
+    L = base.model.num_moe_layers
+    for d in (8, 40):
+        diff = fixed.decode_step_time(16, 1000, np.full(L, d)) - base.decode_step_time(16, 1000, np.full(L, d))
+        assert diff == pytest.approx(L * f, rel=1e-9)
+    over = sensitivity_model("paper-fixed+overhead", base.model, base.hardware)
+    assert over.step_overhead_s > base.step_overhead_s and over.moe_layer_fixed_s == f
+    with pytest.raises(ValueError, match="unknown cost-model variant"):
+        sensitivity_model("optimistic", base.model, base.hardware)
+
+
+def test_expert_parallel_slowest_rank_sets_the_pace():
+    m, hw = get_model("deepseek-v3"), get_hardware("h200")
+    em = ExecutionModel(m, hw, ep=8)
+    L = m.num_moe_layers
+    even = np.full((L, 8), 4)
+    skew = even.copy()
+    skew[:, 0] = 12  # same busiest rank as below, fewer experts elsewhere
+    skew[:, 1:] = 0
+    assert em.decode_step_time(32, 1000, skew) > em.decode_step_time(32, 1000, even)
+    only_busiest = np.zeros((L, 8), int)
+    only_busiest[:, 3] = 12
+    assert em.decode_step_time(32, 1000, skew) == pytest.approx(em.decode_step_time(32, 1000, only_busiest))
+    # the all-to-all grows with the batch and uses one direction of NVLink
+    a2a = lambda b: float(em.moe_layer_time(b, 1))  # one expert per rank: memory-bound at these batches
+    per_tok = 2 * m.top_k * m.hidden_size * 2.0 * 7 / 8 / (hw.scale_up_bw / 2)
+    assert a2a(64) - a2a(32) == pytest.approx(32 * per_tok, rel=1e-6)
+    with pytest.raises(ValueError, match="ep must divide"):
+        ExecutionModel(m, hw, ep=3)
+    assert list(np.bincount(em.ep_rank_of_expert())) == [32] * 8
+
+
+def test_calibration_file_replaces_the_roofline(tmp_path):
+    import json
+
+    from eldr_sglang.sim.cost_model import load_calibration
+
+    f = tmp_path / "cal.json"
+    entries = [{"model": "gpt-oss-20b", "hardware": "h100", "batch": b, "a_s": 10e-6, "b_s": 2e-6 * (1 + b / 64)} for b in (8, 64)]
+    f.write_text(json.dumps({"format": "eldr-moe-calibration/1", "entries": entries}))
+    cal = load_calibration(f, "gpt-oss-20b", "h100")
+    em = ExecutionModel(get_model("gpt-oss-20b"), get_hardware("h100"), calibration=cal)
+    assert float(em.moe_layer_time(8, 10)) == pytest.approx(10e-6 + 10 * 2e-6 * (1 + 8 / 64))
+    assert float(em.moe_layer_time(36, 10)) == pytest.approx(10e-6 + 10 * 2e-6 * (1 + 36 / 64))  # interpolated
+    with pytest.raises(ValueError, match="no calibration for model"):
+        load_calibration(f, "deepseek-v3")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not an eldr-moe-calibration"):
+        load_calibration(bad, "gpt-oss-20b")

@@ -212,3 +212,40 @@ def test_run_comparison_same_workload_for_all(dom, tmp_path):
     for m in pols.values():
         assert m["completed"] == t.num_requests
         assert m["output_tokens"] == int(wl.output_len.sum())
+
+
+def test_locality_balancer_groups_domains_and_respects_the_cap(dom):
+    t, rp = dom
+    K = 2
+    res = {}
+    for spec in parse_policies("round_robin,locality,locality/0.05"):
+        pol = make_policy(spec.policy, K, replay=rp, load_factor=spec.load_factor)
+        rec = Recording(pol)
+        r = _run(rp, rec, K, conc=8, requests=96)
+        res[spec.label] = compute_metrics(r)
+        if spec.load_factor is not None:
+            for before, w in rec.seen:
+                cap = int(np.ceil((1 + spec.load_factor) * (sum(before) + 1) / K))
+                assert before[w] < cap
+        # every expert profile is released: the router ends empty
+        assert pol.loads() == [0] * K
+    for lab in ("locality", "locality/0.05"):
+        assert res[lab]["expert_locality"] < 0.9 * res["round_robin"]["expert_locality"], lab
+        assert res[lab]["tpot_ms"]["p50"] < res["round_robin"]["tpot_ms"]["p50"], lab
+
+
+def test_bounds_and_default_in_run_comparison(dom, tmp_path):
+    from eldr_sglang.defaults import default_policy_label
+
+    t, rp = dom
+    c = write_domain_centroids(tmp_path / "c.eldr")
+    wl = make_workload(rp, arrival="closed", concurrency=8)
+    specs = parse_policies("shortest_queue,default,clairvoyant/0.05,perfect_overlap")
+    assert specs[1].label == default_policy_label()
+    pols, _ = run_comparison(rp, wl, specs, _em(), ClusterConfig(num_decode=2), centroids=c)
+    # no routing beats perfect overlap; clairvoyant signatures group at least as well as prompt ones here
+    for name, m in pols.items():
+        assert m["completed"] == t.num_requests
+        assert pols["perfect_overlap"]["tpot_ms"]["mean"] <= m["tpot_ms"]["mean"] * (1 + 1e-9), name
+    assert pols["perfect_overlap"]["unique_experts_per_layer_step"] == pytest.approx(2.0)
+    assert pols["clairvoyant/0.05"]["expert_locality"] < pols["shortest_queue"]["expert_locality"]

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr"
+COST_MODELS = ("default", "paper-fixed", "paper-fixed+overhead", "band")
 
 
 def register(sub) -> None:
@@ -20,8 +21,21 @@ def register(sub) -> None:
     )
     p.add_argument("--trace", help="ELDR trace (.npz)")
     p.add_argument("--centroids", help="centroid file from `eldr fit` (needed by eldr)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"comma list of random, round_robin, shortest_queue, power_of_two, eldr, eldr@TAU, oracle (default {DEFAULT_POLICIES})")
+    p.add_argument("--policies", default=None,
+                   help="comma list of random, round_robin, shortest_queue, power_of_two, eldr, eldr@TAU, eldr/F, locality/F, "
+                        "oracle, default (the router's default), and the bounds perfect_overlap and clairvoyant[/F] "
+                        f"(default {DEFAULT_POLICIES}; under --protocol strict the protocol's set)")
+    p.add_argument("--protocol", choices=["none", "strict"], default="none",
+                   help="strict: the study protocol that cannot flatter (>= 2000 held-out requests, warm-up dropped, "
+                        "--splits fit/eval splits fitted here, shuffled and trace order, closed and open loop, fixed and "
+                        "recorded outputs, both bounds; see docs/simulator.md); refuses --centroids")
+    p.add_argument("--splits", type=int, default=2, help="--protocol strict: fit/eval splits (default 2)")
+    p.add_argument("--cost-model", choices=COST_MODELS, default="default",
+                   help="execution-model variant: default roofline, paper-fixed (+ the per-MoE-layer fixed cost that "
+                        "reproduces the paper's 4.7x), paper-fixed+overhead (+ a 2 ms step overhead), band (all three)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per decode worker (default 1: experts sharded over TP)")
+    p.add_argument("--calibration", help="GPU calibration file from benchmarks/gpu_calibrate.py (replaces the roofline expert time)")
+    p.add_argument("--context-len", type=int, default=0, help="simulated prompt tokens per request (default: as recorded)")
     p.add_argument("--tau", type=float, default=None, help="ELDR band width (default: the centroid file's)")
     p.add_argument("--eldr-load-factor", type=float, default=None, metavar="F",
                    help="ELDR with bounded loads: a worker is a candidate only below (1+F) x mean load + 1 "
@@ -101,11 +115,16 @@ def run(args: argparse.Namespace) -> int:
 
     # before any work: neither output may replace a non-regular file, an input, or the other
     check_outputs([("--json", args.json), ("--plot", args.plot)], inputs=[("--trace", args.trace), ("--centroids", args.centroids)])
-    specs = parse_policies(args.policies, args.tau, args.eldr_load_factor)
     trace = load_trace(args.trace)
     model = get_model(args.model or trace.model)
     hw = get_hardware(args.hardware)
-    em = ExecutionModel(model, hw, tp=args.tp, offload_cache_experts=args.offload_experts)
+    models = _models(args, model, hw)
+    if args.protocol == "strict":
+        return run_strict(args, trace, models)
+    if len(models) > 1:
+        raise ValueError("--cost-model band needs --protocol strict")
+    em = next(iter(models.values()))
+    specs = parse_policies(args.policies or DEFAULT_POLICIES, args.tau, args.eldr_load_factor)
     K = args.workers
     if args.centroids:
         from eldr_sglang._core import CentroidSet
@@ -144,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             replay, requests=args.requests or None, order=args.order, output_len=args.output_len or None,
             arrival=arrival, concurrency=value if arrival == "closed" else None,
             rate=value if arrival in ("poisson", "bursty") else (value if arrival == "trace" else None), seed=args.seed,
+            context_len=args.context_len or None,
         )
         if wl.cycled:
             print("note: requests generate more tokens than recorded; their decode routing is replayed cyclically", file=sys.stderr)
@@ -177,4 +197,67 @@ def run(args: argparse.Namespace) -> int:
         else:
             plot_runs(last_policies, last_distinct, args.plot, title=f"{model.name}, K={K}")
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _models(args, model, hw) -> dict:
+    """{variant: ExecutionModel} for --cost-model (one, or the three of the band)."""
+    from eldr_sglang.sim.cost_model import SENSITIVITY_VARIANTS, load_calibration, sensitivity_model
+
+    kw = dict(tp=args.tp, offload_cache_experts=args.offload_experts, ep=args.ep)
+    if args.calibration:
+        kw["calibration"] = load_calibration(args.calibration, model.name, args.hardware)
+    names = SENSITIVITY_VARIANTS if args.cost_model == "band" else (args.cost_model,)
+    return {v: sensitivity_model(v, model, hw, **kw) for v in names}
+
+
+def run_strict(args, trace, models: dict) -> int:
+    """--protocol strict: fit on each split's fit half here, evaluate on its held-out half."""
+    from eldr_sglang.sim.protocol import (
+        BOUND_LABELS, STRICT_MIN_REQUESTS, STRICT_POLICIES, random_splits, run_protocol, strict_cells, summarize, versus_best,
+    )
+    from eldr_sglang.sim.report import LOAD_BALANCERS, write_json
+    from eldr_sglang.sim.runner import paper_check, parse_policies
+
+    if args.centroids:
+        raise ValueError("--protocol strict fits its own centroids on held-out splits; drop --centroids")
+    if args.rate or args.arrival or args.order != "trace" or args.output_len:
+        raise ValueError("--protocol strict sets arrivals, order and output lengths itself; drop --rate/--arrival/--order/--output-len")
+    if args.splits < 1:
+        raise ValueError("--splits must be at least 1")
+    requests = args.requests or STRICT_MIN_REQUESTS
+    if requests < STRICT_MIN_REQUESTS:
+        raise ValueError(f"--protocol strict needs --requests >= {STRICT_MIN_REQUESTS}")
+    K = args.workers or 8
+    per_worker = [c / K for c in _loads(args.concurrency, int)] or [8.0, 32.0]
+    policies = args.policies or STRICT_POLICIES
+    parse_policies(policies)  # fail early on a bad list
+    em0 = next(iter(models.values()))
+    print(f"strict protocol: {trace.num_requests} trace requests, K={K}, {args.splits} split(s), "
+          f"cost model(s) {', '.join(models)}; {paper_check(em0)}")
+    recs = run_protocol(trace, models, K, strict_cells(loads=per_worker), random_splits(trace.num_requests, args.splits, args.seed),
+                        policies=policies, requests=requests, tau=args.tau if args.tau is not None else 0.1, seed=args.seed,
+                        context_len=args.context_len or None,
+                        log=None if args.no_progress else (lambda *a: print(*a, file=sys.stderr, flush=True)))
+    labels = [lab for lab in recs[0]["policies"] if not lab.startswith("_") and lab not in LOAD_BALANCERS] if recs else []
+    print("\nchange against the best load balancer of each run: median (min..max) over splits x cells")
+    print("| policy | cost model | TPOT p50 | TPOT p99 | mean ITL | throughput | runs losing p50 / p99 |")
+    print("|---|---|---|---|---|---|---|")
+
+    def sp(s):
+        return f"{s['median']:+.1f}% ({s['min']:+.1f}..{s['max']:+.1f})"
+
+    for lab, byv in summarize(recs, labels).items():
+        for v, s in byv.items():
+            print(f"| {lab} | {v} | {sp(s['tpot_p50'])} | {sp(s['tpot_p99'])} | {sp(s['itl_mean'])} | {sp(s['throughput'])} | "
+                  f"{s['loses_p50']} / {s['loses_p99']} of {s['runs']} |")
+    print("\nper run (p50 / p99 vs best LB):")
+    for r in recs:
+        cells = "  ".join(f"{lab} {versus_best(r['policies'], lab)['tpot_p50']:+.1f}/{versus_best(r['policies'], lab)['tpot_p99']:+.1f}"
+                          for lab in labels if lab not in BOUND_LABELS)
+        print(f"  split {r['split']} {r['variant']:21s} {r['cell']:34s} {cells}")
+    if args.json:
+        write_json({"protocol": "strict", "workers": K, "trace": str(args.trace), "models": {v: m.describe() for v, m in models.items()},
+                    "records": recs}, args.json)
+        print(f"wrote {args.json}")
     return 0

@@ -9,4 +9,5 @@
 - metrics.py    TPOT/TTFT/ITL/throughput/experts per step (compute_metrics)
 - report.py     table, JSON and plots
 - runner.py     several policies over one workload (run_comparison)
+- protocol.py   the strict study protocol (splits, orders, loops, bounds; run_protocol)
 """

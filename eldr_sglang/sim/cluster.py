@@ -37,6 +37,9 @@ class ClusterConfig:
     num_prefill: int = 0  # 0: same as num_decode
     max_running: int = 256  # per decode worker
     kv_capacity_tokens: int = 0  # per decode worker; 0: from the execution model
+    # Bound, not a policy: every MoE layer of every step touches only top_k experts (as if all
+    # of a batch's tokens chose the same experts). No routing can do better.
+    perfect_overlap: bool = False
 
 
 @dataclass
@@ -157,7 +160,9 @@ def simulate(
     dec_len = replay.dec_len[t_idx]
     count = distinct_counter()
     offload = model.offload_cache_experts > 0
+    ep = model.ep
     step_time = model.decode_step_time
+    perfect = np.full(L, replay.top_k, np.int64) if cfg.perfect_overlap else None
 
     workers = [_Worker() for _ in range(K)]
     if offload:
@@ -264,7 +269,14 @@ def simulate(
             return
         rows = w.ds + w.pos % w.dl
         ids = ids_all[rows]
-        if offload:
+        if perfect is not None:
+            d = perfect
+            dt = step_time(B, w.kv, d if ep == 1 else np.full((L, ep), -(-replay.top_k // ep), np.int64))
+        elif ep > 1:
+            d_rank = touched_mask(ids, E).reshape(L, ep, E // ep).sum(axis=2)
+            d = d_rank.sum(axis=1)
+            dt = step_time(B, w.kv, d_rank)
+        elif offload:
             touched = touched_mask(ids, E)
             d = touched.sum(axis=1)
             miss = w.cache.access(touched)
@@ -324,7 +336,7 @@ def simulate(
                 raise RuntimeError(f"policy {policy.name} returned worker {wi} outside 0..{K - 1}")
             assigned[r] = wi
             w = workers[wi]
-            w.leases[r] = policy.acquire(wi, int(prompt[r] + out[r]))
+            w.leases[r] = policy.acquire(wi, int(prompt[r] + out[r]))  # right after route: the same request
             n = int(prompt[r])
             tt = transfer_cache.get(n)
             if tt is None:

@@ -15,6 +15,21 @@ routing), and overhead = step_overhead_s + per-layer TP all-reduce latency.
 Optional expert offload: each MoE layer keeps a GPU cache of C experts (LRU); experts touched
 this step but not cached are copied over the host link (PCIe) before use.
 
+Each MoE layer also pays `moe_layer_fixed_s` (gating, top-k, permute/align, padded tiles),
+independent of the distinct experts; 0 in the default model (the pure roofline), see
+`paper_fixed_cost_s` for the value the ELDR paper's measurement implies.
+
+Expert parallelism (`ep > 1`): routed experts are placed in contiguous blocks on `ep` ranks
+(SGLang's default EP placement); a layer's expert time is the slowest rank's distinct experts
+over that rank's bandwidth, plus a dispatch + combine all-to-all of the batch's hidden states
+over the scale-up link (NVLink). Without EP, experts are sharded evenly over the TP ranks.
+
+KV cache: MLA keeps one latent per token that every TP rank needs, so under plain TP it is
+replicated (each rank stores and reads all of it); GQA KV heads split over min(tp, kv heads).
+
+A GPU calibration file (benchmarks/gpu_calibrate.py --out FILE) replaces the roofline expert
+time by the measured t(B, d) = a(B) + b(B) * d of one MoE layer (see `load_calibration`).
+
 Constants marked ASSUMPTION are not from a datasheet; they scale all policies alike and
 are exposed as parameters. They were set before any policy comparison and are never fitted.
 """
@@ -41,6 +56,13 @@ DEFAULT_MEM_FRACTION = 0.85
 
 # ELDR paper measurement: going from 16 to 128 active experts makes the MoE layer 4.7x slower.
 PAPER_MOE_16_TO_128_SLOWDOWN = 4.7
+# NVLink 4 (H100/H200 SXM datasheets: "NVLink 900 GB/s" per GPU, the bidirectional total of
+# 18 links x 50 GB/s) -> 450 GB/s each way; an all-to-all sends and receives at once, so one
+# direction's bandwidth bounds it. HardwareProfile.scale_up_bw holds the bidirectional figure.
+SCALE_UP_DIRECTIONS = 2
+# Bytes per hidden-state element moved by EP dispatch/combine: bf16 (SGLang's default
+# all-to-all; DeepEP can dispatch FP8, which would halve the dispatch half).
+A2A_BYTES_PER_ELEM = 2.0
 
 
 def min_tp(model: ModelProfile, hw: HardwareProfile, mem_fraction: float = DEFAULT_MEM_FRACTION) -> int:
@@ -72,6 +94,9 @@ class ExecutionModel:
     allreduce_latency_s: float = DEFAULT_ALLREDUCE_LATENCY_S
     mem_fraction: float = DEFAULT_MEM_FRACTION
     offload_cache_experts: int = 0  # C > 0 turns on expert offload (per-layer LRU of C experts)
+    moe_layer_fixed_s: float = 0.0  # per-MoE-layer fixed cost (gating, top-k, permute, padding)
+    ep: int = 1  # expert-parallel ranks (1: experts sharded over TP; else must divide tp and E)
+    calibration: dict | None = None  # {batch: (a_s, b_s)} from a GPU calibration file
     _c: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,14 +109,33 @@ class ExecutionModel:
                 raise ValueError(f"{name} must lie in (0, 1], got {v}")
         if self.offload_cache_experts < 0 or self.offload_cache_experts > m.num_experts:
             raise ValueError(f"offload cache must hold 0..{m.num_experts} experts, got {self.offload_cache_experts}")
+        if not (self.moe_layer_fixed_s >= 0 and math.isfinite(self.moe_layer_fixed_s)):
+            raise ValueError(f"moe_layer_fixed_s must be finite and >= 0, got {self.moe_layer_fixed_s}")
+        if self.ep < 1 or tp % self.ep or m.num_experts % self.ep:
+            raise ValueError(f"ep must divide tp={tp} and the {m.num_experts} experts, got ep={self.ep}")
+        if self.ep > 1 and self.offload_cache_experts:
+            raise ValueError("expert offload and expert parallelism cannot be combined")
+        if self.calibration is not None:
+            self.calibration = _check_calibration(self.calibration)
         bw = tp * hw.hbm_bw * self.bw_efficiency
         fp8 = m.expert_bytes_per_param <= FP8
         peak = hw.fp8_flops if fp8 else hw.bf16_flops  # MXFP4 / bf16 run on bf16 tensor cores
         fl = tp * peak * self.flops_efficiency
         comm = 0.0 if tp == 1 else 2 * m.num_layers * self.allreduce_latency_s
         kv_full = m.num_layers - m.sliding_window_layers
+        # ranks over which the KV cache is split: MLA's latent is shared by all heads, so plain
+        # TP replicates it; GQA splits KV heads (replicated beyond tp > num_kv_heads)
+        kv_shards = 1 if m.attention == "mla" else max(1, min(tp, m.num_kv_heads))
+        gpu_bw = hw.hbm_bw * self.bw_efficiency
         self._c = dict(
             bw=bw,
+            kv_bw=kv_shards * gpu_bw,
+            kv_shards=kv_shards,
+            ep_expert_t=m.expert_bytes() / gpu_bw,  # one expert read by its own rank
+            ep_flops=peak * self.flops_efficiency,
+            a2a_t_per_tok=(2 * m.top_k * m.hidden_size * A2A_BYTES_PER_ELEM * (self.ep - 1) / self.ep
+                           / (hw.scale_up_bw / SCALE_UP_DIRECTIONS)) if self.ep > 1 else 0.0,
+            a2a_latency=2 * self.allreduce_latency_s if self.ep > 1 else 0.0,
             flops=fl,
             overhead=self.step_overhead_s + comm,
             dense_bytes_t=m.nonexpert_bytes_per_step() / bw,
@@ -113,7 +157,8 @@ class ExecutionModel:
         weights = m.weight_bytes()
         if self.offload_cache_experts:
             weights -= m.routed_params() * m.expert_bytes_per_param * (1 - self.offload_cache_experts / m.num_experts)
-        free = self.tp * hw.hbm_bytes * self.mem_fraction - weights
+        # every rank holds weights / tp; the KV cache is split over kv_shards ranks only
+        free = (self.tp * hw.hbm_bytes * self.mem_fraction - weights) * self._c["kv_shards"] / self.tp
         if free <= 0:
             raise ValueError(
                 f"{m.name} weights ({weights / 1e9:.0f} GB) do not fit in tp={self.tp} x {hw.name} "
@@ -129,15 +174,44 @@ class ExecutionModel:
         sw_tokens = min(kv_tokens, b * self.model.sliding_window) if c["kv_sw_layers"] else 0
         kv_layer_tokens = c["kv_full_layers"] * kv_tokens + c["kv_sw_layers"] * sw_tokens
         attn = max(
-            kv_layer_tokens * c["kv_elem_bytes"] / c["bw"],
+            kv_layer_tokens * c["kv_elem_bytes"] / c["kv_bw"],
             kv_layer_tokens * c["attn_flops"] / c["flops"],
         )
         return c["overhead"], dense, attn
 
     def moe_layer_time(self, batch_size: int, distinct: np.ndarray | float) -> np.ndarray | float:
-        """Time of the routed-expert part of MoE layers with `distinct` experts touched."""
+        """Time of the routed-expert part of MoE layers with `distinct` experts touched.
+
+        Without EP `distinct` is per layer ([L] or a scalar). With EP it is per layer and rank
+        ([L, ep], or [L] / a scalar meaning the busiest rank's count): the slowest rank sets
+        the pace, and the dispatch + combine all-to-all is added."""
         c = self._c
-        return np.maximum(np.asarray(distinct, dtype=np.float64) * c["expert_t"], batch_size * c["expert_flops_per_tok"] / c["flops"])
+        d = np.asarray(distinct, dtype=np.float64)
+        if self.calibration is not None:
+            a, b = self._calibrated(batch_size)
+            if self.ep > 1 and d.ndim == 2:
+                d = d.max(axis=1)
+            return self.moe_layer_fixed_s + a + b * d
+        if self.ep > 1:
+            if d.ndim == 2:
+                d = d.max(axis=1)
+            compute = batch_size * c["expert_flops_per_tok"] / self.ep / c["ep_flops"]
+            a2a = c["a2a_latency"] + batch_size * c["a2a_t_per_tok"]
+            return self.moe_layer_fixed_s + np.maximum(d * c["ep_expert_t"], compute) + a2a
+        return self.moe_layer_fixed_s + np.maximum(d * c["expert_t"], batch_size * c["expert_flops_per_tok"] / c["flops"])
+
+    def _calibrated(self, batch_size: int) -> tuple[float, float]:
+        """(a, b) of the measured fit at this batch, linearly interpolated between measured
+        batches and held constant beyond them."""
+        bs = np.array(sorted(self.calibration))
+        a = np.interp(batch_size, bs, [self.calibration[x][0] for x in bs])
+        b = np.interp(batch_size, bs, [self.calibration[x][1] for x in bs])
+        return float(a), float(b)
+
+    def ep_rank_of_expert(self) -> np.ndarray:
+        """[E] EP rank holding each expert: contiguous blocks of E/ep."""
+        E = self.model.num_experts
+        return np.arange(E) // (E // self.ep)
 
     def decode_step_time(self, batch_size: int, kv_tokens: int, distinct_experts: np.ndarray, misses: np.ndarray | None = None) -> float:
         """Seconds of one decode step of `batch_size` tokens over `kv_tokens` cached tokens,
@@ -146,8 +220,10 @@ class ExecutionModel:
         if batch_size <= 0:
             return 0.0
         d = np.asarray(distinct_experts)
-        if d.shape != (self.model.num_moe_layers,):
-            raise ValueError(f"distinct_experts must have shape ({self.model.num_moe_layers},), got {d.shape}")
+        L = self.model.num_moe_layers
+        if d.shape != (L,) and not (self.ep > 1 and d.shape == (L, self.ep)):
+            want = f"({L},)" + (f" or ({L}, {self.ep})" if self.ep > 1 else "")
+            raise ValueError(f"distinct_experts must have shape {want}, got {d.shape}")
         c = self._c
         ov, dense, attn = self._fixed_terms(batch_size, kv_tokens)
         moe = float(np.sum(self.moe_layer_time(batch_size, d)))
@@ -178,7 +254,9 @@ class ExecutionModel:
 
     def kv_transfer_time(self, num_tokens: int) -> float:
         """Seconds to move a prompt's KV cache from the prefill to the decode group."""
-        return num_tokens * self.model.kv_bytes_per_token() / (self.tp * self.hardware.network_bw)
+        # each of the kv_shards rank pairs moves its share in parallel (a replicated MLA cache
+        # moves in full to every rank)
+        return num_tokens * self.model.kv_bytes_per_token() / (self._c["kv_shards"] * self.hardware.network_bw)
 
     # ---------------- paper check ----------------
     def moe_slowdown(self, lo: int = 16, hi: int = 128, batch_size: int | None = None) -> float:
@@ -187,9 +265,30 @@ class ExecutionModel:
         hi = min(hi, m.num_experts)
         b = batch_size if batch_size is not None else max(1, math.ceil(hi / m.top_k))
         shared = m.num_shared_experts * self._c["expert_t"]
-        t_lo = float(self.moe_layer_time(b, lo)) + shared
-        t_hi = float(self.moe_layer_time(b, hi)) + shared
+        t_lo = float(np.max(self.moe_layer_time(b, lo))) + shared
+        t_hi = float(np.max(self.moe_layer_time(b, hi))) + shared
         return t_hi / t_lo
+
+    def paper_fixed_cost_s(self, lo: int = 16, hi: int = 128, ratio: float = PAPER_MOE_16_TO_128_SLOWDOWN) -> float:
+        """The per-MoE-layer fixed cost F that makes this model reproduce the paper's measured
+        16 -> 128 slowdown. With v(d) the variable time (experts + shared expert) at the same
+        batch, (F + v(hi)) / (F + v(lo)) = ratio solves in closed form to
+        F = (v(hi) - ratio * v(lo)) / (ratio - 1). It is taken from the paper's measurement,
+        not fitted to any policy; 0 when the model already predicts <= ratio."""
+        if ratio <= 1:
+            raise ValueError(f"ratio must exceed 1, got {ratio}")
+        fixed = self.moe_layer_fixed_s
+        try:
+            self.moe_layer_fixed_s = 0.0
+            m = self.model
+            hi = min(hi, m.num_experts)
+            b = max(1, math.ceil(hi / m.top_k))
+            shared = m.num_shared_experts * self._c["expert_t"]
+            v_lo = float(np.max(self.moe_layer_time(b, lo))) + shared
+            v_hi = float(np.max(self.moe_layer_time(b, hi))) + shared
+        finally:
+            self.moe_layer_fixed_s = fixed
+        return max(0.0, (v_hi - ratio * v_lo) / (ratio - 1.0))
 
     def describe(self) -> dict:
         m, hw = self.model, self.hardware
@@ -204,8 +303,48 @@ class ExecutionModel:
             "bw_efficiency": self.bw_efficiency,
             "flops_efficiency": self.flops_efficiency,
             "step_overhead_ms": round(self._c["overhead"] * 1e3, 3),
+            "moe_layer_fixed_us": round(self.moe_layer_fixed_s * 1e6, 3),
+            "ep": self.ep,
+            "kv_replicated_over_tp": self._c["kv_shards"] < self.tp,
+            "calibrated": self.calibration is not None,
             "offload_cache_experts": self.offload_cache_experts,
         }
+
+
+def _check_calibration(cal: dict) -> dict:
+    out = {}
+    for b, ab in cal.items():
+        a, slope = (float(x) for x in ab)
+        if int(b) < 1 or not (math.isfinite(a) and math.isfinite(slope)) or a < 0 or slope < 0:
+            raise ValueError(f"calibration entry batch {b}: need batch >= 1 and finite a, b >= 0, got {ab}")
+        out[int(b)] = (a, slope)
+    if not out:
+        raise ValueError("the calibration holds no batch sizes")
+    return out
+
+
+def load_calibration(path, model: str, hardware: str | None = None) -> dict:
+    """Read {batch: (a_s, b_s)} for `model` from a calibration file written by
+    benchmarks/gpu_calibrate.py (JSON: {"format": "eldr-moe-calibration/1", "entries": [{"model",
+    "hardware", "batch", "a_s", "b_s", ...}]}). Entries for other models are ignored; a file
+    without the model is an error, never a silent fallback to the roofline."""
+    import json
+    from pathlib import Path
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read calibration file {path}: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != "eldr-moe-calibration/1":
+        raise ValueError(f"{path} is not an eldr-moe-calibration/1 file")
+    cal = {}
+    for e in doc.get("entries", []):
+        if e.get("model") == model and (hardware is None or hardware.lower() in str(e.get("hardware", "")).lower()):
+            cal[int(e["batch"])] = (float(e["a_s"]), float(e["b_s"]))
+    if not cal:
+        have = sorted({(e.get("model"), e.get("hardware")) for e in doc.get("entries", [])})
+        raise ValueError(f"{path} has no calibration for model {model!r}" + (f" on {hardware}" if hardware else "") + f"; it has {have}")
+    return _check_calibration(cal)
 
 
 class ExpertCache:
@@ -235,3 +374,34 @@ class ExpertCache:
             np.put_along_axis(new, keep, True, axis=1)
             self.cached[layers] = new
         return misses
+
+
+# ---------------- the sensitivity band ----------------
+# Until a GPU calibration exists, studies report three execution models. The fixed cost is
+# solved (paper_fixed_cost_s) on the paper's setting, DeepSeek-V3 on one 8-GPU H200 node,
+# and then applied, as seconds per MoE layer, to every model: it stands for kernel-launch-
+# like work (gating, top-k, align) that does not scale with the expert size.
+PAPER_REFERENCE = ("deepseek-v3", "h200")
+# ASSUMPTION (sensitivity only): a step overhead 4x the default 0.5 ms, for stacks without
+# CUDA graphs or an overlapped scheduler; it dilutes every routing gain.
+LARGE_STEP_OVERHEAD_S = 2.0e-3
+SENSITIVITY_VARIANTS = ("default", "paper-fixed", "paper-fixed+overhead")
+
+
+def paper_fixed_cost() -> float:
+    """Seconds per MoE layer that reproduce the paper's 4.7x on its reference setting."""
+    from eldr_sglang.sim.profiles import get_hardware, get_model
+
+    m, hw = PAPER_REFERENCE
+    return ExecutionModel(get_model(m), get_hardware(hw)).paper_fixed_cost_s()
+
+
+def sensitivity_model(variant: str, model: ModelProfile, hardware: HardwareProfile, **kw) -> ExecutionModel:
+    """One member of the sensitivity band (SENSITIVITY_VARIANTS)."""
+    if variant == "default":
+        return ExecutionModel(model, hardware, **kw)
+    if variant == "paper-fixed":
+        return ExecutionModel(model, hardware, moe_layer_fixed_s=paper_fixed_cost(), **kw)
+    if variant == "paper-fixed+overhead":
+        return ExecutionModel(model, hardware, moe_layer_fixed_s=paper_fixed_cost(), step_overhead_s=LARGE_STEP_OVERHEAD_S, **kw)
+    raise ValueError(f"unknown cost-model variant {variant!r}; choose from {', '.join(SENSITIVITY_VARIANTS)}")

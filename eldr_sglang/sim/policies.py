@@ -1,7 +1,7 @@
 """Decode-routing policies of the simulator.
 
 Every non-oracle policy is the Rust `Router` the real router runs (random, round_robin,
-shortest_queue, power_of_two, eldr); the simulator only feeds it prefill signatures and
+shortest_queue, power_of_two, eldr, locality); the simulator only feeds it prefill signatures and
 keeps its in-flight counts with `acquire`/`release`. The oracle routes by domain label and
 exists for reference only: it is the one place labels enter the simulator, and they are
 handed to it explicitly (see `make_policy`).
@@ -16,7 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 BASELINES = ("random", "round_robin", "shortest_queue", "power_of_two")
-POLICY_NAMES = BASELINES + ("eldr", "oracle")
+POLICY_NAMES = BASELINES + ("eldr", "locality", "oracle")
+# policies that take a bounded-load factor (name/F)
+BOUNDED = ("eldr", "locality")
 
 
 def _core():
@@ -45,9 +47,13 @@ class RouterPolicy:
         signatures: np.ndarray | None = None,
         valid: np.ndarray | None = None,
         load_factor: float | None = None,
+        profiles: list | None = None,
     ):
         core = _core()
         self.name = name
+        if name == "locality" and profiles is None:
+            raise ValueError("policy locality needs the requests' expert profiles")
+        self.profiles = profiles
         if name == "eldr":
             if centroids is None:
                 raise ValueError("policy eldr needs a centroid file (--centroids)")
@@ -59,7 +65,7 @@ class RouterPolicy:
             centroids=centroids if name == "eldr" else None,
             tau=tau if name == "eldr" else None,
             seed=seed,
-            load_factor=load_factor if name == "eldr" else None,
+            load_factor=load_factor if name in BOUNDED else None,
         )
         if self.router.num_workers != num_workers:
             raise ValueError(
@@ -73,9 +79,15 @@ class RouterPolicy:
         if self.name == "eldr":
             sig = self.signatures[trace_r] if self.valid is None or self.valid[trace_r] else None
             return int(self.router.route_signature(sig))
+        if self.profiles is not None:
+            self._last = trace_r
+            return int(self.router.route_profile(self.profiles[trace_r]))
         return int(self.router.route_signature(None))
 
-    def acquire(self, worker: int, tokens: int):
+    def acquire(self, worker: int, tokens: int, trace_r: int | None = None):
+        if self.profiles is not None:
+            r = self._last if trace_r is None else trace_r
+            return self.router.acquire(worker, tokens, profile=self.profiles[r])
         return self.router.acquire(worker, tokens)
 
     def loads(self) -> list[int]:
@@ -151,6 +163,7 @@ def make_policy(
     labels: np.ndarray | None = None,
     signatures: tuple[np.ndarray, np.ndarray] | None = None,
     load_factor: float | None = None,
+    profiles: list | None = None,
 ):
     """Build a policy. Only 'oracle' takes `labels`; passing labels to any other policy is
     an error, so no baseline or ELDR can read them."""
@@ -169,8 +182,13 @@ def make_policy(
         if signatures is None:
             signatures = eldr_signatures(replay, centroids)
         sig, valid = signatures
-    return RouterPolicy(name, num_workers, centroids=centroids, tau=tau, seed=seed, signatures=sig, valid=valid,
-                        load_factor=load_factor)
+    if name == "locality" and profiles is None:
+        if replay is None:
+            raise ValueError("policy locality needs the trace (for its prompts' expert counts)")
+        profiles = replay.expert_profiles()
+    return RouterPolicy(name, num_workers, centroids=centroids, tau=tau if name == "eldr" else None, seed=seed,
+                        signatures=sig, valid=valid, load_factor=load_factor,
+                        profiles=profiles if name == "locality" else None)
 
 
 def eldr_signatures(replay, centroids: str) -> tuple[np.ndarray, np.ndarray]:

@@ -90,6 +90,41 @@ class TraceReplay:
         ([R, D] float32, [R] valid)."""
         return spec.batch_from_topk(self.expert_ids, self.trace.req_offsets.astype(np.int64), self.prompt_len)
 
+    def decode_trace(self) -> Trace:
+        """The trace with each request's decode rows as its whole prompt: fitting and signing
+        it gives what a clairvoyant router that knew the decode-time routing would use (the
+        protocol's upper bound). Request order and domains are kept."""
+        rows = np.concatenate([np.arange(s, s + n) for s, n in zip(self.dec_start.tolist(), self.dec_len.tolist())])
+        off = np.zeros(self.num_requests + 1, np.int64)
+        np.cumsum(self.dec_len, out=off[1:])
+        t = self.trace
+        return Trace(expert_ids=np.ascontiguousarray(self.expert_ids[rows]), req_offsets=off,
+                     prefill_len=self.dec_len.astype(t.prefill_len.dtype), meta=dict(t.meta), domain=t.domain,
+                     subdomain=t.subdomain, arrival_s=t.arrival_s)
+
+    def decode_signatures(self, spec) -> tuple[np.ndarray, np.ndarray]:
+        """Signatures from each request's decode rows instead of its prompt (see decode_trace)."""
+        d = self.decode_trace()
+        return spec.batch_from_topk(d.expert_ids, d.req_offsets, None)
+
+    def expert_profiles(self) -> list:
+        """Per request, its prompt's expert profile for the locality balancer (Rust
+        ExpertProfile: counts of prompt tokens per (layer, expert) over the prompt length)."""
+        cached = getattr(self, "_profiles", None)
+        if cached is not None:
+            return cached
+        from eldr_sglang._core import ExpertProfile, count_topk
+
+        L, E = self.num_layers, self.num_experts
+        out = []
+        off = self.trace.req_offsets.astype(np.int64)
+        for r in range(self.num_requests):
+            c = np.asarray(count_topk(np.ascontiguousarray(self.expert_ids[off[r] : off[r] + self.prompt_len[r]]), E)).ravel()
+            nz = np.flatnonzero(c)
+            out.append(ExpertProfile(L, E, nz.astype(np.int64), c[nz].astype(np.float64), max(int(self.prompt_len[r]), 1)))
+        self._profiles = out
+        return out
+
     def signature(self, spec, r: int) -> np.ndarray | None:
         """Request r's prefill signature, or None when it has no usable one."""
         from eldr_sglang._core import NoSignature

@@ -3,14 +3,15 @@ simulate`, `eldr demo` and the benchmarks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from eldr_sglang.sim.cluster import ClusterConfig, SimResult, simulate
 from eldr_sglang.sim.cost_model import PAPER_MOE_16_TO_128_SLOWDOWN, ExecutionModel
 from eldr_sglang.sim.metrics import compute_metrics
-from eldr_sglang.sim.policies import POLICY_NAMES, eldr_signatures, make_policy
+from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_TAU
+from eldr_sglang.sim.policies import BOUNDED, POLICY_NAMES, eldr_signatures, make_policy
 from eldr_sglang.sim.replay import TraceReplay
 from eldr_sglang.sim.workload import Workload
 
@@ -21,20 +22,39 @@ class PolicySpec:
     policy: str
     tau: float | None = None
     load_factor: float | None = None  # ELDR with bounded loads; None = the paper's rule
+    # bounds, not policies: "perfect" = every layer of every step touches top_k experts (routing
+    # by shortest queue); "clairvoyant" = ELDR with signatures from the decode rows
+    bound: str | None = None
+
+
+BOUNDS = {"perfect_overlap": "perfect", "clairvoyant": "clairvoyant"}
 
 
 def parse_policies(text: str, tau: float | None = None, load_factor: float | None = None) -> list[PolicySpec]:
-    """'random,shortest_queue,eldr,eldr@0.3,eldr/0.05,oracle' -> specs.
+    """'random,shortest_queue,eldr,eldr@0.3,eldr/0.05,locality/0.05,oracle,default' -> specs.
 
-    eldr@T sets tau=T; eldr/F (or eldr@T/F) sets the bounded-load factor F (a worker is a
-    candidate only below ceil((1+F) x mean load + 1)); `tau` and `load_factor` are the
-    defaults for a plain `eldr`."""
+    eldr@T sets tau=T; eldr/F (or eldr@T/F, locality/F) sets the bounded-load factor F (a
+    worker is a candidate only below ceil((1+F) x (total+1) / K)); `tau` and `load_factor` are
+    the defaults for a plain `eldr`. `default` is the router's default (eldr_sglang.defaults).
+    Two bounds may be listed too: `perfect_overlap` and `clairvoyant[@T][/F]` (ELDR fed the
+    decode-time routing it cannot know)."""
     specs = []
     for raw in text.split(","):
         name = raw.strip()
         if not name:
             continue
         t, lf = tau, load_factor
+        bound = None
+        if name == "default":
+            name = DEFAULT_POLICY + (f"/{DEFAULT_LOAD_FACTOR:g}" if DEFAULT_LOAD_FACTOR is not None else "")
+            raw = name
+            t = DEFAULT_TAU if tau is None else tau
+        if name == "perfect_overlap":
+            specs.append(PolicySpec("perfect_overlap", "shortest_queue", bound="perfect"))
+            continue
+        if name.startswith("clairvoyant"):
+            bound = "clairvoyant"
+            name = "eldr" + name[len("clairvoyant"):]
         if "/" in name:
             name, _, fv = name.partition("/")
             try:
@@ -43,8 +63,8 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
                 raise ValueError(f"bad load factor in policy {raw!r}: use eldr/0.05") from None
             if not (lf >= 0 and np.isfinite(lf)):
                 raise ValueError(f"load factor must be finite and >= 0 in {raw!r}")
-            if name.partition("@")[0] != "eldr":
-                raise ValueError(f"only eldr takes /load_factor, got {raw!r}")
+            if name.partition("@")[0] not in BOUNDED:
+                raise ValueError(f"only {' and '.join(BOUNDED)} take /load_factor, got {raw!r}")
         if "@" in name:
             name, _, tv = name.partition("@")
             try:
@@ -56,7 +76,9 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
         label = raw.strip() if ("@" in raw or "/" in raw) else name
-        specs.append(PolicySpec(label, name, t, lf if name == "eldr" else None))
+        if bound == "clairvoyant":
+            label = raw.strip()
+        specs.append(PolicySpec(label, name, t, lf if name in BOUNDED else None, bound))
     if not specs:
         raise ValueError("no policies given")
     labels = [s.label for s in specs]
@@ -78,11 +100,15 @@ def run_comparison(
     keep_results: bool = False,
     signatures: tuple[np.ndarray, np.ndarray] | None = None,
     warmup_frac: float = 0.0,
+    clairvoyant: tuple[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[dict[str, dict], dict[str, SimResult]]:
     """Simulate each policy on the same workload. Domain labels are read from the trace only
-    for the oracle, and only here."""
+    for the oracle, and only here. `clairvoyant` = (centroid file fitted on decode-row
+    signatures, those signatures) for the clairvoyant bound; without it the bound signs the
+    decode rows against the prompt-fitted `centroids`."""
     out: dict[str, dict] = {}
     results: dict[str, SimResult] = {}
+    dec_sigs = None
     for spec in specs:
         labels = None
         if spec.policy == "oracle":
@@ -93,12 +119,22 @@ def run_comparison(
             if centroids is None:
                 raise ValueError("policy eldr needs a centroid file (--centroids)")
             signatures = eldr_signatures(replay, centroids)
+        sigs = signatures if spec.policy == "eldr" else None
+        cpath = centroids
+        if spec.bound == "clairvoyant" and clairvoyant is not None:
+            cpath, sigs = clairvoyant
+        elif spec.bound == "clairvoyant":
+            if dec_sigs is None:
+                from eldr_sglang._core import CentroidSet
+
+                dec_sigs = replay.decode_signatures(CentroidSet.open(str(centroids)).spec())
+            sigs = dec_sigs
         pol = make_policy(
-            spec.policy, config.num_decode, replay=replay, centroids=centroids, tau=spec.tau,
-            seed=seed, labels=labels, signatures=signatures if spec.policy == "eldr" else None,
-            load_factor=spec.load_factor,
+            spec.policy, config.num_decode, replay=replay, centroids=cpath, tau=spec.tau,
+            seed=seed, labels=labels, signatures=sigs, load_factor=spec.load_factor,
         )
-        res = simulate(replay, workload, pol, model, config, progress=progress, progress_desc=spec.label)
+        cfg = replace(config, perfect_overlap=True) if spec.bound == "perfect" else config
+        res = simulate(replay, workload, pol, model, cfg, progress=progress, progress_desc=spec.label)
         res.policy = spec.label
         out[spec.label] = compute_metrics(res, warmup_frac=warmup_frac)
         if keep_results:

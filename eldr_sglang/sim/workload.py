@@ -65,12 +65,17 @@ def make_workload(
     rate: float | None = None,
     cv: float = 3.0,
     seed: int = 0,
+    context_len: int | None = None,
 ) -> Workload:
     """Build a workload over a TraceReplay.
 
     `requests`: trace request indices to replay (array), a count N (the trace's requests in
     order, wrapping around when N exceeds the trace), or None for every request once.
     `output_len`: fixed output tokens per request; None uses each request's recorded length.
+    `context_len`: simulated prompt tokens per request (KV cache, attention reads, prefill and
+    KV transfer time); None uses the recorded prompt length. The routing signature is always
+    computed from the recorded prompt rows, so this sets only the attention load (the shared
+    traces' prompts are short: median 36-75 tokens).
     """
     rng = np.random.default_rng(seed)
     R = replay.num_requests
@@ -100,6 +105,10 @@ def make_workload(
         out = np.full(n, int(output_len), dtype=np.int64)
     cycled = bool(np.any(out - 1 > replay.dec_len[idx]))
     prompt = replay.prompt_len[idx].astype(np.int64)
+    if context_len is not None:
+        if context_len < 1:
+            raise ValueError(f"context length must be at least 1, got {context_len}")
+        prompt = np.full(n, int(context_len), dtype=np.int64)
 
     if arrival == "closed":
         if not concurrency or concurrency < 1:

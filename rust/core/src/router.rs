@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
-use crate::policies::{make_policy, Decision, Policy, Reason, RouteContext};
+use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext};
 use crate::queue::QueueTracker;
 use crate::signature::NoSignature;
 use crate::store::CentroidStore;
@@ -94,6 +94,9 @@ impl Router {
     pub fn policy_name(&self) -> &'static str {
         self.policy.name()
     }
+    pub fn policy(&self) -> &dyn Policy {
+        self.policy.as_ref()
+    }
     pub fn num_workers(&self) -> usize {
         self.tracker.num_workers()
     }
@@ -142,6 +145,14 @@ impl Router {
     where
         F: FnOnce(&CentroidSet) -> Result<Vec<f64>, NoSignature>,
     {
+        self.route_profiled(distances_of, None, explain)
+    }
+
+    /// [`Router::route`] with the request's expert profile (read by the locality balancer).
+    pub fn route_profiled<F>(&self, distances_of: F, profile: Option<&ExpertProfile>, explain: bool) -> Result<Routed, RouteError>
+    where
+        F: FnOnce(&CentroidSet) -> Result<Vec<f64>, NoSignature>,
+    {
         let mut loads = Vec::with_capacity(self.num_workers());
         let mut healthy = Vec::with_capacity(self.num_workers());
         self.tracker.loads_into(&mut loads);
@@ -164,7 +175,7 @@ impl Router {
             }
         }
         let load_factor = self.load_factor();
-        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, load_factor, explain };
+        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, load_factor, profile, explain };
         let decision = self.policy.choose(&ctx);
         if decision.worker.is_none() {
             return Err(RouteError::NoHealthyWorker);

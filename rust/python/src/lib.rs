@@ -9,8 +9,8 @@ use eldr_core::experts::{self, ExpertId};
 use eldr_core::router::Routed;
 use eldr_core::distance::{self, Counts};
 use eldr_core::limits;
-use eldr_core::{BuildError, CentroidSet, CentroidWriter, CountValue, LoadGuard, NoSignature, RouteError, SignatureSpec, SizeError, SparseIndex, SparseSignature};
-use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use eldr_core::{BuildError, CentroidSet, CentroidWriter, CountValue, ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError, SignatureSpec, SizeError, SparseIndex, SparseSignature};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -413,6 +413,8 @@ impl PyDecision {
 #[pyclass(name = "Lease", module = "eldr_sglang._core", frozen)]
 struct PyLease {
     guard: LoadGuard,
+    /// The locality balancer's count of the request's experts, released with the lease.
+    experts: Option<ExpertGuard>,
 }
 
 #[pymethods]
@@ -430,18 +432,47 @@ impl PyLease {
         self.guard.is_released()
     }
     fn release(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.guard.release())
+        py.detach(|| {
+            if let Some(e) = &self.experts {
+                e.release();
+            }
+            self.guard.release()
+        })
     }
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        py.detach(|| self.guard.release());
+        self.release(py);
         false
     }
     fn __repr__(&self) -> String {
         format!("Lease(worker={}, tokens={}, released={})", self.worker(), self.tokens(), self.released())
+    }
+}
+
+/// A request's expected expert use per decode token, from its prompt's counts (the locality
+/// balancer's input): `index` flat `l * num_experts + e`, `counts` prompt tokens that chose it.
+#[pyclass(name = "ExpertProfile", module = "eldr_sglang._core", frozen)]
+struct PyExpertProfile {
+    inner: Arc<ExpertProfile>,
+}
+
+#[pymethods]
+impl PyExpertProfile {
+    #[new]
+    fn new(num_layers: usize, num_experts: usize, index: PyReadonlyArray1<'_, i64>, counts: PyReadonlyArray1<'_, f64>, tokens: u64) -> PyResult<Self> {
+        let idx: Vec<u64> = index.as_array().iter().map(|&i| if i < 0 { u64::MAX } else { i as u64 }).collect();
+        let c = counts.as_array().to_vec();
+        ExpertProfile::from_sparse(num_layers, num_experts, &idx, &c, tokens).map(|p| PyExpertProfile { inner: Arc::new(p) }).map_err(PyValueError::new_err)
+    }
+    #[getter]
+    fn experts_per_layer(&self) -> f64 {
+        self.inner.experts_per_layer()
+    }
+    fn __repr__(&self) -> String {
+        format!("ExpertProfile(layers={}, experts={}, experts_per_layer={:.2})", self.inner.layers(), self.inner.experts(), self.inner.experts_per_layer())
     }
 }
 
@@ -594,13 +625,26 @@ impl PyRouter {
         let r = py.detach(|| self.inner.route(|_| Err(why), explain));
         self.finish(py, r, explain)
     }
+    /// Route by the request's expert profile (the locality balancer; other policies ignore it
+    /// and route as with no signature).
+    #[pyo3(signature = (profile, explain=false))]
+    fn route_profile(&self, py: Python<'_>, profile: &PyExpertProfile, explain: bool) -> PyResult<Py<PyAny>> {
+        let inner = &profile.inner;
+        let r = py.detach(|| self.inner.route_profiled(|_| Err(NoSignature::Missing), Some(inner), explain));
+        self.finish(py, r, explain)
+    }
     /// Count one request on `worker` (GIL released: the counters are atomics, so threads
-    /// really do acquire and release concurrently).
-    #[pyo3(signature = (worker, tokens=0))]
-    fn acquire(&self, py: Python<'_>, worker: usize, tokens: i64) -> PyResult<PyLease> {
+    /// really do acquire and release concurrently); with `profile`, the locality balancer also
+    /// counts its experts there until the lease is released.
+    #[pyo3(signature = (worker, tokens=0, profile=None))]
+    fn acquire(&self, py: Python<'_>, worker: usize, tokens: i64, profile: Option<&PyExpertProfile>) -> PyResult<PyLease> {
         self.check_worker(worker)?;
+        let experts = match profile {
+            Some(p) => self.inner.policy().track(self.inner.num_workers(), worker, Arc::clone(&p.inner)).transpose().map_err(PyValueError::new_err)?,
+            None => None,
+        };
         let tracker = self.inner.tracker();
-        Ok(PyLease { guard: py.detach(|| tracker.acquire(worker, tokens)) })
+        Ok(PyLease { guard: py.detach(|| tracker.acquire(worker, tokens)), experts })
     }
     fn loads(&self) -> Vec<i64> {
         let mut v = Vec::new();
@@ -672,6 +716,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCentroidSet>()?;
     m.add_class::<PyDecision>()?;
     m.add_class::<PyLease>()?;
+    m.add_class::<PyExpertProfile>()?;
     m.add_class::<PyRouter>()?;
     m.add_function(wrap_pyfunction!(count_topk, m)?)?;
     m.add_function(wrap_pyfunction!(distinct_per_layer, m)?)?;

@@ -9,7 +9,7 @@
 //! band rule then runs over the candidates. The least-loaded worker is always a candidate, so
 //! no worker ever exceeds (1 + f) times the mean load plus one.
 
-use super::{shortest_healthy, Decision, Policy, Reason, RouteContext};
+use super::{load_cap, shortest_healthy, Decision, Policy, Reason, RouteContext};
 
 pub struct Eldr;
 
@@ -26,10 +26,7 @@ impl Policy for Eldr {
         let Some(d) = ctx.distances else {
             return Decision { worker: shortest_healthy(ctx.loads, ctx.healthy), reason: ctx.fallback, d_star: None, band: None };
         };
-        let cap = ctx.load_factor.map(|f| {
-            let (n, total) = (0..d.len()).filter(|&k| ctx.healthy[k]).fold((0i64, 0i64), |(n, t), k| (n + 1, t + ctx.loads[k]));
-            ((1.0 + f) * (total + 1) as f64 / n.max(1) as f64).ceil() as i64
-        });
+        let cap = ctx.load_factor.map(|f| load_cap(ctx, f));
         let eligible = |k: usize| ctx.healthy[k] && cap.is_none_or(|c| ctx.loads[k] < c);
         let d_star = (0..d.len()).filter(|&k| eligible(k)).map(|k| d[k]).fold(f64::INFINITY, f64::min);
         if !d_star.is_finite() {

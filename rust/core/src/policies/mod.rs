@@ -5,20 +5,25 @@
 //! testable on constructed cases and shared verbatim by the router service and simulator.
 
 mod eldr;
+mod locality;
 mod power_of_two;
 mod random;
 mod round_robin;
 mod shortest_queue;
 
 pub use eldr::Eldr;
+pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use shortest_queue::ShortestQueue;
 
+use std::sync::Arc;
+
 use crate::signature::NoSignature;
 
-pub const POLICY_NAMES: [&str; 5] = ["eldr", "random", "round_robin", "shortest_queue", "power_of_two"];
+pub const POLICY_NAMES: [&str; 6] = ["eldr", "locality", "random", "round_robin", "shortest_queue", "power_of_two"];
+
 
 /// Why a worker was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -55,6 +60,8 @@ pub struct RouteContext<'a> {
     /// ELDR with bounded loads: only workers below `ceil((1 + f) * (total load + 1) / healthy)`
     /// are candidates. None = the paper's band rule exactly.
     pub load_factor: Option<f64>,
+    /// The request's expert profile from its prompt counts (the locality balancer's input).
+    pub profile: Option<&'a ExpertProfile>,
     /// Fill in the band (costs an allocation); off on the hot path.
     pub explain: bool,
 }
@@ -80,6 +87,15 @@ pub trait Policy: Send + Sync {
     fn uses_signature(&self) -> bool {
         false
     }
+    /// Whether the policy reads `RouteContext::profile` and tracks profiles on acquire.
+    fn uses_profile(&self) -> bool {
+        false
+    }
+    /// Count `profile` on `worker` while the request is in flight (the guard releases it).
+    /// None: the policy keeps no per-request state.
+    fn track(&self, _num_workers: usize, _worker: usize, _profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, String>> {
+        None
+    }
     fn choose(&self, ctx: &RouteContext) -> Decision;
 }
 
@@ -87,12 +103,20 @@ pub trait Policy: Send + Sync {
 pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, String> {
     Ok(match name {
         "eldr" => Box::new(Eldr),
+        "locality" => Box::new(Locality::default()),
         "random" => Box::new(Random::new(seed)),
         "round_robin" => Box::new(RoundRobin::default()),
         "shortest_queue" => Box::new(ShortestQueue),
         "power_of_two" => Box::new(PowerOfTwo::new(seed)),
         other => return Err(format!("unknown policy {other:?}; choose one of {}", POLICY_NAMES.join(", "))),
     })
+}
+
+/// Bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): a worker is a candidate only
+/// below `ceil((1 + f) * (total + 1) / healthy workers)` in-flight requests.
+pub(crate) fn load_cap(ctx: &RouteContext, f: f64) -> i64 {
+    let (n, total) = (0..ctx.loads.len()).filter(|&k| ctx.healthy[k]).fold((0i64, 0i64), |(n, t), k| (n + 1, t + ctx.loads[k]));
+    ((1.0 + f) * (total + 1) as f64 / n.max(1) as f64).ceil() as i64
 }
 
 /// Healthy worker with the fewest in-flight requests; ties to the lower index.
