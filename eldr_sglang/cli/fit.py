@@ -7,6 +7,7 @@ import json
 import sys
 
 from eldr_sglang.cli import CliError
+from eldr_sglang.cli import args as A
 
 
 def register(subparsers) -> None:
@@ -20,19 +21,19 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("trace", help="ELDR trace (.npz, format version 1)")
-    p.add_argument("--workers", "-k", type=int, required=True, help="number of decode workers K")
+    p.add_argument("--workers", "-k", type=A.workers, required=True, help="number of decode workers K")
     p.add_argument("--out", "-o", required=True, help="centroid file to write (.eldr)")
-    p.add_argument("--tau", type=float, default=0.1, help="locality band width stored in the file (default 0.1)")
+    p.add_argument("--tau", type=A.tau, default=0.1, help="locality band width stored in the file (default 0.1)")
     p.add_argument(
         "--layers",
         default="middle",
         help="middle | all | auto | LIST such as 4-12,15 or 6:0.5,7-10 (default middle)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the k-means++ restarts (default 0)")
-    p.add_argument("--restarts", type=int, default=4, help="seeded k-means++ restarts (default 4)")
-    p.add_argument("--max-iter", type=int, default=50, help="k-means iterations per restart (default 50)")
+    p.add_argument("--seed", type=A.seed, default=0, help="seed of the k-means++ restarts (default 0)")
+    p.add_argument("--restarts", type=A.integer(1, 1000), default=4, help="seeded k-means++ restarts (default 4)")
+    p.add_argument("--max-iter", type=A.integer(1, 100_000), default=50, help="k-means iterations per restart (default 50)")
     p.add_argument(
-        "--tol", type=float, default=1e-5, help="stop when an iteration improves the objective by at most this share (default 1e-5)"
+        "--tol", type=A.real(0.0, 1.0), default=1e-5, help="stop when an iteration improves the objective by at most this share (default 1e-5)"
     )
     p.add_argument("--no-idf-plus-one", action="store_true", help="use log((|C|+1)/(df+1)) without the +1")
     p.add_argument("--worker-names", help="comma-separated names of the K decode workers, in order")

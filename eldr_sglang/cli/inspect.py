@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from eldr_sglang.cli import args as A
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -16,7 +18,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("centroids", help="centroid file (.eldr)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--top", type=int, default=5, help="top (layer, expert) entries shown per worker (default 5)")
+    p.add_argument("--top", type=A.integer(0, 100_000), default=5, help="top (layer, expert) entries shown per worker (default 5)")
     p.set_defaults(func=run)
 
 

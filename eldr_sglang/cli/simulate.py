@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eldr_sglang.cli import args as A
+
 DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr"
 
 
@@ -20,46 +22,34 @@ def register(sub) -> None:
     )
     p.add_argument("--trace", help="ELDR trace (.npz)")
     p.add_argument("--centroids", help="centroid file from `eldr fit` (needed by eldr)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
+    p.add_argument("--policies", type=A.policies, default=DEFAULT_POLICIES,
                    help=f"comma list of random, round_robin, shortest_queue, power_of_two, eldr, eldr@TAU, oracle (default {DEFAULT_POLICIES})")
-    p.add_argument("--tau", type=float, default=None, help="ELDR band width (default: the centroid file's)")
-    p.add_argument("--eldr-load-factor", type=float, default=None, metavar="F",
+    p.add_argument("--tau", type=A.tau, default=None, help="ELDR band width (default: the centroid file's)")
+    p.add_argument("--eldr-load-factor", type=A.load_factor, default=None, metavar="F",
                    help="ELDR with bounded loads: a worker is a candidate only below (1+F) x mean load + 1 "
                         "(default: off, the paper's rule; per policy: eldr/F)")
     p.add_argument("--model", help="model profile (default: from the trace's meta_json.model)")
     p.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
-    p.add_argument("--tp", type=int, default=0, help="GPUs per worker (default: fewest that hold the weights)")
-    p.add_argument("--workers", type=int, default=0, help="decode workers K (default: the centroid file's, else 8)")
-    p.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (default: K)")
-    p.add_argument("--max-running", type=int, default=256, help="max running requests per decode worker")
+    p.add_argument("--tp", type=A.integer(0, 1024), default=0, help="GPUs per worker (default: fewest that hold the weights)")
+    p.add_argument("--workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="decode workers K (default: the centroid file's, else 8)")
+    p.add_argument("--prefill-workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="prefill workers (default: K)")
+    p.add_argument("--max-running", type=A.integer(1, 1_000_000), default=256, help="max running requests per decode worker")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", help="closed loop: concurrent clients (a comma list sweeps load)")
-    load.add_argument("--rate", help="open loop: requests/s (a comma list sweeps load)")
+    load.add_argument("--concurrency", type=A.listed(A.integer(1, 10_000_000)), help="closed loop: concurrent clients (a comma list sweeps load)")
+    load.add_argument("--rate", type=A.listed(A.real(0.0, 1e9, lo_open=True)), help="open loop: requests/s (a comma list sweeps load)")
     p.add_argument("--arrival", choices=["poisson", "bursty", "trace"], default=None,
                    help="open-loop arrival process (default poisson with --rate; trace = the trace's arrival_s)")
-    p.add_argument("--requests", type=int, default=0, help="simulated requests (default: every trace request once; more wrap around)")
-    p.add_argument("--output-len", type=int, default=0, help="output tokens per request (default: as recorded)")
+    p.add_argument("--requests", type=A.integer(0, A.MAX_REQUESTS), default=0, help="simulated requests (default: every trace request once; more wrap around)")
+    p.add_argument("--output-len", type=A.integer(0, A.MAX_TOKENS), default=0, help="output tokens per request (default: as recorded)")
     p.add_argument("--order", choices=["trace", "shuffle"], default="trace", help="request order (default: the trace's)")
-    p.add_argument("--offload-experts", type=int, default=0, metavar="C",
+    p.add_argument("--offload-experts", type=A.integer(0, A.MAX_EXPERTS), default=0, metavar="C",
                    help="expert-offload mode: GPU cache of C experts per MoE layer (LRU), misses over PCIe")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=A.seed, default=0)
     p.add_argument("--json", help="write the summary JSON here")
     p.add_argument("--plot", help="write a PNG here (TPOT vs load when sweeping)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list-profiles", action="store_true", help="list model and hardware profiles and exit")
     p.set_defaults(func=run)
-
-
-def _loads(text: str | None, kind) -> list:
-    if text is None:
-        return []
-    try:
-        vals = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"bad load list {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"load values must be positive, got {text!r}")
-    return vals
 
 
 def list_profiles() -> str:
@@ -120,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(num_decode=K, num_prefill=args.prefill_workers, max_running=args.max_running)
     replay = TraceReplay(trace)
 
-    conc = _loads(args.concurrency, int)
-    rates = _loads(args.rate, float)
+    conc = list(args.concurrency or [])  # parsed and checked by argparse
+    rates = list(args.rate or [])
     if conc:
         points = [("closed", c) for c in conc]
     elif rates:
