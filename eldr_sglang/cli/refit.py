@@ -104,7 +104,7 @@ def run_check(args) -> int:
     from eldr_sglang.drift.monitor import DriftMonitor
 
     cs, S, valid, req = _signatures(args.centroids, args.trace, args.requests)
-    m = DriftMonitor(cs.provenance_json, window=args.window, d_shift_threshold=args.d_shift, js_threshold=args.js,
+    m = DriftMonitor(cs.provenance_json, num_workers=int(cs.num_workers), window=args.window, d_shift_threshold=args.d_shift, js_threshold=args.js,
                      patience=args.patience, history=1 << 20)
     C = np.asarray(cs.centroids())
     first = None
