@@ -81,6 +81,9 @@ CASES = [
     ("drift-check", "--d-shift", ["0", *POS_REALS]),
     ("drift-check", "--js", ["0", "2", "nan"]),
     ("drift-check", "--patience", ["0", HUGE_INT]),
+    ("synth", "--max-memory", ["0", "-1", "x", "1e400"]),
+    ("fit", "--max-memory", ["0", "-1G", "nan"]),
+    ("simulate", "--max-memory", ["0", "inf"]),
 ]
 
 
@@ -110,6 +113,6 @@ def test_every_numeric_flag_is_in_the_table():
             flag = next((o for o in a.option_strings if o.startswith("--")), None)
             if flag and a.type in (int, float):
                 missing.append((cmd, flag, "plain int/float type"))
-            elif flag and a.type is not None and getattr(a.type, "__name__", "") in ("integer", "number", "list", "policies", "_length", "_layers") and (cmd, flag) not in covered:
+            elif flag and a.type is not None and getattr(a.type, "__name__", "") in ("integer", "number", "list", "policies", "size", "_length", "_layers") and (cmd, flag) not in covered:
                 missing.append((cmd, flag))
     assert not missing, missing

@@ -99,6 +99,21 @@ def policies(text: str) -> str:
     return text
 
 
+def size(text: str) -> int:
+    """A memory size such as 512M or 8G."""
+    from eldr_sglang.memory import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_max_memory(parser) -> None:
+    parser.add_argument("--max-memory", type=size, default=None, metavar="SIZE",
+                        help="refuse runs estimated to need more than SIZE, e.g. 8G (default: the memory available)")
+
+
 seed = integer(0, MAX_SEED)
 workers = integer(1, MAX_WORKERS)
 tau = real(0.0, 2.0)  # a cosine distance band: 1 - cos lies in [0, 2]

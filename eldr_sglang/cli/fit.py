@@ -6,6 +6,8 @@ import contextlib
 import json
 import sys
 
+import numpy as np
+
 from eldr_sglang.cli import CliError
 from eldr_sglang.cli import args as A
 
@@ -39,7 +41,32 @@ def register(subparsers) -> None:
     p.add_argument("--worker-names", help="comma-separated names of the K decode workers, in order")
     p.add_argument("--json", dest="json_out", help="also write the full report as JSON to this path")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
+
+
+def _check_memory(args) -> None:
+    from eldr_sglang import memory
+    from eldr_sglang.offline.fit import PROFILE_SAMPLE
+    from eldr_sglang.offline.signatures import DEFAULT_CHUNK_TOKENS
+    from eldr_sglang.offline.layers import middle_band, parse_layers
+
+    shape = memory.trace_shape(args.trace)
+    if shape is None:
+        return  # unreadable: load_trace says why
+    E = memory.meta_int(memory.trace_meta(args.trace), "num_experts", 1)
+    spec = args.layers.strip().lower()
+    if spec == "middle":
+        selected = int(np.count_nonzero(middle_band(shape.layers)))
+    elif spec == "all":
+        selected = shape.layers
+    else:  # auto picks at least one layer; a bad list is reported by the fit itself
+        try:
+            selected = 1 if spec == "auto" else int(np.count_nonzero(parse_layers(args.layers, shape.layers)))
+        except ValueError:
+            selected = 1
+    memory.require(memory.fit_bytes(shape, E, selected, PROFILE_SAMPLE, DEFAULT_CHUNK_TOKENS),
+                   f"fit of {shape.requests} requests x {selected} layers x {E} experts", args.max_memory)
 
 
 def run(args) -> int:
@@ -63,6 +90,7 @@ def run(args) -> int:
         names = [n.strip() for n in args.worker_names.split(",")]
         if len(names) != args.workers or any(not n for n in names):
             raise CliError(f"--worker-names needs {args.workers} non-empty names, got {args.worker_names!r}")
+    _check_memory(args)
     trace = load_trace(args.trace)
     res = fit_trace(
         trace,

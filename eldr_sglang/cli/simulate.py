@@ -49,6 +49,7 @@ def register(sub) -> None:
     p.add_argument("--plot", help="write a PNG here (TPOT vs load when sweeping)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list-profiles", action="store_true", help="list model and hardware profiles and exit")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
 
 
@@ -69,6 +70,21 @@ def list_profiles() -> str:
             f"BF16 {h.bf16_flops / 1e12:.0f} / FP8 {h.fp8_flops / 1e12:.0f} TFLOP/s dense, host link {h.host_link_bw / 1e9:.0f} GB/s"
         )
     return "\n".join(lines)
+
+
+def _check_memory(args) -> None:
+    from eldr_sglang import memory
+
+    shape = memory.trace_shape(args.trace)
+    if shape is None:
+        return  # unreadable: load_trace says why
+    dim = 0
+    if args.centroids:
+        from eldr_sglang._core import CentroidSet
+
+        dim = CentroidSet.open(args.centroids).dim
+    n = args.requests or shape.requests
+    memory.require(memory.simulate_bytes(shape, dim, n), f"simulation of {n} requests", args.max_memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     # before any work: neither output may replace a non-regular file, an input, or the other
     check_outputs([("--json", args.json), ("--plot", args.plot)], inputs=[("--trace", args.trace), ("--centroids", args.centroids)])
     specs = parse_policies(args.policies, args.tau, args.eldr_load_factor)
+    _check_memory(args)
     trace = load_trace(args.trace)
     model = get_model(args.model or trace.model)
     hw = get_hardware(args.hardware)

@@ -47,6 +47,7 @@ def register(subparsers) -> None:
     p.add_argument("--rate", type=A.real(0.0, 1e9, lo_open=True), default=4.0, help="mean arrival rate, requests/s (default 4)")
     p.add_argument("--out", required=True, help="output trace (.npz), written atomically")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
 
 
@@ -58,7 +59,14 @@ def run(args) -> int:
 
     if args.requests < 1:
         raise ValueError("--requests must be >= 1")
+    from eldr_sglang import memory
+
     check_output(args.out, what="--out", create_parent=True)  # before the generation, not after
+    shape = MODEL_SHAPES[args.model]
+    mean = lambda v: (v[0] + v[1]) / 2 if isinstance(v, tuple) else float(v)  # noqa: E731
+    memory.require(memory.synth_bytes(args.requests, mean(args.prompt_len) + mean(args.output_len), shape["num_layers"],
+                                      shape["top_k"], shape["num_experts"]),
+                   f"synth of {args.requests} requests", args.max_memory)
     t0 = time.time()
     bar = None
     progress = None
