@@ -84,6 +84,7 @@ CASES = [
     ("synth", "--max-memory", ["0", "-1", "x", "1e400"]),
     ("fit", "--max-memory", ["0", "-1G", "nan"]),
     ("simulate", "--max-memory", ["0", "inf"]),
+    ("demo", "--max-memory", ["0", "x"]),
 ]
 
 

@@ -38,6 +38,12 @@ def test_synth_beyond_memory_is_refused_before_generating(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_demo_beyond_the_limit_is_refused(tmp_path, capsys):
+    _refused(capsys, ["demo", "--out", str(tmp_path / "d"), "--requests", "100000", "--max-memory", "64M"],
+             "demo of 100000 requests")
+    assert not (tmp_path / "d").exists()
+
+
 def test_fit_with_a_million_experts_is_refused_up_front(tmp_path, capsys):
     # 2,000 one-token requests of 64 layers x 2^20 experts: the dense signatures alone are
     # 2000 x 32 x 2^20 x 4 bytes = 250 GiB

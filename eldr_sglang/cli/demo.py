@@ -37,6 +37,7 @@ def register(sub) -> None:
     p.add_argument("--uniform", action="store_true", help="uniform (no-locality) control workload instead")
     p.add_argument("--seed", type=A.seed, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress output")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
 
 
@@ -52,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if show else (lambda *a: None)
     K = args.workers
     loads = list(args.concurrency)  # parsed and checked by argparse
+    from eldr_sglang import memory
+    from eldr_sglang.synth import model_shape
+
+    shape = model_shape(args.model)
+    memory.require(memory.synth_bytes(args.requests, (64 + 256) / 2 + args.output_len, shape["num_layers"], shape["top_k"],
+                                      shape["num_experts"]), f"demo of {args.requests} requests", args.max_memory)
     t0 = time.perf_counter()
     # Every file goes into a fresh directory beside --out, swapped in at the end.
     with StagedDir(args.out, what="--out", owned=DEMO_FILES) as stage:
