@@ -101,20 +101,17 @@ def trace_shape(path: str | os.PathLike) -> TraceShape | None:
 
 
 def trace_meta(path: str | os.PathLike) -> dict | None:
-    """A trace's meta_json (only that small member is read); None when unreadable."""
+    """A trace's checked meta_json (only that small member is read); None when unreadable or
+    invalid (load_trace then reports what is wrong)."""
     import json
+
+    from eldr_sglang.traces import check_meta
 
     try:
         with np.load(Path(path), allow_pickle=False) as z:
-            meta = json.loads(str(z["meta_json"]))
-    except Exception:  # noqa: BLE001 - load_trace reports what is wrong
+            return check_meta(json.loads(str(z["meta_json"])))
+    except Exception:  # noqa: BLE001 - a TraceError or an unreadable file: load_trace reports it
         return None
-    return meta if isinstance(meta, dict) else None
-
-
-def meta_int(meta: dict | None, key: str, default: int) -> int:
-    v = (meta or {}).get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
 
 def synth_bytes(requests: int, mean_tokens: float, layers: int, top_k: int, num_experts: int) -> float:

@@ -51,10 +51,10 @@ def _check_memory(args) -> None:
     from eldr_sglang.offline.signatures import DEFAULT_CHUNK_TOKENS
     from eldr_sglang.offline.layers import middle_band, parse_layers
 
-    shape = memory.trace_shape(args.trace)
-    if shape is None:
-        return  # unreadable: load_trace says why
-    E = memory.meta_int(memory.trace_meta(args.trace), "num_experts", 1)
+    shape, meta = memory.trace_shape(args.trace), memory.trace_meta(args.trace)
+    if shape is None or meta is None:
+        return  # unreadable or invalid: load_trace says why
+    E = int(meta["num_experts"])
     spec = args.layers.strip().lower()
     if spec == "middle":
         selected = int(np.count_nonzero(middle_band(shape.layers)))
