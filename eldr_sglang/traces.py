@@ -24,10 +24,32 @@ import numpy as np
 
 TRACE_FORMAT = "eldr-trace"
 TRACE_VERSION = 1
+# Bounds on meta_json's sizes (the centroid file's bound on E; no real model comes close).
+MAX_EXPERTS = 1 << 20
+MAX_LAYERS = 4096
 
 
 class TraceError(ValueError):
     """A trace file is missing, malformed or inconsistent; the message names the problem."""
+
+
+def check_meta(meta) -> dict:
+    """meta_json as a dict with well-typed fields: an object; format and model strings;
+    version, num_layers, num_experts, top_k integers in range. Raises TraceError naming the
+    field (a null, a list, 2^31 experts)."""
+    from eldr_sglang import json_fields as F
+
+    try:
+        meta = F.as_object(meta, "meta_json", parse_text=False)
+        F.get_str(meta, "format", "meta_json", default=TRACE_FORMAT)
+        F.get_int(meta, "version", "meta_json", default=TRACE_VERSION)
+        F.get_str(meta, "model", "meta_json", default="unknown")
+        F.get_int(meta, "num_layers", "meta_json", 1, MAX_LAYERS)
+        E = F.get_int(meta, "num_experts", "meta_json", 1, MAX_EXPERTS)
+        F.get_int(meta, "top_k", "meta_json", 1, E)
+    except ValueError as exc:
+        raise TraceError(str(exc)) from None
+    return meta
 
 
 @dataclass
@@ -103,9 +125,7 @@ class Trace:
             raise TraceError(f"expert_ids must be [T, L, k], got shape {ids.shape}")
         if not np.issubdtype(ids.dtype, np.integer):
             raise TraceError(f"expert_ids must be integers, got dtype {ids.dtype}")
-        for key in ("num_layers", "num_experts", "top_k"):
-            if key not in self.meta:
-                raise TraceError(f"meta_json lacks {key!r}")
+        check_meta(self.meta)
         if int(self.meta["num_layers"]) != ids.shape[1]:
             raise TraceError(
                 f"layer mismatch: meta_json says num_layers={self.meta['num_layers']}, "
@@ -160,8 +180,12 @@ def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
             meta = json.loads(str(z["meta_json"]))
         except json.JSONDecodeError as exc:
             raise TraceError(f"{path}: meta_json is not valid JSON ({exc})") from None
-        if meta.get("format", TRACE_FORMAT) != TRACE_FORMAT:
+        if isinstance(meta, dict) and meta.get("format", TRACE_FORMAT) != TRACE_FORMAT:
             raise TraceError(f"{path}: format {meta.get('format')!r} is not {TRACE_FORMAT!r}")
+        try:
+            meta = check_meta(meta)
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
         if int(meta.get("version", TRACE_VERSION)) != TRACE_VERSION:
             raise TraceError(f"{path}: trace version {meta.get('version')} is not supported (only {TRACE_VERSION})")
         opt = lambda k: z[k] if k in z.files else None  # noqa: E731

@@ -237,7 +237,6 @@ BAD_META = {"model": "toy", "num_layers": 2, "num_experts": 4, "top_k": 1}
         ("topk", [], "top-k mismatch"),
         ("experts", [], "out of range"),
         ("nan", [], "integers"),
-        ("tau_nan", ["--tau", "nan"], "--tau"),
         ("layer_list", ["--layers", "5"], "out of range"),
     ],
 )

@@ -78,14 +78,23 @@ def test_simulate_load_sweep(small_files, tmp_path):
 
 @pytest.mark.parametrize("argv, msg", [
     (["--policies", "eldr"], "needs --centroids"),
-    (["--policies", "fastest"], "unknown policy"),
     (["--model", "deepseek-v3", "--policies", "random"], "pass the matching --model"),
-    (["--policies", "random", "--concurrency", "0"], "positive"),
 ])
 def test_simulate_errors_are_clear(small_files, argv, msg):
     trace, _ = small_files
     with pytest.raises(ValueError, match=msg):
         _run(["simulate", "--trace", str(trace), "--no-progress", *argv])
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--policies", "fastest"], "unknown policy"),
+    (["--policies", "random", "--concurrency", "0"], "--concurrency: must be an integer 1.."),
+])
+def test_simulate_bad_flags_stop_argparse(small_files, argv, msg, capsys):
+    trace, _ = small_files
+    with pytest.raises(SystemExit) as exc:
+        _run(["simulate", "--trace", str(trace), "--no-progress", *argv])
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_simulate_missing_trace_is_one_line_error(tmp_path, capsys):

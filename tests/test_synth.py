@@ -180,8 +180,9 @@ def test_cli_synth(tmp_path, capsys):
                  "--output-len", "12", "--prompt-len", "20", "--out", str(out)]) == 0
     t = load_trace(out)
     assert t.num_requests == 25 and np.all(t.decode_len() == 12) and t.arrival_s is not None
-    assert main(["synth", "--model", "gpt-oss-20b", "--requests", "0", "--out", str(tmp_path / "x.npz")]) == 1
-    assert "--requests must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse: exit status 2
+        main(["synth", "--model", "gpt-oss-20b", "--requests", "0", "--out", str(tmp_path / "x.npz")])
+    assert exc.value.code == 2 and "--requests: must be an integer 1.." in capsys.readouterr().err
     assert not (tmp_path / "x.npz").exists()
 
 

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as exc:
         print(f"eldr {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except MemoryError:  # the up-front estimates are lower bounds; this is the last resort
+        print(f"eldr {args.command}: error: out of memory; use smaller sizes", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 
 from eldr_sglang.synth import MODEL_SHAPES
+from eldr_sglang.cli import args as A
 
 
 def _layers(text: str) -> list[int]:
@@ -17,11 +18,16 @@ def _layers(text: str) -> list[int]:
             part = part.strip()
             if "-" in part:
                 a, b = part.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
+                lo, hi = int(a), int(b)
+                if not 0 <= lo <= hi < A.MAX_LAYERS:
+                    raise ValueError
+                out.extend(range(lo, hi + 1))
             elif part:
                 out.append(int(part))
+                if not 0 <= out[-1] < A.MAX_LAYERS:
+                    raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a layer list like 3-60 or 0,2,4, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a layer list like 3-60 or 0,2,4 of layers 0..{A.MAX_LAYERS - 1}, got {text!r}") from None
     return out
 
 
@@ -41,19 +47,19 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output trace (.npz), written atomically")
     m = p.add_argument_group("model (a preset, or the three numbers)")
     m.add_argument("--model", choices=sorted(MODEL_SHAPES), help="model preset (layer layout, top-k, experts)")
-    m.add_argument("--num-hidden-layers", type=int, help="hidden layers in SGLang's routed_experts")
-    m.add_argument("--top-k", type=int, help="experts per token (num_experts_per_tok)")
-    m.add_argument("--num-experts", type=int, help="routed experts per MoE layer")
-    m.add_argument("--first-k-dense-replace", type=int, help="the first K hidden layers are dense")
+    m.add_argument("--num-hidden-layers", type=A.integer(1, A.MAX_LAYERS), help="hidden layers in SGLang's routed_experts")
+    m.add_argument("--top-k", type=A.integer(1, 1024), help="experts per token (num_experts_per_tok)")
+    m.add_argument("--num-experts", type=A.integer(1, A.MAX_EXPERTS), help="routed experts per MoE layer")
+    m.add_argument("--first-k-dense-replace", type=A.integer(0, A.MAX_LAYERS), help="the first K hidden layers are dense")
     m.add_argument("--moe-layers", type=_layers, help="MoE hidden layers, e.g. 3-60 (default: inferred)")
     m.add_argument("--model-name", help="model name recorded in the trace")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=A.integer(1, A.MAX_TOKENS), default=256)
+    p.add_argument("--temperature", type=A.real(0.0, 100.0), default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    p.add_argument("--retries", type=int, default=2, help="retries of a transient failure (default 2)")
-    p.add_argument("--limit", type=int, help="use only the first N prompts")
+    p.add_argument("--concurrency", type=A.integer(1, 1024), default=8, help="requests in flight (default 8)")
+    p.add_argument("--timeout", type=A.real(0.0, 86400.0, lo_open=True), default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--retries", type=A.integer(0, 100), default=2, help="retries of a transient failure (default 2)")
+    p.add_argument("--limit", type=A.integer(1, A.MAX_REQUESTS), help="use only the first N prompts")
     p.add_argument("--served-model", default="default", help="'model' field of chat requests")
     p.add_argument("--api-key-env", metavar="VAR", help="read a bearer token from this environment variable")
     p.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON",

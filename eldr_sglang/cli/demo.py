@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from eldr_sglang.cli import args as A
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -23,18 +25,19 @@ def register(sub) -> None:
     p.add_argument("--out", default="eldr-demo-out", help="output directory (default eldr-demo-out/)")
     p.add_argument("--model", default="deepseek-v3", help="synthetic model shape (default deepseek-v3)")
     p.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
-    p.add_argument("--workers", type=int, default=8, help="decode workers K (default 8)")
-    p.add_argument("--requests", type=int, default=1200, help="synthetic requests (default 1200)")
-    p.add_argument("--fit-fraction", type=float, default=1 / 3, help="first part of the trace used for the fit (default 1/3)")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
-    p.add_argument("--concurrency", default="64,128,256,512", help="closed-loop loads to sweep (default 64,128,256,512)")
-    p.add_argument("--tau", type=float, default=0.1, help="ELDR band width (default 0.1)")
-    p.add_argument("--eldr-load-factor", type=float, default=0.05, metavar="F",
+    p.add_argument("--workers", type=A.workers, default=8, help="decode workers K (default 8)")
+    p.add_argument("--requests", type=A.integer(1, A.MAX_REQUESTS), default=1200, help="synthetic requests (default 1200)")
+    p.add_argument("--fit-fraction", type=A.real(0.0, 1.0, lo_open=True, hi_open=True), default=1 / 3, help="first part of the trace used for the fit (default 1/3)")
+    p.add_argument("--output-len", type=A.integer(1, A.MAX_TOKENS), default=128, help="output tokens per request (default 128)")
+    p.add_argument("--concurrency", type=A.listed(A.integer(1, 1_000_000)), default="64,128,256,512", help="closed-loop loads to sweep (default 64,128,256,512)")
+    p.add_argument("--tau", type=A.tau, default=0.1, help="ELDR band width (default 0.1)")
+    p.add_argument("--eldr-load-factor", type=A.real(-1000.0, 1000.0), default=0.05, metavar="F",
                    help="also show ELDR with bounded loads F as 'eldr/F' (default 0.05; negative to skip)")
-    p.add_argument("--taus", default="0,0.05,0.2,0.5", help="extra ELDR band widths shown at the middle load (default 0,0.05,0.2,0.5; '' for none)")
+    p.add_argument("--taus", type=A.listed(A.tau, allow_empty=True), default="0,0.05,0.2,0.5", help="extra ELDR band widths shown at the middle load (default 0,0.05,0.2,0.5; '' for none)")
     p.add_argument("--uniform", action="store_true", help="uniform (no-locality) control workload instead")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=A.seed, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress output")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
 
 
@@ -49,11 +52,13 @@ def run(args: argparse.Namespace) -> int:
     show = not args.no_progress
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if show else (lambda *a: None)
     K = args.workers
-    loads = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-    if not loads or min(loads) < 1:
-        raise ValueError("--concurrency needs positive values")
-    if not 0 < args.fit_fraction < 1:
-        raise ValueError("--fit-fraction must lie in (0, 1)")
+    loads = list(args.concurrency)  # parsed and checked by argparse
+    from eldr_sglang import memory
+    from eldr_sglang.synth import model_shape
+
+    shape = model_shape(args.model)
+    memory.require(memory.synth_bytes(args.requests, (64 + 256) / 2 + args.output_len, shape["num_layers"], shape["top_k"],
+                                      shape["num_experts"]), f"demo of {args.requests} requests", args.max_memory)
     t0 = time.perf_counter()
     # Every file goes into a fresh directory beside --out, swapped in at the end.
     with StagedDir(args.out, what="--out", owned=DEMO_FILES) as stage:
@@ -121,7 +126,7 @@ def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
         if c == main_load:
             main_pol, main_res = pol, res
 
-    taus = [float(x) for x in str(args.taus).split(",") if x.strip()]
+    taus = list(args.taus)
     tau_rows = {}
     if taus:
         wl = make_workload(replay, requests=eval_idx, arrival="closed", concurrency=main_load, seed=args.seed)

@@ -6,7 +6,10 @@ import contextlib
 import json
 import sys
 
+import numpy as np
+
 from eldr_sglang.cli import CliError
+from eldr_sglang.cli import args as A
 
 
 def register(subparsers) -> None:
@@ -20,25 +23,50 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("trace", help="ELDR trace (.npz, format version 1)")
-    p.add_argument("--workers", "-k", type=int, required=True, help="number of decode workers K")
+    p.add_argument("--workers", "-k", type=A.workers, required=True, help="number of decode workers K")
     p.add_argument("--out", "-o", required=True, help="centroid file to write (.eldr)")
-    p.add_argument("--tau", type=float, default=0.1, help="locality band width stored in the file (default 0.1)")
+    p.add_argument("--tau", type=A.tau, default=0.1, help="locality band width stored in the file (default 0.1)")
     p.add_argument(
         "--layers",
         default="middle",
         help="middle | all | auto | LIST such as 4-12,15 or 6:0.5,7-10 (default middle)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the k-means++ restarts (default 0)")
-    p.add_argument("--restarts", type=int, default=4, help="seeded k-means++ restarts (default 4)")
-    p.add_argument("--max-iter", type=int, default=50, help="k-means iterations per restart (default 50)")
+    p.add_argument("--seed", type=A.seed, default=0, help="seed of the k-means++ restarts (default 0)")
+    p.add_argument("--restarts", type=A.integer(1, 1000), default=4, help="seeded k-means++ restarts (default 4)")
+    p.add_argument("--max-iter", type=A.integer(1, 100_000), default=50, help="k-means iterations per restart (default 50)")
     p.add_argument(
-        "--tol", type=float, default=1e-5, help="stop when an iteration improves the objective by at most this share (default 1e-5)"
+        "--tol", type=A.real(0.0, 1.0), default=1e-5, help="stop when an iteration improves the objective by at most this share (default 1e-5)"
     )
     p.add_argument("--no-idf-plus-one", action="store_true", help="use log((|C|+1)/(df+1)) without the +1")
     p.add_argument("--worker-names", help="comma-separated names of the K decode workers, in order")
     p.add_argument("--json", dest="json_out", help="also write the full report as JSON to this path")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
+
+
+def _check_memory(args) -> None:
+    from eldr_sglang import memory
+    from eldr_sglang.offline.fit import PROFILE_SAMPLE
+    from eldr_sglang.offline.signatures import DEFAULT_CHUNK_TOKENS
+    from eldr_sglang.offline.layers import middle_band, parse_layers
+
+    shape, meta = memory.trace_shape(args.trace), memory.trace_meta(args.trace)
+    if shape is None or meta is None:
+        return  # unreadable or invalid: load_trace says why
+    E = int(meta["num_experts"])
+    spec = args.layers.strip().lower()
+    if spec == "middle":
+        selected = int(np.count_nonzero(middle_band(shape.layers)))
+    elif spec == "all":
+        selected = shape.layers
+    else:  # auto picks at least one layer; a bad list is reported by the fit itself
+        try:
+            selected = 1 if spec == "auto" else int(np.count_nonzero(parse_layers(args.layers, shape.layers)))
+        except ValueError:
+            selected = 1
+    memory.require(memory.fit_bytes(shape, E, selected, PROFILE_SAMPLE, DEFAULT_CHUNK_TOKENS),
+                   f"fit of {shape.requests} requests x {selected} layers x {E} experts", args.max_memory)
 
 
 def run(args) -> int:
@@ -62,6 +90,7 @@ def run(args) -> int:
         names = [n.strip() for n in args.worker_names.split(",")]
         if len(names) != args.workers or any(not n for n in names):
             raise CliError(f"--worker-names needs {args.workers} non-empty names, got {args.worker_names!r}")
+    _check_memory(args)
     trace = load_trace(args.trace)
     res = fit_trace(
         trace,

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from eldr_sglang.cli import args as A
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -16,7 +18,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("centroids", help="centroid file (.eldr)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--top", type=int, default=5, help="top (layer, expert) entries shown per worker (default 5)")
+    p.add_argument("--top", type=A.integer(0, 100_000), default=5, help="top (layer, expert) entries shown per worker (default 5)")
     p.set_defaults(func=run)
 
 
@@ -32,6 +34,8 @@ def summarize(path: str, top: int = 5) -> dict:
     try:
         prov = json.loads(cs.provenance_json or "{}")
     except json.JSONDecodeError:
+        prov = {"unparsed": cs.provenance_json}
+    if not isinstance(prov, dict):  # shown as it is, not read as fields
         prov = {"unparsed": cs.provenance_json}
     K = C.shape[0]
     cc = C @ C.T
@@ -51,7 +55,7 @@ def summarize(path: str, top: int = 5) -> dict:
                 "nearest_other_cosine": (float(np.sort(cc[k])[-2]) if K > 1 else None),
             }
         )
-    fit = prov.get("fit", {})
+    fit = _obj(prov.get("fit"))
     return {
         "path": str(path),
         "format_version": int(cs.version),
@@ -71,6 +75,18 @@ def summarize(path: str, top: int = 5) -> dict:
     }
 
 
+def _obj(v) -> dict:
+    """A provenance field that should be an object; anything else (null, a list) shows as empty."""
+    return v if isinstance(v, dict) else {}
+
+
+def _num(v, digits: int) -> str:
+    """A provenance number for display; '?' when missing, null or not a finite number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return "?"
+    return f"{v:.{digits}f}"
+
+
 def format_summary(s: dict) -> str:
     from eldr_sglang.offline.report import _ranges
 
@@ -84,21 +100,23 @@ def format_summary(s: dict) -> str:
     ]
     p = s["provenance"]
     if p:
-        params = p.get("params", {})
+        params = _obj(p.get("params"))
         lines.append(
             f"  provenance: {p.get('tool', '?')} at {p.get('created_utc', '?')} from "
             f"{p.get('trace_path', p.get('trace_model', '?'))} (sha256 {str(p.get('trace_file_sha256') or p.get('trace_sha256', '?'))[:16]}...)"
         )
         if params:
             lines.append("  params: " + ", ".join(f"{k}={v}" for k, v in params.items()))
-        fit = p.get("fit", {})
+        fit = _obj(p.get("fit"))
         if fit:
-            lines.append(f"  fit: {fit.get('n_fitted')} requests, cluster sizes {fit.get('cluster_sizes')}, objective {fit.get('objective'):.6f}")
-        b = p.get("baseline", {})
+            lines.append(f"  fit: {fit.get('n_fitted')} requests, cluster sizes {fit.get('cluster_sizes')}, objective {_num(fit.get('objective'), 6)}")
+        b = _obj(p.get("baseline"))
         if b:
+            shares = b.get("nearest_share")
+            shares = [_num(x, 3) for x in shares] if isinstance(shares, list) else shares
             lines.append(
-                f"  drift baseline: mean d* {b.get('mean_d_star', math.nan):.4f} (p90 {b.get('p90_d_star', math.nan):.4f}), "
-                f"nearest shares {[round(x, 3) for x in b.get('nearest_share', [])]}"
+                f"  drift baseline: mean d* {_num(b.get('mean_d_star'), 4)} (p90 {_num(b.get('p90_d_star'), 4)}), "
+                f"nearest shares {shares}"
             )
     lines.append("  workers:")
     for w in s["workers"]:

@@ -19,6 +19,8 @@ import sys
 
 import numpy as np
 
+from eldr_sglang.cli import args as A
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("refit", help="refit a centroid file on a trace's signatures (keeps the spec)",
@@ -28,7 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--trace", required=True, help="trace (.npz) whose requests' prefill signatures to fit")
     p.add_argument("--requests", default=None, help="request range a:b of the trace (default: all)")
     p.add_argument("--out", default=None, help="output file (default: replace the input atomically)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=A.seed, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run_refit)
     q = subparsers.add_parser("drift-check", help="run the drift monitor over a trace against a centroid file's baseline",
@@ -37,10 +39,10 @@ def register(subparsers) -> None:
     q.add_argument("centroids", help="centroid file (.eldr) with a provenance baseline (written by eldr fit or eldr refit)")
     q.add_argument("--trace", required=True, help="trace (.npz)")
     q.add_argument("--requests", default=None, help="request range a:b of the trace (default: all)")
-    q.add_argument("--window", type=int, default=512, help="requests per window (default 512)")
-    q.add_argument("--d-shift", type=float, default=1.0, help="mean-d* shift threshold in baseline s.d. (default 1.0)")
-    q.add_argument("--js", type=float, default=0.1, help="cluster-share Jensen-Shannon threshold (default 0.1)")
-    q.add_argument("--patience", type=int, default=2, help="consecutive out-of-profile windows that make drift (default 2)")
+    q.add_argument("--window", type=A.integer(1, A.MAX_REQUESTS), default=512, help="requests per window (default 512)")
+    q.add_argument("--d-shift", type=A.real(0.0, 1e6, lo_open=True), default=1.0, help="mean-d* shift threshold in baseline s.d. (default 1.0)")
+    q.add_argument("--js", type=A.real(0.0, 1.0, lo_open=True), default=0.1, help="cluster-share Jensen-Shannon threshold (default 0.1)")
+    q.add_argument("--patience", type=A.integer(1, 1_000_000), default=2, help="consecutive out-of-profile windows that make drift (default 2)")
     q.add_argument("--json", action="store_true", help="print the windows as JSON")
     q.set_defaults(func=run_check)
 
@@ -102,7 +104,7 @@ def run_check(args) -> int:
     from eldr_sglang.drift.monitor import DriftMonitor
 
     cs, S, valid, req = _signatures(args.centroids, args.trace, args.requests)
-    m = DriftMonitor(cs.provenance_json, window=args.window, d_shift_threshold=args.d_shift, js_threshold=args.js,
+    m = DriftMonitor(cs.provenance_json, num_workers=int(cs.num_workers), window=args.window, d_shift_threshold=args.d_shift, js_threshold=args.js,
                      patience=args.patience, history=1 << 20)
     C = np.asarray(cs.centroids())
     first = None

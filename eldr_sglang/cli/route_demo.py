@@ -14,13 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_sglang.cli import args as A
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("route-demo", help="fit-free routing demo on a toy domain-skewed workload")
-    p.add_argument("--workers", type=int, default=4, help="decode workers = domains (default 4)")
-    p.add_argument("--requests", type=int, default=2000, help="requests to route (default 2000)")
-    p.add_argument("--tau", type=float, default=0.1, help="band width (default 0.1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=A.integer(1, 1024), default=4, help="decode workers = domains (default 4)")
+    p.add_argument("--requests", type=A.integer(1, 10_000_000), default=2000, help="requests to route (default 2000)")
+    p.add_argument("--tau", type=A.tau, default=0.1, help="band width (default 0.1)")
+    p.add_argument("--seed", type=A.seed, default=0)
     p.set_defaults(func=run)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eldr_sglang.cli import args as A
+
 DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr"
 COST_MODELS = ("default", "paper-fixed", "paper-fixed+overhead", "band")
 
@@ -21,7 +23,7 @@ def register(sub) -> None:
     )
     p.add_argument("--trace", help="ELDR trace (.npz)")
     p.add_argument("--centroids", help="centroid file from `eldr fit` (needed by eldr)")
-    p.add_argument("--policies", default=None,
+    p.add_argument("--policies", type=A.policies, default=None,
                    help="comma list of random, round_robin, shortest_queue, power_of_two, eldr, eldr@TAU, eldr/F, locality/F, "
                         "oracle, default (the router's default), and the bounds perfect_overlap and clairvoyant[/F] "
                         f"(default {DEFAULT_POLICIES}; under --protocol strict the protocol's set)")
@@ -29,51 +31,40 @@ def register(sub) -> None:
                    help="strict: the study protocol that cannot flatter (>= 2000 held-out requests, warm-up dropped, "
                         "--splits fit/eval splits fitted here, shuffled and trace order, closed and open loop, fixed and "
                         "recorded outputs, both bounds; see docs/simulator.md); refuses --centroids")
-    p.add_argument("--splits", type=int, default=2, help="--protocol strict: fit/eval splits (default 2)")
+    p.add_argument("--splits", type=A.integer(1, 64), default=2, help="--protocol strict: fit/eval splits (default 2)")
     p.add_argument("--cost-model", choices=COST_MODELS, default="default",
                    help="execution-model variant: default roofline, paper-fixed (+ the per-MoE-layer fixed cost that "
                         "reproduces the paper's 4.7x), paper-fixed+overhead (+ a 2 ms step overhead), band (all three)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per decode worker (default 1: experts sharded over TP)")
+    p.add_argument("--ep", type=A.integer(1, 4096), default=1, help="expert-parallel ranks per decode worker (default 1: experts sharded over TP)")
     p.add_argument("--calibration", help="GPU calibration file from benchmarks/gpu_calibrate.py (replaces the roofline expert time)")
-    p.add_argument("--context-len", type=int, default=0, help="simulated prompt tokens per request (default: as recorded)")
-    p.add_argument("--tau", type=float, default=None, help="ELDR band width (default: the centroid file's)")
-    p.add_argument("--eldr-load-factor", type=float, default=None, metavar="F",
+    p.add_argument("--context-len", type=A.integer(0, A.MAX_TOKENS), default=0, help="simulated prompt tokens per request (default: as recorded)")
+    p.add_argument("--tau", type=A.tau, default=None, help="ELDR band width (default: the centroid file's)")
+    p.add_argument("--eldr-load-factor", type=A.load_factor, default=None, metavar="F",
                    help="ELDR with bounded loads: a worker is a candidate only below (1+F) x mean load + 1 "
                         "(default: off, the paper's rule; per policy: eldr/F)")
     p.add_argument("--model", help="model profile (default: from the trace's meta_json.model)")
     p.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
-    p.add_argument("--tp", type=int, default=0, help="GPUs per worker (default: fewest that hold the weights)")
-    p.add_argument("--workers", type=int, default=0, help="decode workers K (default: the centroid file's, else 8)")
-    p.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (default: K)")
-    p.add_argument("--max-running", type=int, default=256, help="max running requests per decode worker")
+    p.add_argument("--tp", type=A.integer(0, 1024), default=0, help="GPUs per worker (default: fewest that hold the weights)")
+    p.add_argument("--workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="decode workers K (default: the centroid file's, else 8)")
+    p.add_argument("--prefill-workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="prefill workers (default: K)")
+    p.add_argument("--max-running", type=A.integer(1, 1_000_000), default=256, help="max running requests per decode worker")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", help="closed loop: concurrent clients (a comma list sweeps load)")
-    load.add_argument("--rate", help="open loop: requests/s (a comma list sweeps load)")
+    load.add_argument("--concurrency", type=A.listed(A.integer(1, 10_000_000)), help="closed loop: concurrent clients (a comma list sweeps load)")
+    load.add_argument("--rate", type=A.listed(A.real(0.0, 1e9, lo_open=True)), help="open loop: requests/s (a comma list sweeps load)")
     p.add_argument("--arrival", choices=["poisson", "bursty", "trace"], default=None,
                    help="open-loop arrival process (default poisson with --rate; trace = the trace's arrival_s)")
-    p.add_argument("--requests", type=int, default=0, help="simulated requests (default: every trace request once; more wrap around)")
-    p.add_argument("--output-len", type=int, default=0, help="output tokens per request (default: as recorded)")
+    p.add_argument("--requests", type=A.integer(0, A.MAX_REQUESTS), default=0, help="simulated requests (default: every trace request once; more wrap around)")
+    p.add_argument("--output-len", type=A.integer(0, A.MAX_TOKENS), default=0, help="output tokens per request (default: as recorded)")
     p.add_argument("--order", choices=["trace", "shuffle"], default="trace", help="request order (default: the trace's)")
-    p.add_argument("--offload-experts", type=int, default=0, metavar="C",
+    p.add_argument("--offload-experts", type=A.integer(0, A.MAX_EXPERTS), default=0, metavar="C",
                    help="expert-offload mode: GPU cache of C experts per MoE layer (LRU), misses over PCIe")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=A.seed, default=0)
     p.add_argument("--json", help="write the summary JSON here")
     p.add_argument("--plot", help="write a PNG here (TPOT vs load when sweeping)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list-profiles", action="store_true", help="list model and hardware profiles and exit")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
-
-
-def _loads(text: str | None, kind) -> list:
-    if text is None:
-        return []
-    try:
-        vals = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"bad load list {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"load values must be positive, got {text!r}")
-    return vals
 
 
 def list_profiles() -> str:
@@ -93,6 +84,21 @@ def list_profiles() -> str:
             f"BF16 {h.bf16_flops / 1e12:.0f} / FP8 {h.fp8_flops / 1e12:.0f} TFLOP/s dense, host link {h.host_link_bw / 1e9:.0f} GB/s"
         )
     return "\n".join(lines)
+
+
+def _check_memory(args) -> None:
+    from eldr_sglang import memory
+
+    shape = memory.trace_shape(args.trace)
+    if shape is None:
+        return  # unreadable: load_trace says why
+    dim = 0
+    if args.centroids:
+        from eldr_sglang._core import CentroidSet
+
+        dim = CentroidSet.open(args.centroids).dim
+    n = args.requests or shape.requests
+    memory.require(memory.simulate_bytes(shape, dim, n), f"simulation of {n} requests", args.max_memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     # before any work: neither output may replace a non-regular file, an input, or the other
     check_outputs([("--json", args.json), ("--plot", args.plot)], inputs=[("--trace", args.trace), ("--centroids", args.centroids)])
+    _check_memory(args)
     trace = load_trace(args.trace)
     model = get_model(args.model or trace.model)
     hw = get_hardware(args.hardware)
@@ -139,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(num_decode=K, num_prefill=args.prefill_workers, max_running=args.max_running)
     replay = TraceReplay(trace)
 
-    conc = _loads(args.concurrency, int)
-    rates = _loads(args.rate, float)
+    conc = list(args.concurrency or [])  # parsed and checked by argparse
+    rates = list(args.rate or [])
     if conc:
         points = [("closed", c) for c in conc]
     elif rates:

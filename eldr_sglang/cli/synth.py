@@ -7,6 +7,7 @@ import sys
 import time
 
 from eldr_sglang.synth import MODEL_SHAPES
+from eldr_sglang.cli import args as A
 
 
 def _length(text: str):
@@ -16,6 +17,8 @@ def _length(text: str):
         vals = [int(p) for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected N or LO,HI, got {text!r}") from None
+    if any(not 1 <= v <= A.MAX_TOKENS for v in vals) or (len(vals) == 2 and vals[0] > vals[1]):
+        raise argparse.ArgumentTypeError(f"lengths must lie in 1..{A.MAX_TOKENS} with LO <= HI, got {text!r}")
     if len(vals) == 1:
         return vals[0]
     if len(vals) == 2:
@@ -31,19 +34,20 @@ def register(subparsers) -> None:
                     "to real GPT-OSS-20B routing statistics; --uniform gives the no-locality control.",
     )
     p.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES), help="model shape")
-    p.add_argument("--requests", type=int, required=True, help="number of requests")
-    p.add_argument("--domains", type=int, default=8, help="number of domains (default 8)")
+    p.add_argument("--requests", type=A.integer(1, A.MAX_REQUESTS), required=True, help="number of requests")
+    p.add_argument("--domains", type=A.integer(1, 4096), default=8, help="number of domains (default 8)")
     p.add_argument("--uniform", action="store_true", help="uniform routing: no domain locality (control)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=A.seed, default=0)
     p.add_argument("--prompt-len", type=_length, default=(128, 512), metavar="N|LO,HI",
                    help="prompt length: a mean, or a uniform range (default 128,512)")
     p.add_argument("--output-len", type=_length, default=256, metavar="N|LO,HI",
                    help="decode length: exactly N, or a uniform range (default 256)")
-    p.add_argument("--burstiness", type=float, default=0.7,
+    p.add_argument("--burstiness", type=A.real(0.0, 1.0), default=0.7,
                    help="probability a request belongs to its regime's dominant domain (default 0.7)")
-    p.add_argument("--rate", type=float, default=4.0, help="mean arrival rate, requests/s (default 4)")
+    p.add_argument("--rate", type=A.real(0.0, 1e9, lo_open=True), default=4.0, help="mean arrival rate, requests/s (default 4)")
     p.add_argument("--out", required=True, help="output trace (.npz), written atomically")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    A.add_max_memory(p)
     p.set_defaults(func=run)
 
 
@@ -55,7 +59,14 @@ def run(args) -> int:
 
     if args.requests < 1:
         raise ValueError("--requests must be >= 1")
+    from eldr_sglang import memory
+
     check_output(args.out, what="--out", create_parent=True)  # before the generation, not after
+    shape = MODEL_SHAPES[args.model]
+    mean = lambda v: (v[0] + v[1]) / 2 if isinstance(v, tuple) else float(v)  # noqa: E731
+    memory.require(memory.synth_bytes(args.requests, mean(args.prompt_len) + mean(args.output_len), shape["num_layers"],
+                                      shape["top_k"], shape["num_experts"]),
+                   f"synth of {args.requests} requests", args.max_memory)
     t0 = time.time()
     bar = None
     progress = None

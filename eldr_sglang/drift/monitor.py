@@ -60,28 +60,30 @@ def js_divergence(p, q) -> float:
     return max(0.0, 0.5 * kl(p, m) + 0.5 * kl(q, m))
 
 
-def baseline_from_provenance(provenance) -> dict:
+def baseline_from_provenance(provenance, num_workers: int | None = None) -> dict:
     """The drift baseline from a centroid file's provenance (JSON text or dict). Raises
-    ValueError naming what is missing when the file carries no usable baseline."""
-    if isinstance(provenance, (str, bytes)):
-        try:
-            provenance = json.loads(provenance or "{}")
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"centroid file provenance is not JSON: {exc}") from None
-    if not isinstance(provenance, dict):
-        raise ValueError("centroid file provenance is not a JSON object")
-    b = provenance.get("baseline")
-    if not isinstance(b, dict):
+    ValueError naming the field when the file carries no usable baseline: not an object, a
+    null or non-numeric statistic, or (given `num_workers`) shares for another number of
+    workers than the file's K -- such a baseline is rejected, never used as if it fit."""
+    from eldr_sglang import json_fields as F
+
+    provenance = F.as_object(provenance, "centroid file provenance")
+    if provenance.get("baseline") is None:
         raise ValueError("the centroid file has no drift baseline (provenance.baseline); refit it with `eldr fit`")
+    b = F.get_object(provenance, "baseline", "provenance")
     missing = [k for k in ("mean_d_star", "std_d_star", "nearest_share") if k not in b]
     if missing:
         raise ValueError(f"the centroid file's baseline lacks {', '.join(missing)}")
-    shares = np.asarray(b["nearest_share"], dtype=np.float64)
+    mean = F.get_number(b, "mean_d_star", "provenance.baseline")
+    std = F.get_number(b, "std_d_star", "provenance.baseline")
+    raw = F.get_list(b, "nearest_share", "provenance.baseline")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in raw):
+        raise ValueError("provenance.baseline.nearest_share must be a list of numbers")
+    shares = np.asarray(raw, dtype=np.float64)
     if shares.ndim != 1 or shares.size < 1 or not np.all(np.isfinite(shares)) or np.any(shares < 0) or shares.sum() <= 0:
         raise ValueError("the centroid file's baseline nearest_share is not a distribution")
-    mean, std = float(b["mean_d_star"]), float(b["std_d_star"])
-    if not (math.isfinite(mean) and math.isfinite(std)):
-        raise ValueError("the centroid file's baseline d* statistics are not finite")
+    if num_workers is not None and shares.size != num_workers:
+        raise ValueError(f"provenance.baseline.nearest_share has {shares.size} entries for K={num_workers} workers")
     return {**b, "mean_d_star": mean, "std_d_star": std, "nearest_share": (shares / shares.sum()).tolist()}
 
 
@@ -101,6 +103,7 @@ class DriftMonitor:
         generation: int | None = None,
         baseline_loader: Callable[[], dict | str] | None = None,
         on_window: Callable[[dict], None] | None = None,
+        num_workers: int | None = None,
     ):
         if int(window) < 8:
             raise ValueError(f"window must be >= 8 routed requests, got {window}")
@@ -123,12 +126,18 @@ class DriftMonitor:
         self.rebase_error: str | None = None
         self.windows_closed = 0  # over the monitor's life (history keeps only the latest)
         self.windows_out = 0
-        self._set_baseline(baseline_from_provenance({"baseline": baseline} if isinstance(baseline, dict) and "baseline" not in baseline else baseline), generation)
+        self.mismatched = 0  # decisions whose distances do not have the baseline's K entries
+        self.num_workers = num_workers
+        self._set_baseline(self._parse(baseline), generation)
 
     @classmethod
     def from_centroid_set(cls, cs, **kw) -> "DriftMonitor":
         """Monitor against an opened `_core.CentroidSet`'s provenance baseline."""
-        return cls(cs.provenance_json, **kw)
+        return cls(cs.provenance_json, num_workers=int(cs.num_workers), **kw)
+
+    def _parse(self, baseline) -> dict:
+        wrapped = {"baseline": baseline} if isinstance(baseline, dict) and "baseline" not in baseline else baseline
+        return baseline_from_provenance(wrapped, self.num_workers)
 
     # ------------------------------------------------------------------ baseline
     def _set_baseline(self, baseline: dict, generation: int | None) -> None:
@@ -152,7 +161,7 @@ class DriftMonitor:
 
     def rebase(self, baseline: dict | str, generation: int | None = None) -> None:
         """Compare against a new baseline (after the router loaded refitted centroids)."""
-        b = baseline_from_provenance({"baseline": baseline} if isinstance(baseline, dict) and "baseline" not in baseline else baseline)
+        b = self._parse(baseline)
         with self._lock:
             self._set_baseline(b, generation)
             self.rebases += 1
@@ -177,6 +186,11 @@ class DriftMonitor:
         # d* over *all* centroids: the Decision's own d_star is the minimum over the workers
         # that were eligible (healthy, and under the cap with bounded loads), which measures
         # the routing constraint, not how far the traffic is from the fitted profile.
+        if len(dist) != self.K:
+            # centroids of another K than the baseline: not comparable; counted, not used
+            with self._lock:
+                self.mismatched += 1
+            return
         d_star = min(dist)
         self.observe(float(d_star), dist.index(d_star))
 
@@ -276,6 +290,7 @@ class DriftMonitor:
                 "generation": self.generation,
                 "observations": self.observations,
                 "no_signature": self.no_signature,
+                "mismatched": self.mismatched,
                 "windows": self.windows_closed,
                 "windows_out_of_profile_total": self.windows_out,
                 "window": self.window,

@@ -123,7 +123,7 @@ def refit_file(
     """Refit `parent_path`'s centroids from `signatures` and write `out_path` (default: the
     parent path itself, replaced atomically). Returns a JSON-able summary. Raises RefitError
     or `_core.CentroidFileError` with a message; never leaves a partial file."""
-    from eldr_sglang import _core
+    from eldr_sglang import _core, json_fields
 
     out_path = str(out_path or parent_path)
     try:
@@ -134,10 +134,11 @@ def refit_file(
     tau = float(parent.tau)
     res = refit_centroids(signatures, old, tau, seed=seed, n_init=n_init, max_iter=max_iter)
     try:
-        prov_parent = json.loads(parent.provenance_json or "{}")
-    except json.JSONDecodeError:
-        prov_parent = {}
-    lineage = list(prov_parent.get("lineage", []))[-(LINEAGE_MAX - 1):] + [
+        prov_parent = json_fields.as_object(parent.provenance_json, "provenance")
+    except ValueError:
+        prov_parent = {}  # an unreadable parent provenance is not carried over
+    lineage = [e for e in prov_parent.get("lineage") or [] if isinstance(e, dict)] if isinstance(prov_parent.get("lineage"), list) else []
+    lineage = lineage[-(LINEAGE_MAX - 1):] + [
         {"checksum": int(parent.checksum), "tool": prov_parent.get("tool"), "created_utc": prov_parent.get("created_utc")}
     ]
     K = old.shape[0]
@@ -161,7 +162,7 @@ def refit_file(
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "trace_model": prov_parent.get("trace_model"),
         "trace_shape": prov_parent.get("trace_shape"),
-        "params": {**(prov_parent.get("params") or {}), "workers": K, "tau": tau},
+        "params": {**(prov_parent.get("params") if isinstance(prov_parent.get("params"), dict) else {}), "workers": K, "tau": tau},
         "fit": {"n_fitted": res.n, "objective": res.objective, "cluster_sizes": res.sizes.tolist(),
                 "cluster_shares": (res.sizes / max(res.n, 1)).round(6).tolist()},
         "baseline": res.baseline,
@@ -240,7 +241,8 @@ class RefitController:
         self.reservoir = reservoir or SignatureReservoir(self.dim, seed=seed, **(reservoir_kw or {}))
         if self.reservoir.dim != self.dim:
             raise ValueError(f"reservoir holds {self.reservoir.dim}-dim signatures, the centroid file has {self.dim}")
-        self.monitor = monitor or DriftMonitor(cs.provenance_json, baseline_loader=self._current_provenance, **(monitor_kw or {}))
+        self.monitor = monitor or DriftMonitor(cs.provenance_json, baseline_loader=self._current_provenance,
+                                               num_workers=self.num_workers, **(monitor_kw or {}))
         if self.monitor.baseline_loader is None:
             self.monitor.baseline_loader = self._current_provenance
         self.on_drift = bool(on_drift)

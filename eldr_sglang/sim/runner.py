@@ -71,6 +71,8 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
                 t = float(tv)
             except ValueError:
                 raise ValueError(f"bad tau in policy {raw!r}: use eldr@0.1") from None
+            if not (np.isfinite(t) and 0 <= t <= 2):
+                raise ValueError(f"tau must be finite and in [0, 2] in {raw!r}")
             if name != "eldr":
                 raise ValueError(f"only eldr takes @tau, got {raw!r}")
         if name not in POLICY_NAMES:
