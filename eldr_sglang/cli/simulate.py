@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     # before any work: neither output may replace a non-regular file, an input, or the other
     check_outputs([("--json", args.json), ("--plot", args.plot)], inputs=[("--trace", args.trace), ("--centroids", args.centroids)])
+    if args.protocol == "strict" and args.centroids:
+        raise ValueError("--protocol strict fits its own centroids on held-out splits; drop --centroids")
     _check_memory(args)
     trace = load_trace(args.trace)
     model = get_model(args.model or trace.model)
@@ -226,8 +228,6 @@ def run_strict(args, trace, models: dict) -> int:
     from eldr_sglang.sim.report import LOAD_BALANCERS, write_json
     from eldr_sglang.sim.runner import paper_check, parse_policies
 
-    if args.centroids:
-        raise ValueError("--protocol strict fits its own centroids on held-out splits; drop --centroids")
     if args.rate or args.arrival or args.order != "trace" or args.output_len:
         raise ValueError("--protocol strict sets arrivals, order and output lengths itself; drop --rate/--arrival/--order/--output-len")
     if args.splits < 1:
@@ -236,7 +236,7 @@ def run_strict(args, trace, models: dict) -> int:
     if requests < STRICT_MIN_REQUESTS:
         raise ValueError(f"--protocol strict needs --requests >= {STRICT_MIN_REQUESTS}")
     K = args.workers or 8
-    per_worker = [c / K for c in _loads(args.concurrency, int)] or [8.0, 32.0]
+    per_worker = [c / K for c in (args.concurrency or [])] or [8.0, 32.0]
     policies = args.policies or STRICT_POLICIES
     parse_policies(policies)  # fail early on a bad list
     em0 = next(iter(models.values()))
