@@ -70,7 +70,12 @@ def count_topk(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np
     """Top-k ids [T, L, k] -> counts [L, E]. Raises ValueError on out-of-range ids."""
 
 class CentroidSet:
-    """A validated, mmapped centroid file (read-only)."""
+    """A validated centroid file, held as a private read-only copy of its bytes.
+
+    The file is read once into an anonymous, page-aligned mapping, not mapped itself: a shared
+    mapping of the file would turn an in-place overwrite (``cp new.eldr c.eldr``) into SIGBUS on
+    the next route. Later changes to the file never affect a loaded set; reload to see them.
+    """
 
     @staticmethod
     def open(path: str) -> CentroidSet: ...

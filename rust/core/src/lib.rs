@@ -1,7 +1,8 @@
 //! eldr-core: the hot path of expert-locality-aware decode routing (ELDR).
 //!
 //! * [`signature`]: counts of expert use during prefill -> unit signature (IDF and layer weights).
-//! * [`centroid_file`]: the versioned, checksummed `.eldr` centroid file (writer + mmapped reader).
+//! * [`centroid_file`]: the versioned, checksummed `.eldr` centroid file (writer + a reader that
+//!   copies the file into a private, page-aligned buffer).
 //! * [`store`]: hot-reloadable centroids behind an atomic pointer swap.
 //! * [`queue`]: lock-free per-worker in-flight tracking with exactly-once release.
 //! * [`policies`]: one small trait, one file per routing policy, and a factory.
@@ -11,7 +12,7 @@
 //! * [`experts`]: top-k id counting helpers shared by the offline pipeline and the simulator.
 
 #[cfg(not(target_endian = "little"))]
-compile_error!("the .eldr centroid file is little-endian and is mmapped in place");
+compile_error!("the .eldr centroid file is little-endian and its f32 matrix is read in place from the loaded bytes");
 
 pub mod centroid_file;
 pub mod distance;

@@ -287,7 +287,8 @@ fn distinct_per_layer(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize
 
 // ---------------------------------------------------------------- centroid file
 
-/// A validated, mmapped centroid file.
+/// A validated centroid file, read into a private read-only copy (not mapped: an in-place
+/// overwrite of a mapped file would crash the router with SIGBUS).
 #[pyclass(name = "CentroidSet", module = "eldr_sglang._core", frozen)]
 struct PyCentroidSet {
     set: Arc<CentroidSet>,
