@@ -1,10 +1,10 @@
 """Signatures of many requests, computed as a stream of bounded chunks by the Rust normalizer.
 
-The signature of a request depends on its prefill tokens only (ELDR.md). We never expand
-the whole trace: requests are processed in chunks of at most ``chunk_tokens`` prefill
-tokens, each chunk goes through ``SignatureSpec.batch_from_topk`` (Rust, GIL released),
-and the dense chunk result is turned into CSR at once, so memory stays at one chunk plus
-the sparse result.
+The signature of a request depends on its prefill tokens only (the ELDR paper,
+arXiv:2607.00466; README "The ELDR rule"). We never expand the whole trace: requests are
+processed in chunks of at most ``chunk_tokens`` prefill tokens, each chunk goes through
+``SignatureSpec.batch_from_topk`` (Rust, GIL released), and the dense chunk result is turned
+into CSR at once, so memory stays at one chunk plus the sparse result.
 
 IDF and layer weights are fit-time statistics and live here, in Python:
 ``idf[l][e] = log((|C|+1)/(df[l][e]+1)) (+1)`` with ``df`` the number of calibration
@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy as np
 import scipy.sparse as sp
 
+from eldr_sglang.progress import progress as progress_bar
 from eldr_sglang.traces import Trace
 
 DEFAULT_CHUNK_TOKENS = 1 << 18
@@ -118,19 +119,14 @@ def compute_signatures(
             f"the trace has {trace.num_layers} x {trace.num_experts}"
         )
     n_req = trace.num_requests if requests is None else len(requests)
-    bar = _bar(progress, n_req, desc)
     blocks: list[sp.csr_matrix] = []
     valids: list[np.ndarray] = []
-    try:
+    with progress_bar(n_req, desc=desc, unit="req", leave=False, enabled=progress) as bar:
         for idx, ids, offsets, prefix in iter_chunks(trace, requests, "prefill", chunk_tokens):
             sig, valid = spec.batch_from_topk(ids, offsets, prefix)
             blocks.append(_dense_to_csr(np.asarray(sig, dtype=np.float32)))
             valids.append(np.asarray(valid, dtype=bool))
-            if bar is not None:
-                bar.update(len(idx))
-    finally:
-        if bar is not None:
-            bar.close()
+            bar.update(len(idx))
     if not blocks:
         return sp.csr_matrix((0, spec.dim), dtype=np.float32), np.zeros(0, dtype=bool)
     S = sp.vstack(blocks, format="csr").astype(np.float32)
@@ -148,7 +144,8 @@ def document_frequency(raw: sp.csr_matrix, num_layers: int, num_experts: int) ->
 
 
 def compute_idf(df: np.ndarray, n_docs: int, plus_one: bool = True) -> np.ndarray:
-    """Smoothed IDF of ELDR.md: log((|C|+1)/(df+1)), plus 1 when ``plus_one``.
+    """Smoothed IDF of the ELDR paper (arXiv:2607.00466): log((|C|+1)/(df+1)), plus 1 when
+    ``plus_one``.
 
     With ``plus_one`` an expert every request uses keeps weight 1 instead of 0; that
     matters for small models (GPT-OSS-20B: 32 experts, top-4), where long prompts touch
@@ -197,13 +194,3 @@ def decode_profiles(trace: Trace, requests=None, chunk_tokens=DEFAULT_CHUNK_TOKE
     return out, has
 
 
-def _bar(progress: bool, total: int, desc: str):
-    if not progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    import sys
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)

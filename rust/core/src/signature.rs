@@ -125,10 +125,11 @@ pub struct SignatureSpec {
     experts: usize,
     layer_weights: Vec<f32>,
     idf: Vec<f32>,
-    /// `w_l * idf[l][e]` for every flat index `l*E + e` (0 on masked layers), computed in f64.
-    /// `(output index, w_l * idf[l][e])` for every flat index `l*E + e`, interleaved so a
-    /// sparse input's random access touches one cache line per entry; masked layers have
-    /// scale 0 (and output index u32::MAX, never emitted).
+    /// `(output index, w_l * idf[l][e])` for every flat input index `l*E + e`: the output index
+    /// is `slot*E + e` where `slot` is the layer's position among the selected layers, and the
+    /// scale is computed in f64, then rounded to f32. The two are interleaved so a sparse
+    /// input's random access touches one cache line per entry. Masked layers have scale 0 and
+    /// output index u32::MAX; a zero product is never emitted, so that index is never seen.
     table: Vec<(u32, f32)>,
     selected: Vec<usize>,
 }

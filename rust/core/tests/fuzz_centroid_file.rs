@@ -2,8 +2,9 @@
 //! panic. Mutations start from valid files (so they reach deep into validation) and, half the
 //! time, re-seal the CRC so the field checks behind it are exercised too.
 //!
-//! Cases: ELDR_FUZZ_CASES (default 1,000,000: about 10 s in a debug build). Memory safety of
-//! the unsafe reads was also checked under valgrind memcheck (see docs/centroid-format.md).
+//! Cases: ELDR_FUZZ_CASES (default 1,000,000: about 50 s in a debug build on 2 cores; set it
+//! lower for a quick local run). Memory safety of the unsafe reads was also checked under
+//! valgrind memcheck (see docs/centroid-format.md).
 
 use eldr_core::centroid_file::{CentroidSet, CentroidWriter, HEADER_LEN, TRAILER_LEN};
 
