@@ -305,17 +305,14 @@ def collect(
             todo.append(i)
             queued.add(k)
     reused = sum(1 for k in keys if k in parsed)
+    from eldr_sglang.progress import progress as progress_bar
+
     bar, tick = None, None
     if callable(progress):
         tick = progress
     elif progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(prompts), initial=reused, unit="req", desc="collect", file=sys.stderr)
-            tick = bar.update
-        except ImportError:  # tqdm is a core dependency, but never fail over a progress bar
-            tick = None
+        bar = progress_bar(len(prompts), initial=reused, unit="req", desc="collect")
+        tick = bar.update
     failed: list[tuple[int, str]] = []
     fatal: list[str] = []
     base = cfg.url.rstrip("/")

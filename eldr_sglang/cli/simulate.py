@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             print("note: requests generate more tokens than recorded; their decode routing is replayed cyclically", file=sys.stderr)
         pol, res = run_comparison(
             replay, wl, specs, em, cfg, centroids=args.centroids, seed=args.seed,
-            progress=not args.no_progress and sys.stderr.isatty(), keep_results=True,
+            progress=not args.no_progress, keep_results=True,  # plain lines when piped
         )
         load_txt = f"concurrency {value}" if arrival == "closed" else (f"{arrival} {value} req/s" if value else "trace arrivals")
         print()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from eldr_sglang.synth import MODEL_SHAPES
@@ -68,23 +67,12 @@ def run(args) -> int:
                                       shape["top_k"], shape["num_experts"]),
                    f"synth of {args.requests} requests", args.max_memory)
     t0 = time.time()
-    bar = None
-    progress = None
-    if not args.no_progress:
-        try:
-            from tqdm import tqdm
+    from eldr_sglang.progress import progress
 
-            bar = tqdm(unit="tok", unit_scale=True, desc="synth", file=sys.stderr, disable=args.requests < 2000)
-            progress = bar.update
-        except ImportError:
-            pass
-    try:
+    with progress(desc="synth", unit="tok", unit_scale=True, enabled=not args.no_progress and args.requests >= 2000) as bar:
         trace = generate(model=args.model, requests=args.requests, domains=args.domains, uniform=args.uniform,
                          seed=args.seed, prompt_len=args.prompt_len, output_len=args.output_len,
-                         burstiness=args.burstiness, rate=args.rate, progress=progress)
-    finally:
-        if bar is not None:
-            bar.close()
+                         burstiness=args.burstiness, rate=args.rate, progress=bar.update)
     save_trace(trace, args.out)
     T = trace.expert_ids.shape[0]
     print(f"wrote {args.out}: {args.model} {'uniform' if args.uniform else f'{args.domains} domains'}, "

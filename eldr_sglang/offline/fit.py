@@ -32,6 +32,7 @@ from eldr_sglang.offline.signatures import (
     make_spec,
     raw_signatures,
 )
+from eldr_sglang.progress import status_line
 from eldr_sglang.traces import Trace
 
 # Densify the signature matrix for K-means when it is at least this dense and fits in this
@@ -213,15 +214,11 @@ def fit_trace(
         X = X.toarray()
 
     # 4. balanced spherical K-means
-    bar = _kmeans_bar(progress)
-    try:
+    with status_line(desc="eldr fit", enabled=progress) as line:
         km: KMeansResult = spherical_kmeans(
             X, K, seed=seed, n_init=n_init, max_iter=max_iter, rtol=rtol, balanced=True,
-            progress=(lambda m: bar.set_description_str(m, refresh=True)) if bar is not None else None,
+            progress=line.status if progress else None,
         )
-    finally:
-        if bar is not None:
-            bar.close()
     t_km = km.seconds
     assignment = np.full(len(req), -1, dtype=np.int64)
     assignment[valid] = km.assignment
@@ -334,16 +331,6 @@ def fit_trace(
         signatures=S if keep_signatures else None,
         valid=valid,
     )
-
-
-def _kmeans_bar(progress: bool):
-    if not progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=0, bar_format="{desc}", file=sys.stderr, leave=False)
 
 
 def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:

@@ -205,9 +205,9 @@ def simulate(
 
     bar = None
     if progress:
-        from tqdm import tqdm
+        from eldr_sglang.progress import progress as progress_bar
 
-        bar = tqdm(total=N, desc=progress_desc or policy.name, unit="req", leave=False, mininterval=0.5)
+        bar = progress_bar(N, desc=progress_desc or policy.name, unit="req", leave=False)
     done_count = 0
     bar_pending = 0
     t_wall = time.perf_counter()
