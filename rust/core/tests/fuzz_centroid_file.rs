@@ -2,7 +2,7 @@
 //! panic. Mutations start from valid files (so they reach deep into validation) and, half the
 //! time, re-seal the CRC so the field checks behind it are exercised too.
 //!
-//! Cases: ELDR_FUZZ_CASES (default 1,000,000: about 50 s in a debug build on 2 cores; set it
+//! Cases: ELDR_FUZZ_CASES (default 1,000,000: 40-50 s in a debug build on 2 cores; set it
 //! lower for a quick local run). Memory safety of the unsafe reads was also checked under
 //! valgrind memcheck (see docs/centroid-format.md).
 
