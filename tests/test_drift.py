@@ -399,7 +399,9 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
     shutil.copyfile(drift_setup["path"], path)
     cfg = RouterConfig(prefill=[PrefillWorker("http://127.0.0.1:9", None, "127.0.0.1")],
                        decode=[f"http://127.0.0.1:{10 + k}" for k in range(K)], centroids=path, bind="early",
-                       health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20)
+                       health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20,
+                       admin_token="drift-test-admin-token-0123")
+    auth = {"Authorization": "Bearer drift-test-admin-token-0123"}  # /eldr/refit is a control endpoint
     # hook options travel on the config (install() reads a `drift` dict attribute)
     cfg.drift = dict(executor="inline", cooldown_s=0, window=64, check_interval_s=0.02, refit_on_drift=False,
                      reservoir_capacity=512, reservoir_horizon=512)
@@ -418,14 +420,16 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
             r = await c.get("/eldr/drift")
             assert r.status == 200 and (await r.json())["monitor"]["observations"] == 0
             r = await c.post("/eldr/refit")
+            assert r.status == 401
+            r = await c.post("/eldr/refit", headers=auth)
             assert r.status == 422 and "needs" in (await r.json())["message"]
-            r = await c.post("/eldr/refit", data=b"{oops", headers={"Content-Type": "application/json"})
+            r = await c.post("/eldr/refit", data=b"{oops", headers={"Content-Type": "application/json", **auth})
             assert r.status == 400
             for i in np.flatnonzero(drift_setup["phase"] == 0)[:400]:
                 counts = _core.count_topk(np.ascontiguousarray(tr.prefill_ids(int(i))), E)
                 hook.on_route(pd.router.route_dense(counts, explain=True), counts)
             hook.on_route(pd.router.route_signature(None, explain=True), None)  # a fallback: counted, not stored
-            r = await c.post("/eldr/refit", json={"force": True, "reason": "test"})
+            r = await c.post("/eldr/refit", json={"force": True, "reason": "test"}, headers=auth)
             assert r.status == 202, await r.text()
             for _ in range(200):
                 if pd.router.centroid_generation == 2:
