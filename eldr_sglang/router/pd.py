@@ -725,29 +725,36 @@ class PDRouter:
         until a decode fetches it. At most 1 + --retries decode workers per request."""
         loop = asyncio.get_running_loop()
         tried: set[int] = set()
-        last: UpstreamError | None = None
+        first: Retryable | None = None  # the root cause: what the client is told if no retry works
+        last: Retryable | None = None
         for attempt in range(min(len(self.cfg.decode), 1 + self.cfg.retries)):
             try:
                 decision = self.route(sig, tried)
             except _core_errors().NoHealthyWorker:
-                if last is None:
+                if first is None:
                     raise
                 break
             if attempt:
                 self.metrics.decode_failovers.inc()
-                self.metrics.retries.labels("decode", last.cause if isinstance(last, Retryable) else "error").inc()
+                self.metrics.retries.labels("decode", last.cause).inc()
             tried.add(decision.worker)
             try:
                 return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain)
             except Retryable as exc:
                 if exc.role == "prefill":  # the KV is gone: start over from a prefill
                     raise
-                last = exc
+                first, last = first or exc, exc
                 if loop.time() >= deadline:
                     break
-        assert last is not None
+            except UpstreamError:
+                # A retry refused (e.g. 409: the failed worker had already taken the room's
+                # KV): the first failure is what went wrong.
+                if first is None:
+                    raise
+                break
+        assert first is not None
         # Not the prefill's fault: end as a plain upstream error (no prefill retry).
-        raise UpstreamError(last.status, last.body, last.content_type, last.role)
+        raise UpstreamError(first.status, first.body, first.content_type, first.role)
 
     async def _kv_lost(self, drain: asyncio.Future | None) -> bool:
         """Did the prefill's stream break (the prefill died, and its parked KV with it)?"""
