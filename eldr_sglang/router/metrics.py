@@ -60,6 +60,10 @@ class RouterMetrics:
             "eldr_router_retries", "Requests re-sent to another worker before any byte reached the client, by role and cause",
             ["role", "cause"], registry=r,
         )
+        self.retries_refused = Counter(
+            "eldr_router_retries_refused", "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)",
+            ["role"], registry=r,
+        )
         self.timeouts = Counter(
             "eldr_router_upstream_timeouts", "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)",
             ["role", "worker", "phase"], registry=r,

@@ -40,7 +40,7 @@ from aiohttp import web
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.outlier import WorkerPool
+from eldr_sglang.router.outlier import RetryBudget, WorkerPool
 from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload, to_layout
 
 logger = logging.getLogger("eldr.router")
@@ -276,6 +276,7 @@ class PDRouter:
         self.prefill = WorkerPool("prefill", [w.url for w in cfg.prefill], **pool_kw)
         self.decode = WorkerPool("decode", list(cfg.decode), on_change=self.router.set_healthy, **pool_kw)
         self._log = RateLimitedLog(logger)
+        self.retry_budget = RetryBudget()
         self._prefill_of: dict[int, int] = {}  # drain task id -> prefill worker (for error labels)
 
     # ------------------------------------------------------------------ state
@@ -539,21 +540,36 @@ class PDRouter:
         client_stream = bool(body.get("stream", False))
         tried: set[int] = set()
         last: UpstreamError | None = None
-        for attempt in range(min(len(self.cfg.prefill), 1 + self.cfg.retries)):
-            p = self.pick_prefill(tried)
-            if p is None:
-                break
-            tried.add(p)
-            if attempt:
-                self.metrics.retries.labels("prefill", last.cause if isinstance(last, Retryable) else "error").inc()
-            try:
-                return await self._serve_with_prefill(request, kind, body, p, client_stream, deadline)
-            except Retryable as exc:  # the prefill failed before anything reached a decode or the client
-                last = exc
-                if loop.time() >= deadline:
+        budget = self.retry_budget
+        budget.active += 1
+        try:
+            for attempt in range(min(len(self.cfg.prefill), 1 + self.cfg.retries)):
+                p = self.pick_prefill(tried)
+                if p is None or (attempt and not self._may_retry("prefill")):
                     break
+                tried.add(p)
+                if attempt:
+                    self.metrics.retries.labels("prefill", last.cause if isinstance(last, Retryable) else "error").inc()
+                    budget.retrying += 1
+                try:
+                    return await self._serve_with_prefill(request, kind, body, p, client_stream, deadline)
+                except Retryable as exc:  # the prefill failed before anything reached a decode or the client
+                    last = exc
+                    if loop.time() >= deadline:
+                        break
+                finally:
+                    if attempt:
+                        budget.retrying -= 1
+        finally:
+            budget.active -= 1
         assert last is not None
         raise last
+
+    def _may_retry(self, role: str) -> bool:
+        if self.retry_budget.allows():
+            return True
+        self.metrics.retries_refused.labels(role).inc()
+        return False
 
     async def _serve_with_prefill(self, request, kind, body, p, client_stream, deadline) -> web.StreamResponse:
         self.metrics.prefill_routes.labels(str(p)).inc()
@@ -728,6 +744,8 @@ class PDRouter:
         first: Retryable | None = None  # the root cause: what the client is told if no retry works
         last: Retryable | None = None
         for attempt in range(min(len(self.cfg.decode), 1 + self.cfg.retries)):
+            if attempt and not self._may_retry("decode"):
+                break
             try:
                 decision = self.route(sig, tried)
             except _core_errors().NoHealthyWorker:
@@ -737,6 +755,7 @@ class PDRouter:
             if attempt:
                 self.metrics.decode_failovers.inc()
                 self.metrics.retries.labels("decode", last.cause).inc()
+                self.retry_budget.retrying += 1
             tried.add(decision.worker)
             try:
                 return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain)
@@ -752,6 +771,9 @@ class PDRouter:
                 if first is None:
                     raise
                 break
+            finally:
+                if attempt:
+                    self.retry_budget.retrying -= 1
         assert first is not None
         # Not the prefill's fault: end as a plain upstream error (no prefill retry).
         raise UpstreamError(first.status, first.body, first.content_type, first.role)
