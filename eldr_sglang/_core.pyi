@@ -3,6 +3,10 @@
 Shapes: L = layers in the count input (MoE layers of the trace, or hidden layers of
 SGLang output where dense layers carry weight 0), E = experts per layer, K = decode
 workers, D = (number of selected layers) * E = signature dimension.
+
+Sizes are bounded before anything is allocated: K, L and E at most 2^20 each, one buffer
+(an [L, E] count table, a batch of signatures) at most 2^28 elements; beyond that a
+ValueError names the argument. Routing, acquire and release release the GIL.
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ class Router:
         load_report_ttl_ms: int = 2000,
         load_factor: float | None = None,
     ) -> None:
-        """load_factor: ELDR with bounded loads (a worker is a candidate only while its load
+        """num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
         is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule."""
     @property
     def policy(self) -> str: ...
@@ -177,7 +181,9 @@ class Router:
     def maybe_reload(self) -> bool:
         """Reload if the file changed (checked at most every reload_interval_ms)."""
     @property
-    def centroid_generation(self) -> int: ...
+    def centroid_generation(self) -> int:
+        """1 for the first file, +1 per successful reload. A Decision's `generation` is the
+        generation of the very centroids it was computed from (read with them as one)."""
     @property
     def reload_failures(self) -> int:
         """Centroid files rejected so far (each bad replacement counts once)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,13 +196,9 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     for name in ("domain", "subdomain", "arrival_s"):
         if getattr(trace, name) is not None:
             arrays[name] = getattr(trace, name)
+    from eldr_sglang.io_safe import atomic_output
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path, "wb", what="trace") as fh:
+        np.savez(fh, **arrays)

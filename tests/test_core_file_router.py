@@ -10,7 +10,16 @@ import time
 import numpy as np
 import pytest
 
-from eldr_sglang import CentroidFileError, CentroidSet, NoHealthyWorker, Router, write_centroids
+from eldr_sglang import (
+    CentroidFileError,
+    CentroidSet,
+    NoHealthyWorker,
+    Router,
+    SignatureSpec,
+    count_topk,
+    distinct_per_layer,
+    write_centroids,
+)
 
 
 def make(path, K=4, L=6, E=8, seed=0, tau=0.1, sel=(1, 2, 3, 4)):
@@ -145,9 +154,13 @@ def test_lease_releases_exactly_once():
 
 
 def test_queue_stress_8_threads_1m_pairs():
+    """acquire/release release the GIL, so the 8 threads really contend on the counters. Each
+    thread holds at most one lease, so a sampler must never see a negative count or more than
+    8 in flight; a lost or doubled update would also leave the counts off zero at the end."""
     r = Router("shortest_queue", num_workers=8)
     n_threads, pairs = 8, 1_000_000 // 8
-    errors = []
+    errors, bad_samples = [], []
+    done = threading.Event()
 
     def work(t):
         try:
@@ -158,13 +171,114 @@ def test_queue_stress_8_threads_1m_pairs():
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
+    def sample():
+        while not done.is_set():
+            loads, tokens = r.loads(), r.tokens()
+            if min(loads) < 0 or sum(loads) > n_threads or min(tokens) < 0 or sum(tokens) > 3 * n_threads:
+                bad_samples.append((loads, tokens))
+
     threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    done.set()
+    sampler.join()
     assert not errors
+    assert not bad_samples, bad_samples[:3]
     assert r.loads() == [0] * 8 and r.tokens() == [0] * 8
+
+
+def test_decision_generation_is_that_of_the_centroids_used(tmp_path):
+    """Three threads route while the main thread swaps in 1,500 files cycling through 30
+    distinguishable ones. Generation g is file (g - 1) % 30, and the distances in a decision
+    tell which file it used: every decision's generation must match them, and its reason
+    must be the band rule. A generation read apart from its snapshot fails this."""
+    n_files, n_reloads = 30, 1500
+    counts = (np.arange(48, dtype=np.uint32).reshape(6, 8) % 5) + 1
+    staged, expect = [], []
+    for i in range(n_files):
+        f = tmp_path / f"s{i}.eldr"
+        make(f, seed=100 + i)
+        staged.append(f)
+        expect.append(Router("eldr", centroids=str(f), reload_interval_ms=0).route_dense(counts, explain=True).distances)
+    assert all(expect[i] != expect[i - 1] for i in range(1, n_files)) and expect[0] != expect[-1]
+    p, tmp = tmp_path / "c.eldr", tmp_path / "next.eldr"
+    os.link(staged[0], p)
+    r = Router("eldr", centroids=str(p), reload_interval_ms=0)
+    stop = threading.Event()
+    errors, wrong, routed = [], [], [0] * 3
+
+    def work(t):
+        try:
+            while not stop.is_set():
+                d = r.route_dense(counts, explain=True)
+                if d.reason != "band" or d.distances != expect[(d.generation - 1) % n_files]:
+                    wrong.append((d.generation, d.reason))
+                routed[t] += 1
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    try:
+        for g in range(2, n_reloads + 1):
+            os.link(staged[(g - 1) % n_files], tmp)
+            os.replace(tmp, p)
+            assert r.reload() is True
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert not errors, errors[:3]
+    assert r.centroid_generation == n_reloads and min(routed) > 0
+    assert not wrong, f"{len(wrong)} of {sum(routed)} decisions disagree with their generation: {wrong[:5]}"
+
+
+def test_sizes_beyond_the_limits_raise_value_error_not_abort():
+    ids = np.zeros((2, 3, 2), np.int32)
+    with pytest.raises(ValueError, match="num_experts = 1099511627776 is out of range"):
+        count_topk(ids, 1 << 40)
+    with pytest.raises(ValueError, match="num_experts = 1099511627776 is out of range"):
+        distinct_per_layer(ids, 1 << 40)
+    with pytest.raises(ValueError, match="num_experts = 0"):
+        count_topk(ids, 0)
+    # each dimension within bounds, the [L, E] table not: 2^20 layers x 2^20 experts
+    wide = np.zeros((0, 1 << 20, 1), np.uint8)
+    with pytest.raises(ValueError, match="elements exceed the limit"):
+        count_topk(wide, 1 << 20)
+    with pytest.raises(ValueError, match="num_workers = 1000000000000 is out of range"):
+        Router("random", num_workers=10**12)
+    with pytest.raises(ValueError, match="num_workers = 0"):
+        Router("random", num_workers=0)
+    # a batch of signatures larger than one buffer may hold: 1,000 requests x D = 2^20
+    spec = SignatureSpec(np.ones(1, np.float32), np.ones((1, 1 << 20), np.float32))
+    with pytest.raises(ValueError, match="elements exceed the limit"):
+        spec.batch_from_topk(np.zeros((0, 1, 1), np.int32), np.zeros(1001, np.int64))
+
+
+def test_non_regular_centroid_paths_are_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "c.eldr"
+    os.mkfifo(fifo)
+    # Opening a FIFO with no writer blocks forever: without the check this test hangs.
+    with pytest.raises(CentroidFileError, match=r"not a regular file \(a FIFO\)"):
+        CentroidSet.open(str(fifo))
+    with pytest.raises(CentroidFileError, match="not a regular file"):
+        Router("eldr", centroids=str(fifo))
+    with pytest.raises(CentroidFileError, match=r"not a regular file \(a directory\)"):
+        CentroidSet.open(str(tmp_path))
+    # A router whose file is replaced by a FIFO keeps serving and reports it.
+    good = tmp_path / "good.eldr"
+    make(good)
+    r = Router("eldr", centroids=str(good), reload_interval_ms=0)
+    os.replace(fifo, good)
+    with pytest.raises(CentroidFileError, match="FIFO"):
+        r.reload()
+    assert r.centroid_generation == 1 and "FIFO" in r.last_reload_error
+    assert r.route_dense(np.ones((6, 8), np.uint32), explain=True).reason == "band"
 
 
 def test_unhealthy_never_chosen_and_load_reports_blend():

@@ -91,7 +91,11 @@ def run(args) -> int:
     from eldr_sglang.sglang_io import read_sglang
     from eldr_sglang.traces import save_trace
 
+    from eldr_sglang.io_safe import check_output
+
     spec = _spec(args)
+    check_output(args.out, what="--out", create_parent=True,
+                 inputs=[("the dataset", args.dataset), ("--from-file", args.from_file)])
     if args.from_file:
         if args.dataset:
             raise ValueError("give a dataset (to collect) or --from-file (to convert), not both")

@@ -38,27 +38,16 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+# Everything the demo writes into --out; an existing --out may hold only these.
+DEMO_FILES = ("results.json", "results.md", "centroids.eldr", "tpot_vs_load.png", "policies.png", "manifest.json")
+
+
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from eldr_sglang.sim.cluster import ClusterConfig
-    from eldr_sglang.sim.cost_model import ExecutionModel
-    from eldr_sglang.sim.profiles import get_hardware, get_model
-    from eldr_sglang.sim.replay import TraceReplay
-    from eldr_sglang.sim.report import format_table, json_summary, markdown_table, plot_runs, plot_sweep, write_json
-    from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison
-    from eldr_sglang.sim.workload import make_workload
-
-    try:
-        from eldr_sglang.offline.fit import fit_trace
-        from eldr_sglang.synth import generate
-    except ImportError as exc:
-        raise RuntimeError(f"the demo needs the synthetic generator and the fit ({exc})") from None
+    from eldr_sglang.io_safe import StagedDir
+    from eldr_sglang.sim.report import write_json
 
     show = not args.no_progress
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if show else (lambda *a: None)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     K = args.workers
     loads = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     if not loads or min(loads) < 1:
@@ -66,6 +55,30 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.fit_fraction < 1:
         raise ValueError("--fit-fraction must lie in (0, 1)")
     t0 = time.perf_counter()
+    # Every file goes into a fresh directory beside --out, swapped in at the end.
+    with StagedDir(args.out, what="--out", owned=DEMO_FILES) as stage:
+        wrote = _run(args, stage.tmp, K, loads, say, show)
+        write_json({"tool": "eldr demo", "files": sorted(p.name for p in wrote), "seed": args.seed,
+                    "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, stage.tmp / "manifest.json")
+        final = stage.commit()
+    print()
+    print("wrote " + ", ".join(str(final / p.name) for p in wrote) + f"  ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
+    import numpy as np
+
+    from eldr_sglang.io_safe import write_text
+    from eldr_sglang.offline.fit import fit_trace
+    from eldr_sglang.sim.cluster import ClusterConfig
+    from eldr_sglang.sim.cost_model import ExecutionModel
+    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.sim.replay import TraceReplay
+    from eldr_sglang.sim.report import format_table, json_summary, markdown_table, plot_runs, plot_sweep, write_json
+    from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison
+    from eldr_sglang.sim.workload import make_workload
+    from eldr_sglang.synth import generate
 
     say(f"[1/4] generating a synthetic {'uniform' if args.uniform else 'domain-skewed'} {args.model} workload: "
         f"{args.requests} requests, {args.output_len} output tokens each")
@@ -141,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     obj = json_summary(main_pol, meta)
     obj["sweep"] = runs
     write_json(obj, out / "results.json")
-    (out / "results.md").write_text(markdown_table(main_pol) + "\n")
+    write_text(out / "results.md", markdown_table(main_pol) + "\n")
     wrote = [out / "results.json", out / "results.md", cpath]
     try:
         plot_sweep(sweep, out / "tpot_vs_load.png", xlabel="concurrency (clients)", title=f"{model.name}, K={K}")
@@ -150,6 +163,4 @@ def run(args: argparse.Namespace) -> int:
         wrote += [out / "tpot_vs_load.png", out / "policies.png"]
     except RuntimeError as exc:  # matplotlib missing
         print(f"note: {exc}", file=sys.stderr)
-    print()
-    print("wrote " + ", ".join(str(p) for p in wrote) + f"  ({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return wrote

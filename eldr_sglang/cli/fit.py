@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 from eldr_sglang.cli import CliError
 
@@ -44,46 +41,14 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _check_out(path: str, what: str) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        raise CliError(f"{what} {path} is a directory")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise CliError(f"{what}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise CliError(f"{what}: directory {parent} is not writable")
-    return p
-
-
-def _json_default(o):
-    import numpy as np
-
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serializable: {type(o)}")
-
-
-def _clean(o):
-    """NaN is not JSON: write null."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
-
-
 def run(args) -> int:
     from eldr_sglang.offline.fit import fit_trace
     from eldr_sglang.offline.report import format_report
     from eldr_sglang.traces import load_trace
 
-    out = _check_out(args.out, "--out")
-    js = _check_out(args.json_out, "--json") if args.json_out else None
+    from eldr_sglang import io_safe
+
+    out, js = io_safe.check_outputs([("--out", args.out), ("--json", args.json_out)], inputs=[("the trace", args.trace)])
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
     if not (args.tol >= 0):
@@ -114,20 +79,15 @@ def run(args) -> int:
     )
     report = dict(res.report)
     report["out"] = str(out)
-    # stage the JSON first, so a failure leaves neither file behind
-    tmp_json = None
-    if js is not None:
-        fd, tmp_json = tempfile.mkstemp(dir=js.parent if str(js.parent) else ".", prefix=f".{js.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(_clean(report), fh, indent=2, default=_json_default)
-    try:
+    # Stage the JSON first and commit it after the centroid file: a failure leaves neither new.
+    text = json.dumps(io_safe.json_ready(report), indent=2, allow_nan=False) + "\n"
+    with contextlib.ExitStack() as stack:
+        staged = stack.enter_context(io_safe.Staged(js, what="--json")) if js is not None else None
+        if staged is not None:
+            staged.tmp.write_text(text, encoding="utf-8")
         res.write(out)
-    except BaseException:
-        if tmp_json:
-            Path(tmp_json).unlink(missing_ok=True)
-        raise
-    if tmp_json:
-        os.replace(tmp_json, js)
+        if staged is not None:
+            staged.commit()
     print(format_report(report))
     print(f"wrote {out}" + (f" and {js}" if js else ""))
     return 0

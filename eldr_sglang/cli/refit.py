@@ -79,6 +79,10 @@ def _signatures(centroids: str, trace_path: str, requests):
 def run_refit(args) -> int:
     from eldr_sglang.drift.refit import refit_file
 
+    from eldr_sglang.io_safe import check_output
+
+    # replacing the input centroid file is the default (its previous version is kept as .prev)
+    check_output(args.out or args.centroids, what="--out", inputs=[("--trace", args.trace)])
     cs, S, valid, req = _signatures(args.centroids, args.trace, args.requests)
     summary = refit_file(args.centroids, S[valid], args.out or args.centroids, reason=f"eldr refit --trace {args.trace}",
                          seed=args.seed, extra={"trace": str(args.trace), "requests": [int(req[0]), int(req[-1]) + 1]})

@@ -97,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     from eldr_sglang.sim.workload import make_workload
     from eldr_sglang.traces import load_trace
 
+    from eldr_sglang.io_safe import check_outputs
+
+    # before any work: neither output may replace a non-regular file, an input, or the other
+    check_outputs([("--json", args.json), ("--plot", args.plot)], inputs=[("--trace", args.trace), ("--centroids", args.centroids)])
     specs = parse_policies(args.policies, args.tau, args.eldr_load_factor)
     trace = load_trace(args.trace)
     model = get_model(args.model or trace.model)

@@ -51,8 +51,11 @@ def run(args) -> int:
     from eldr_sglang.synth import generate
     from eldr_sglang.traces import save_trace
 
+    from eldr_sglang.io_safe import check_output
+
     if args.requests < 1:
         raise ValueError("--requests must be >= 1")
+    check_output(args.out, what="--out", create_parent=True)  # before the generation, not after
     t0 = time.time()
     bar = None
     progress = None

@@ -11,7 +11,8 @@
   SignatureSpec (layer weights and IDF -- the signatures the router computes keep meaning
   the same, and the reservoir's signatures were computed under it), fit, remap, compute the
   new drift baseline, and write the new file atomically with `_core.write_centroids`
-  (temporary file + rename). A Router watching `out_path` hot-reloads it.
+  (temporary file + rename), keeping the file it replaces as `out_path + ".prev"`. A Router
+  watching `out_path` hot-reloads it.
 - `RefitController`: feeds the monitor and the reservoir, triggers a refit on drift, on a
   schedule or on demand (with a cooldown), runs it in a background process, and reports a
   status dict.
@@ -170,6 +171,10 @@ def refit_file(
         "refit": summary,
         "lineage": lineage,
     }
+    from eldr_sglang.io_safe import keep_previous
+
+    # the operator's current file survives a refit (and back-to-back refits) as OUT.prev
+    previous = keep_previous(out_path)
     _core.write_centroids(
         out_path,
         res.centroids,
@@ -182,6 +187,7 @@ def refit_file(
     written = _core.CentroidSet.open(out_path)
     summary["checksum"] = int(written.checksum)
     summary["out_path"] = out_path
+    summary["previous_path"] = str(previous) if previous else None
     summary["baseline"] = res.baseline
     return summary
 

@@ -63,6 +63,7 @@ class FitResult:
     def write(self, path: str | os.PathLike) -> None:
         """Write the centroid file (atomically, by the Rust writer) with provenance JSON."""
         from eldr_sglang import _core
+        from eldr_sglang.io_safe import json_ready
 
         path = Path(path)
         if path.parent and not path.parent.exists():
@@ -74,7 +75,7 @@ class FitResult:
             np.ascontiguousarray(self.idf, dtype=np.float32),
             float(self.tau),
             list(self.worker_names),
-            json.dumps(self.provenance, sort_keys=True),
+            json.dumps(json_ready(self.provenance), sort_keys=True, allow_nan=False),
         )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -87,20 +86,14 @@ def json_summary(policies: dict[str, dict], meta: dict | None = None) -> dict:
     return {"policies": policies, "meta": meta or {}}
 
 
-def write_json(obj: dict, path: str | Path) -> None:
+def write_json(obj: dict, path: str | Path, inputs=()) -> None:
+    """Strict JSON (NaN as null), written atomically (eldr_sglang.io_safe); `inputs`:
+    (label, path) pairs it must not overwrite."""
+    from eldr_sglang import io_safe
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serializable: {type(o)}")
+    io_safe.write_json(obj, path, inputs=inputs)
 
 
 def _plt():
@@ -132,9 +125,15 @@ def _save(plt, fig, path: str | Path, title: str) -> None:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    from eldr_sglang.io_safe import atomic_output
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with atomic_output(path, "wb", what="plot") as fh:
+            fig.savefig(fh, format=path.suffix.lstrip(".").lower() or "png")
+    finally:
+        plt.close(fig)
 
 
 def plot_runs(policies: dict[str, dict], step_distinct: dict[str, np.ndarray], path: str | Path, title: str = "") -> None:

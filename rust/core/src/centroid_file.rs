@@ -22,11 +22,20 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const HEADER_LEN: usize = 128;
 pub const TRAILER_LEN: usize = 8;
 pub const MATRIX_ALIGN: usize = 64;
+/// The largest file a reader accepts (1 GiB). Real sets are a few MiB (K x D floats); the
+/// bound keeps a stray huge file from being copied into memory before it can be rejected.
+pub const MAX_FILE_LEN: u64 = 1 << 30;
 
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum CentroidFileError {
     #[error("{path}: cannot read: {msg}")]
     Io { path: String, msg: String },
+    #[error("{path}: not a regular file ({kind}); a centroid file must be a regular file")]
+    NotRegular { path: String, kind: &'static str },
+    #[error("{path}: refusing to write over {kind}; give a new path or a regular file")]
+    WontReplace { path: String, kind: &'static str },
+    #[error("{path}: {len} bytes is larger than the {MAX_FILE_LEN}-byte limit of a centroid file")]
+    TooLarge { path: String, len: u64 },
     #[error("{path}: truncated: {what}")]
     Truncated { path: String, what: String },
     #[error("{path}: not an ELDR centroid file (bad magic)")]
@@ -79,20 +88,146 @@ fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
+/// What a non-regular file is, for messages; None for a regular file.
+fn non_regular_kind(t: std::fs::FileType) -> Option<&'static str> {
+    if t.is_file() {
+        return None;
+    }
+    if t.is_dir() {
+        return Some("a directory");
+    }
+    if t.is_symlink() {
+        return Some("a symlink");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return Some("a FIFO");
+        } else if t.is_socket() {
+            return Some("a socket");
+        } else if t.is_block_device() {
+            return Some("a block device");
+        } else if t.is_char_device() {
+            return Some("a character device");
+        }
+    }
+    Some("not a file")
+}
+
+/// Refuse anything but a regular file, naming what it is.
+fn regular_file(p: &str, meta: &std::fs::Metadata) -> Result<(), CentroidFileError> {
+    match non_regular_kind(meta.file_type()) {
+        None => Ok(()),
+        Some(kind) => Err(CentroidFileError::NotRegular { path: p.to_owned(), kind }),
+    }
+}
+
+/// Write `bytes` to `path` atomically, with the rules every eldr writer follows (the Python
+/// twin is `eldr_sglang.io_safe`): refuse a destination that exists and is not a regular
+/// file (a device such as /dev/full, a FIFO, a directory, a symlink), write a uniquely named
+/// temporary file in the same directory, fsync it, rename it over the destination, fsync the
+/// directory. On any failure the temporary file is removed and the destination is untouched.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CentroidFileError> {
+    let p = path.display().to_string();
+    let io = |e: std::io::Error| CentroidFileError::Io { path: p.clone(), msg: e.to_string() };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) => {
+            if let Some(kind) = non_regular_kind(m.file_type()) {
+                return Err(CentroidFileError::WontReplace { path: p, kind });
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| io(std::io::Error::other("no file name")))?;
+    let prefix = format!(".{}.", name.to_string_lossy());
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(".tmp");
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666)); // less the umask, like File::create
+    // The temporary file is deleted when `tmp` drops on any early return.
+    let mut tmp = builder.tempfile_in(dir).map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    // Make the rename itself durable; a directory that cannot be opened or synced is no error.
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Open for reading without blocking: opening a FIFO with no writer would otherwise wait
+/// forever. O_NONBLOCK has no effect on reads of the regular file that `open` then insists on.
+fn open_nonblocking(path: &Path) -> std::io::Result<File> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut opts, libc::O_NONBLOCK);
+    opts.open(path)
+}
+
+/// The checks that need only the header (`head`: the file's first bytes, up to HEADER_LEN)
+/// and the file's real length: magic, version, and the length the header gives. Run before
+/// the body is read, so a wrong or oversized file costs one header read.
+fn check_header(p: &str, head: &[u8], actual_len: u64) -> Result<(), CentroidFileError> {
+    let trunc = |what: String| CentroidFileError::Truncated { path: p.to_owned(), what };
+    if head.len() < 8 || &head[..8] != MAGIC {
+        if head.len() < 8 && MAGIC.starts_with(head) {
+            return Err(trunc(format!("{} bytes, shorter than the header", head.len())));
+        }
+        return Err(CentroidFileError::BadMagic { path: p.to_owned() });
+    }
+    if actual_len < HEADER_LEN as u64 {
+        return Err(trunc(format!("{actual_len} bytes, shorter than the {HEADER_LEN}-byte header")));
+    }
+    let version = rd_u32(head, 8);
+    if version != FORMAT_VERSION {
+        return Err(CentroidFileError::Version { path: p.to_owned(), found: version });
+    }
+    let file_len = rd_u64(head, 96);
+    if file_len != actual_len {
+        return Err(if actual_len < file_len {
+            trunc(format!("header says {file_len} bytes, file has {actual_len}"))
+        } else {
+            CentroidFileError::Mismatch { path: p.to_owned(), msg: format!("header says {file_len} bytes, file has {actual_len} (trailing data)") }
+        });
+    }
+    if file_len > MAX_FILE_LEN {
+        return Err(CentroidFileError::TooLarge { path: p.to_owned(), len: file_len });
+    }
+    if file_len < (HEADER_LEN + TRAILER_LEN) as u64 {
+        return Err(trunc(format!("header says {file_len} bytes, too short for the header and trailer")));
+    }
+    Ok(())
+}
+
 impl CentroidSet {
-    /// Open, mmap and fully validate a centroid file.
+    /// Open, copy into a private mapping and fully validate a centroid file.
+    ///
+    /// Only a regular file is read (a symlink to one is followed): anything else is refused
+    /// before it is opened, and the open itself is non-blocking, so a FIFO swapped in at the
+    /// path (even between the check and the open) cannot hang the caller. The header is read
+    /// and checked against the file's size first; the body is read only when they agree.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, CentroidFileError> {
         let path = path.as_ref();
         let p = path.display().to_string();
         let io = |e: std::io::Error| CentroidFileError::Io { path: p.clone(), msg: e.to_string() };
-        let mut file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len() as usize;
-        if len == 0 {
-            return Err(CentroidFileError::Truncated { path: p, what: "the file is empty".into() });
-        }
-        let mut map = MmapMut::map_anon(len).map_err(io)?;
+        regular_file(&p, &std::fs::metadata(path).map_err(io)?)?;
+        let mut file = open_nonblocking(path).map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        regular_file(&p, &meta)?;
+        let len = meta.len();
+        let mut head = [0u8; HEADER_LEN];
+        let head_len = (len as usize).min(HEADER_LEN);
+        file.read_exact(&mut head[..head_len]).map_err(io)?;
+        check_header(&p, &head[..head_len], len)?;
+        let mut map = MmapMut::map_anon(len as usize).map_err(io)?;
+        map[..HEADER_LEN].copy_from_slice(&head);
         // A file that shrinks while being read fails here; one that changes is caught by the CRC.
-        file.read_exact(&mut map[..]).map_err(io)?;
+        file.read_exact(&mut map[HEADER_LEN..]).map_err(io)?;
         Self::validate(path.to_path_buf(), map.make_read_only().map_err(io)?)
     }
 
@@ -110,29 +245,8 @@ impl CentroidSet {
     fn validate(path: PathBuf, map: Mmap) -> Result<Self, CentroidFileError> {
         let p = path.display().to_string();
         let b: &[u8] = &map;
-        let trunc = |what: String| CentroidFileError::Truncated { path: p.clone(), what };
         let field = |field: &'static str, msg: String| CentroidFileError::Field { path: p.clone(), field, msg };
-        if b.len() < 8 || &b[..8] != MAGIC {
-            if b.len() < 8 && MAGIC.starts_with(b) {
-                return Err(trunc(format!("{} bytes, shorter than the header", b.len())));
-            }
-            return Err(CentroidFileError::BadMagic { path: p });
-        }
-        if b.len() < HEADER_LEN {
-            return Err(trunc(format!("{} bytes, shorter than the {HEADER_LEN}-byte header", b.len())));
-        }
-        let version = rd_u32(b, 8);
-        if version != FORMAT_VERSION {
-            return Err(CentroidFileError::Version { path: p, found: version });
-        }
-        let file_len = rd_u64(b, 96);
-        if file_len != b.len() as u64 {
-            return Err(if (b.len() as u64) < file_len {
-                trunc(format!("header says {file_len} bytes, file has {}", b.len()))
-            } else {
-                CentroidFileError::Mismatch { path: p, msg: format!("header says {file_len} bytes, file has {} (trailing data)", b.len()) }
-            });
-        }
+        check_header(&p, &b[..b.len().min(HEADER_LEN)], b.len() as u64)?;
         let body = b.len() - TRAILER_LEN;
         if &b[body + 4..] != END_MAGIC {
             return Err(field("trailer", "end magic missing".into()));
@@ -341,25 +455,10 @@ impl CentroidWriter<'_> {
         Ok(out)
     }
 
-    /// Write atomically: a temporary file in the same directory, fsync, then rename. Readers
-    /// (and a hot-reloading router) see either the old file or the complete new one.
+    /// Write atomically (see [`write_atomic`]): readers (and a hot-reloading router) see
+    /// either the old file or the complete new one.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<(), CentroidFileError> {
-        let path = path.as_ref();
-        let bytes = self.to_bytes()?;
-        let io = |e: std::io::Error| CentroidFileError::Io { path: path.display().to_string(), msg: e.to_string() };
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let name = path.file_name().ok_or_else(|| io(std::io::Error::other("no file name")))?;
-        let tmp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
-        let result = (|| {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result.map_err(io)
+        write_atomic(path.as_ref(), &self.to_bytes()?)
     }
 }
 
@@ -426,6 +525,91 @@ mod tests {
         let mut mag = good.clone();
         mag[0] = b'X';
         check(&mag, "bad magic");
+    }
+
+    /// Open on another thread so a blocking open fails the test instead of hanging it.
+    fn open_within(p: &Path, secs: u64) -> Result<CentroidSet, CentroidFileError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = p.to_path_buf();
+        std::thread::spawn(move || {
+            let _ = tx.send(CentroidSet::open(&p));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(secs)).expect("CentroidSet::open blocked")
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn only_regular_files_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.eldr");
+        let ok = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(ok.success());
+        let e = open_within(&fifo, 20).unwrap_err();
+        assert!(matches!(e, CentroidFileError::NotRegular { kind: "a FIFO", .. }), "{e}");
+        assert!(e.to_string().contains("not a regular file (a FIFO)"), "{e}");
+        let e = open_within(dir.path(), 20).unwrap_err();
+        assert!(matches!(e, CentroidFileError::NotRegular { kind: "a directory", .. }), "{e}");
+        let e = open_within(Path::new("/dev/zero"), 20).unwrap_err();
+        assert!(matches!(e, CentroidFileError::NotRegular { kind: "a character device", .. }), "{e}");
+        // A symlink to a regular file is followed (a common way to deploy a file).
+        let real = dir.path().join("real.eldr");
+        let (c, w, idf) = sample(2);
+        writer(&c, &w, &idf, 2).write(&real).unwrap();
+        let link = dir.path().join("link.eldr");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert_eq!(open_within(&link, 20).unwrap().num_workers(), 2);
+        // A symlink to a FIFO is refused like the FIFO.
+        let link2 = dir.path().join("link2.eldr");
+        std::os::unix::fs::symlink(&fifo, &link2).unwrap();
+        assert!(matches!(open_within(&link2, 20).unwrap_err(), CentroidFileError::NotRegular { .. }));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn writer_never_replaces_what_is_not_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, w, idf) = sample(2);
+        let wr = writer(&c, &w, &idf, 2);
+        let fifo = dir.path().join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let target = dir.path().join("target");
+        std::fs::write(&target, b"keep me").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        for (p, kind) in [(&fifo, "a FIFO"), (&link, "a symlink"), (&sub, "a directory")] {
+            let e = wr.write(p).unwrap_err();
+            assert!(matches!(e, CentroidFileError::WontReplace { kind: k, .. } if k == kind), "{e}");
+        }
+        let e = wr.write("/dev/null").unwrap_err();
+        assert!(e.to_string().contains("refusing to write over a character device"), "{e}");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep me");
+        // A regular file is replaced; a failed write (missing directory) leaves nothing behind.
+        wr.write(&target).unwrap();
+        assert_eq!(CentroidSet::open(&target).unwrap().num_workers(), 2);
+        assert!(wr.write(dir.path().join("nodir/c.eldr")).is_err());
+        let mut names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        assert_eq!(names, ["fifo", "link", "sub", "target"]);
+    }
+
+    #[test]
+    fn header_length_is_checked_first() {
+        let (c, w, idf) = sample(2);
+        let good = writer(&c, &w, &idf, 2).to_bytes().unwrap();
+        let mut long = good.clone();
+        long.extend_from_slice(&[0u8; 64]);
+        assert!(check_header("x", &long[..HEADER_LEN], long.len() as u64).unwrap_err().to_string().contains("trailing data"));
+        let mut huge = good.clone();
+        huge[96..104].copy_from_slice(&(MAX_FILE_LEN + 8).to_le_bytes());
+        let e = check_header("x", &huge[..HEADER_LEN], MAX_FILE_LEN + 8).unwrap_err();
+        assert!(matches!(e, CentroidFileError::TooLarge { .. }), "{e}");
+        let mut tiny = good.clone();
+        tiny[96..104].copy_from_slice(&(HEADER_LEN as u64).to_le_bytes());
+        assert!(check_header("x", &tiny[..HEADER_LEN], HEADER_LEN as u64).unwrap_err().to_string().contains("too short"));
+        assert!(check_header("x", &good[..HEADER_LEN], good.len() as u64).is_ok());
     }
 
     #[test]

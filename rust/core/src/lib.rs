@@ -7,6 +7,7 @@
 //! * [`policies`]: one small trait, one file per routing policy, and a factory.
 //! * [`distance`]: the fused counts -> centroid-distance kernel (the hot loop).
 //! * [`router`]: ties them together: signature -> distances -> policy -> decision.
+//! * [`limits`]: bounds on caller-given sizes, checked before allocating.
 //! * [`experts`]: top-k id counting helpers shared by the offline pipeline and the simulator.
 
 #[cfg(not(target_endian = "little"))]
@@ -15,6 +16,7 @@ compile_error!("the .eldr centroid file is little-endian and is mmapped in place
 pub mod centroid_file;
 pub mod distance;
 pub mod experts;
+pub mod limits;
 pub mod policies;
 pub mod queue;
 pub mod rng;
@@ -22,10 +24,11 @@ pub mod router;
 pub mod signature;
 pub mod store;
 
-pub use centroid_file::{CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
+pub use centroid_file::{write_atomic, CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
 pub use policies::{make_policy, Decision, Policy, Reason, RouteContext, POLICY_NAMES};
 pub use queue::{LoadGuard, QueueTracker};
 pub use distance::Counts;
-pub use router::{RouteError, Router};
+pub use limits::SizeError;
+pub use router::{BuildError, RouteError, Router};
 pub use signature::{CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
-pub use store::CentroidStore;
+pub use store::{CentroidStore, Snapshot};

@@ -8,12 +8,24 @@ use std::sync::Arc;
 use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
+use crate::limits::{self, SizeError};
 use crate::policies::{make_policy, Decision, Policy, Reason, RouteContext};
 use crate::queue::QueueTracker;
 use crate::signature::NoSignature;
 use crate::store::CentroidStore;
 
 pub const DEFAULT_TAU: f64 = 0.1;
+
+/// Why a router could not be built.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum BuildError {
+    #[error(transparent)]
+    Centroids(#[from] CentroidFileError),
+    #[error(transparent)]
+    Size(#[from] SizeError),
+    #[error("{0}")]
+    Invalid(String),
+}
 
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum RouteError {
@@ -53,22 +65,22 @@ impl Router {
         seed: u64,
         reload_interval_ms: u64,
         load_report_ttl_ms: u64,
-    ) -> Result<Self, String> {
-        let policy = make_policy(policy, seed)?;
+    ) -> Result<Self, BuildError> {
+        let policy = make_policy(policy, seed).map_err(BuildError::Invalid)?;
+        if let Some(k) = num_workers {
+            limits::check_dim("num_workers", k)?;
+        }
         let store = match centroids {
-            Some(p) => Some(CentroidStore::open(p, num_workers, reload_interval_ms).map_err(|e| e.to_string())?),
+            Some(p) => Some(CentroidStore::open(p, num_workers, reload_interval_ms)?),
             None => None,
         };
         let k = match (num_workers, &store) {
             (Some(k), _) => k,
-            (None, Some(s)) => s.snapshot().num_workers(),
-            (None, None) => return Err("give num_workers or a centroid file".into()),
+            (None, Some(s)) => s.set().num_workers(),
+            (None, None) => return Err(BuildError::Invalid("give num_workers or a centroid file".into())),
         };
-        if k == 0 {
-            return Err("num_workers must be at least 1".into());
-        }
-        let tau = tau.or_else(|| store.as_ref().map(|s| s.snapshot().tau() as f64)).unwrap_or(DEFAULT_TAU);
-        check_tau(tau)?;
+        let tau = tau.or_else(|| store.as_ref().map(|s| s.set().tau() as f64)).unwrap_or(DEFAULT_TAU);
+        check_tau(tau).map_err(BuildError::Invalid)?;
         Ok(Router {
             policy,
             tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
@@ -144,8 +156,8 @@ impl Router {
                     let _ = store.maybe_reload(); // errors are kept in store.last_error()
                 }
                 let snap = store.snapshot();
-                generation = store.generation();
-                match distances_of(&snap) {
+                generation = snap.generation;
+                match distances_of(&snap.set) {
                     Ok(d) => distances = Some(d),
                     Err(why) => fallback = Reason::NoSignature(why),
                 }

@@ -3,6 +3,8 @@
 //! A route loads the current `Arc<CentroidSet>` once and finishes on that snapshot even if a
 //! reload swaps in a new one meanwhile. A reload validates the new file completely first; a
 //! bad file is rejected, the old set keeps serving, and the error is kept for reporting.
+//! The set and its generation number are swapped as one value, so a decision's generation is
+//! always that of the centroids it was computed from.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,13 +34,20 @@ fn file_id(path: &Path) -> Option<FileId> {
     })
 }
 
+/// A loaded centroid set and the generation it was loaded as (1 for the first file, +1 per
+/// successful reload).
+#[derive(Debug)]
+pub struct Snapshot {
+    pub set: Arc<CentroidSet>,
+    pub generation: u64,
+}
+
 pub struct CentroidStore {
     path: PathBuf,
-    current: ArcSwap<CentroidSet>,
+    current: ArcSwap<Snapshot>,
     loaded_id: Mutex<Option<FileId>>,
     /// (K, L, E) every later file must keep: the workers and the prefill count shape are fixed.
     shape: (usize, usize, usize),
-    generation: AtomicU64,
     failures: AtomicU64,
     interval_ms: u64,
     epoch: Instant,
@@ -63,10 +72,9 @@ impl CentroidStore {
         let shape = (set.num_workers(), set.num_layers(), set.num_experts());
         Ok(CentroidStore {
             path,
-            current: ArcSwap::from_pointee(set),
+            current: ArcSwap::from_pointee(Snapshot { set: Arc::new(set), generation: 1 }),
             loaded_id: Mutex::new(id),
             shape,
-            generation: AtomicU64::new(1),
             failures: AtomicU64::new(0),
             interval_ms,
             epoch: Instant::now(),
@@ -77,8 +85,13 @@ impl CentroidStore {
 
     /// The snapshot a route should use from start to finish.
     #[inline]
-    pub fn snapshot(&self) -> Arc<CentroidSet> {
+    pub fn snapshot(&self) -> Arc<Snapshot> {
         self.current.load_full()
+    }
+
+    /// The current centroid set.
+    pub fn set(&self) -> Arc<CentroidSet> {
+        Arc::clone(&self.current.load().set)
     }
 
     pub fn path(&self) -> &Path {
@@ -87,7 +100,7 @@ impl CentroidStore {
 
     /// Increases by one on every successful swap.
     pub fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
+        self.current.load().generation
     }
 
     /// Increases by one on every rejected file.
@@ -121,8 +134,9 @@ impl CentroidStore {
         *loaded = id;
         match result {
             Ok(set) => {
-                self.current.store(Arc::new(set));
-                self.generation.fetch_add(1, Ordering::AcqRel);
+                // Reloads are serialized by `loaded_id`, so no generation is skipped or repeated.
+                let generation = self.current.load().generation + 1;
+                self.current.store(Arc::new(Snapshot { set: Arc::new(set), generation }));
                 *self.last_error.lock().unwrap() = None;
                 Ok(())
             }

@@ -25,14 +25,14 @@ fn in_flight_snapshot_survives_swap() {
     let p = dir.path().join("c.eldr");
     write(&p, 1, 4);
     let store = CentroidStore::open(&p, Some(4), 0).unwrap();
-    let old = store.snapshot();
+    let old = store.set();
     let old_rows = old.centroids();
     write(&p, 2, 4);
     store.reload().unwrap();
     assert_eq!(store.generation(), 2);
     // The old snapshot (and its mapping of the replaced inode) is still intact.
     assert_eq!(old.centroids(), old_rows);
-    assert_ne!(store.snapshot().centroids(), old_rows);
+    assert_ne!(store.set().centroids(), old_rows);
 }
 
 #[test]
@@ -50,7 +50,7 @@ fn bad_replacement_keeps_old_and_reports() {
     assert_eq!(store.reload_if_changed(), Ok(false));
     std::fs::write(&p, b"garbage").unwrap();
     assert!(store.reload_if_changed().is_err());
-    assert_eq!(store.snapshot().num_workers(), 4);
+    assert_eq!(store.set().num_workers(), 4);
 }
 
 #[test]
@@ -105,12 +105,62 @@ fn in_place_overwrite_cannot_touch_a_loaded_set() {
     let p = dir.path().join("c.eldr");
     write(&p, 1, 4);
     let router = Router::new("eldr", Some(4), Some(&p), None, 0, 0, 1000).unwrap();
-    let before = router.store().unwrap().snapshot().centroids();
+    let before = router.store().unwrap().set().centroids();
     std::fs::write(&p, b"x").unwrap(); // truncate in place
     let counts: Vec<u32> = (0..32).map(|i| (i % 3) as u32).collect();
     let r = router.route(|set| from_counts::<u32, u32>(set, Counts::Dense(&counts)), true).unwrap();
     assert_eq!(r.decision.reason, eldr_core::Reason::Band);
-    assert_eq!(router.store().unwrap().snapshot().centroids(), before);
+    assert_eq!(router.store().unwrap().set().centroids(), before);
     assert!(router.store().unwrap().reload_if_changed().is_err());
-    assert_eq!(router.store().unwrap().snapshot().centroids(), before);
+    assert_eq!(router.store().unwrap().set().centroids(), before);
+}
+
+#[test]
+fn decision_generation_names_the_centroids_it_used() {
+    // Generation g is always file g (one reloader, auto reload off), and every file gives the
+    // probe different distances, so a route's distances tell which set it really used. A
+    // generation read apart from its snapshot disagrees with them now and then.
+    const GENS: u32 = 400;
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.eldr");
+    let counts: Vec<u32> = (0..32).map(|i| (i % 5) as u32 + 1).collect();
+    let mut expect: Vec<Vec<f64>> = vec![Vec::new()]; // index = generation
+    for g in 1..=GENS {
+        let staged = dir.path().join(format!("g{g}.eldr"));
+        write(&staged, g, 4);
+        let set = eldr_core::CentroidSet::open(&staged).unwrap();
+        expect.push(from_counts::<u32, u32>(&set, Counts::Dense(&counts)).unwrap());
+    }
+    for g in 2..=GENS as usize {
+        assert_ne!(expect[g], expect[g - 1], "files {g} and {} must be distinguishable", g - 1);
+    }
+    std::fs::rename(dir.path().join("g1.eldr"), &p).unwrap();
+    let router = Arc::new(Router::new("eldr", Some(4), Some(&p), None, 0, 0, 1000).unwrap());
+    let expect = Arc::new(expect);
+    let stop = Arc::new(AtomicBool::new(false));
+    let routers: Vec<_> = (0..3)
+        .map(|_| {
+            let (router, stop, expect, counts) = (Arc::clone(&router), Arc::clone(&stop), Arc::clone(&expect), counts.clone());
+            std::thread::spawn(move || {
+                let (mut n, mut wrong) = (0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let r = router.route(|set| from_counts::<u32, u32>(set, Counts::Dense(&counts)), true).unwrap();
+                    assert_eq!(r.decision.reason, eldr_core::Reason::Band);
+                    wrong += (r.distances.as_ref() != Some(&expect[r.generation as usize])) as u64;
+                    n += 1;
+                }
+                (n, wrong)
+            })
+        })
+        .collect();
+    let store = router.store().unwrap();
+    for g in 2..=GENS {
+        std::fs::rename(dir.path().join(format!("g{g}.eldr")), &p).unwrap();
+        store.reload().unwrap();
+        assert_eq!(store.generation(), g as u64);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (n, wrong) = routers.into_iter().map(|h| h.join().unwrap()).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    assert!(n > 0);
+    assert_eq!(wrong, 0, "{wrong} of {n} decisions named a generation other than the centroids they used");
 }

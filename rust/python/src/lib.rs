@@ -8,7 +8,8 @@ use std::sync::Arc;
 use eldr_core::experts::{self, ExpertId};
 use eldr_core::router::Routed;
 use eldr_core::distance::{self, Counts};
-use eldr_core::{CentroidSet, CentroidWriter, CountValue, LoadGuard, NoSignature, RouteError, SignatureSpec, SparseIndex, SparseSignature};
+use eldr_core::limits;
+use eldr_core::{BuildError, CentroidSet, CentroidWriter, CountValue, LoadGuard, NoSignature, RouteError, SignatureSpec, SizeError, SparseIndex, SparseSignature};
 use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -26,6 +27,10 @@ fn no_sig(py: Python<'_>, why: NoSignature) -> PyErr {
 
 fn file_err(e: eldr_core::CentroidFileError) -> PyErr {
     CentroidFileError::new_err(e.to_string())
+}
+
+fn size_err(e: SizeError) -> PyErr {
+    PyValueError::new_err(e.to_string())
 }
 
 /// A contiguous view of a numpy array (copied only when the input is not C-contiguous).
@@ -224,9 +229,9 @@ fn batch_topk<'py, T: Element + ExpertId>(
     let d = spec.dim();
     let ids = v.slice();
     let k = sh[2];
-    let (sigs, valid) = py.detach(|| {
-        let mut sigs = vec![0f32; r * d];
-        let mut valid = vec![false; r];
+    let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", r, d).map_err(size_err)?;
+    let mut valid = vec![false; r];
+    py.detach(|| {
         for i in 0..r {
             let a = offsets[i] as usize;
             let b = prefix.map_or(offsets[i + 1] as usize, |p| a + p[i] as usize);
@@ -238,7 +243,6 @@ fn batch_topk<'py, T: Element + ExpertId>(
                 }
             }
         }
-        (sigs, valid)
     });
     let arr = numpy::ndarray::Array2::from_shape_vec((r, d), sigs).expect("shape");
     Ok((arr.into_pyarray(py), valid.into_pyarray(py)))
@@ -250,17 +254,16 @@ fn count_t<T: Element + ExpertId>(v: View<'_, T>, py: Python<'_>, num_experts: u
         return Err(PyValueError::new_err(format!("ids must be [T, L, k], got shape {sh:?}")));
     }
     let (l, k) = (sh[1], sh[2]);
+    limits::check_dim("num_experts", num_experts).map_err(size_err)?;
     let ids = v.slice();
-    let res = py.detach(|| {
-        if distinct {
-            let mut scratch = vec![false; l * num_experts];
-            let mut out = vec![0u32; l];
-            experts::distinct_per_layer(ids, l, k, num_experts, &mut scratch, &mut out).map(|_| out)
-        } else {
-            let mut out = vec![0u32; l * num_experts];
-            experts::count_topk(ids, l, k, num_experts, &mut out).map(|_| out)
-        }
-    });
+    let res = if distinct {
+        let mut scratch: Vec<bool> = limits::zeroed("layers x num_experts", l, num_experts).map_err(size_err)?;
+        let mut out = vec![0u32; l];
+        py.detach(|| experts::distinct_per_layer(ids, l, k, num_experts, &mut scratch, &mut out)).map(|_| out)
+    } else {
+        let mut out: Vec<u32> = limits::zeroed("layers x num_experts", l, num_experts).map_err(size_err)?;
+        py.detach(|| experts::count_topk(ids, l, k, num_experts, &mut out)).map(|_| out)
+    };
     let out = res.map_err(|e| PyValueError::new_err(format!("expert id {} at layer {} is out of range 0..{num_experts}", e.id, e.layer)))?;
     if distinct {
         Ok(out.into_pyarray(py).into_any().unbind())
@@ -426,15 +429,15 @@ impl PyLease {
     fn released(&self) -> bool {
         self.guard.is_released()
     }
-    fn release(&self) -> bool {
-        self.guard.release()
+    fn release(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.guard.release())
     }
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.guard.release();
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        py.detach(|| self.guard.release());
         false
     }
     fn __repr__(&self) -> String {
@@ -479,7 +482,7 @@ impl PyRouter {
 
 fn route_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
     let c = v.slice();
-    let routed = r.inner.route(|set| distance::from_counts::<u32, T>(set, Counts::Dense(c)), explain);
+    let routed = py.detach(|| r.inner.route(|set| distance::from_counts::<u32, T>(set, Counts::Dense(c)), explain));
     r.finish(py, routed, explain)
 }
 
@@ -489,22 +492,24 @@ fn route_sparse_i<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_,
 
 fn route_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
     let (i, c) = (idx.slice(), c.slice());
-    let routed = r.inner.route(|set| distance::from_counts(set, Counts::Sparse(i, c)), explain);
+    let routed = py.detach(|| r.inner.route(|set| distance::from_counts(set, Counts::Sparse(i, c)), explain));
     r.finish(py, routed, explain)
 }
 
 fn route_topk_t<T: Element + ExpertId>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
     let sh = v.shape().to_vec();
     let ids = v.slice();
-    let routed = r.inner.route(
-        |set| {
-            if sh.len() != 3 || sh[1] != set.num_layers() {
-                return Err(NoSignature::Shape);
-            }
-            distance::from_signature(set, &set.spec().from_topk(ids, sh[2])?)
-        },
-        explain,
-    );
+    let routed = py.detach(|| {
+        r.inner.route(
+            |set| {
+                if sh.len() != 3 || sh[1] != set.num_layers() {
+                    return Err(NoSignature::Shape);
+                }
+                distance::from_signature(set, &set.spec().from_topk(ids, sh[2])?)
+            },
+            explain,
+        )
+    });
     r.finish(py, routed, explain)
 }
 
@@ -514,6 +519,7 @@ impl PyRouter {
     #[pyo3(signature = (policy="eldr", num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         policy: &str,
         num_workers: Option<usize>,
         centroids: Option<PathBuf>,
@@ -523,13 +529,12 @@ impl PyRouter {
         load_report_ttl_ms: u64,
         load_factor: Option<f64>,
     ) -> PyResult<Self> {
-        let inner = eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms).map_err(|m| {
-            if m.contains("centroid") || centroids.as_ref().is_some_and(|p| m.contains(&p.display().to_string())) {
-                CentroidFileError::new_err(m)
-            } else {
-                PyValueError::new_err(m)
-            }
-        })?;
+        let inner = py
+            .detach(|| eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
+            .map_err(|e| match e {
+                BuildError::Centroids(e) => file_err(e),
+                e => PyValueError::new_err(e.to_string()),
+            })?;
         inner.set_load_factor(load_factor).map_err(PyValueError::new_err)?;
         Ok(PyRouter { inner })
     }
@@ -573,12 +578,12 @@ impl PyRouter {
     #[pyo3(signature = (signature, explain=false))]
     fn route_signature(&self, py: Python<'_>, signature: Option<PyReadonlyArrayDyn<'_, f32>>, explain: bool) -> PyResult<Py<PyAny>> {
         let r = match signature {
-            None => self.inner.route(|_| Err(NoSignature::Missing), explain),
+            None => py.detach(|| self.inner.route(|_| Err(NoSignature::Missing), explain)),
             Some(a) => {
                 let v = View::new(a);
                 let ok_shape = v.shape().len() == 1;
                 let s = v.slice();
-                self.inner.route(|set| if ok_shape { distance::from_dense_signature(set, s) } else { Err(NoSignature::Shape) }, explain)
+                py.detach(|| self.inner.route(|set| if ok_shape { distance::from_dense_signature(set, s) } else { Err(NoSignature::Shape) }, explain))
             }
         };
         self.finish(py, r, explain)
@@ -586,13 +591,16 @@ impl PyRouter {
     /// Route a request whose signature is known to be unusable (`reason` as in NoSignature).
     fn route_fallback(&self, py: Python<'_>, reason: &str, explain: bool) -> PyResult<Py<PyAny>> {
         let why = NoSignature::parse(reason).ok_or_else(|| PyValueError::new_err(format!("unknown no-signature reason {reason:?}")))?;
-        let r = self.inner.route(|_| Err(why), explain);
+        let r = py.detach(|| self.inner.route(|_| Err(why), explain));
         self.finish(py, r, explain)
     }
+    /// Count one request on `worker` (GIL released: the counters are atomics, so threads
+    /// really do acquire and release concurrently).
     #[pyo3(signature = (worker, tokens=0))]
-    fn acquire(&self, worker: usize, tokens: i64) -> PyResult<PyLease> {
+    fn acquire(&self, py: Python<'_>, worker: usize, tokens: i64) -> PyResult<PyLease> {
         self.check_worker(worker)?;
-        Ok(PyLease { guard: self.inner.tracker().acquire(worker, tokens) })
+        let tracker = self.inner.tracker();
+        Ok(PyLease { guard: py.detach(|| tracker.acquire(worker, tokens)) })
     }
     fn loads(&self) -> Vec<i64> {
         let mut v = Vec::new();
@@ -644,7 +652,7 @@ impl PyRouter {
         self.inner.store().and_then(|s| s.last_error())
     }
     fn centroid_set(&self) -> Option<PyCentroidSet> {
-        self.inner.store().map(|s| PyCentroidSet { set: s.snapshot() })
+        self.inner.store().map(|s| PyCentroidSet { set: s.set() })
     }
     fn __repr__(&self) -> String {
         format!("Router(policy={:?}, num_workers={}, tau={})", self.policy(), self.num_workers(), self.get_tau())
