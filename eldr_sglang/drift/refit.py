@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import json
 import math
 import multiprocessing
@@ -141,8 +140,6 @@ def refit_file(
     lineage = list(prov_parent.get("lineage", []))[-(LINEAGE_MAX - 1):] + [
         {"checksum": int(parent.checksum), "tool": prov_parent.get("tool"), "created_utc": prov_parent.get("created_utc")}
     ]
-    if out_path == str(parent_path):
-        keep_previous(out_path)
     K = old.shape[0]
     summary = {
         "reason": reason,
@@ -190,34 +187,6 @@ def refit_file(
     summary["previous_path"] = str(previous) if previous else None
     summary["baseline"] = res.baseline
     return summary
-
-
-def keep_previous(path: str) -> str:
-    """Copy the file about to be replaced to PATH.prev (atomically), so one refit can always
-    be undone by hand. Refuses to replace a PATH.prev that is not a regular file."""
-    import shutil
-    import stat as stat_mod
-    import tempfile
-
-    prev = f"{path}.prev"
-    try:
-        st = os.lstat(prev)
-        if not stat_mod.S_ISREG(st.st_mode):
-            raise RefitError(f"{prev} exists and is not a regular file: not replacing it with the previous centroids")
-    except FileNotFoundError:
-        pass
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(prev) + ".", suffix=".tmp", dir=os.path.dirname(os.path.abspath(prev)))
-    try:
-        with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
-            shutil.copyfileobj(src, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, prev)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return prev
 
 
 def _lower_priority() -> None:  # pragma: no cover - runs in the worker process
