@@ -76,7 +76,7 @@ class RouterMetrics:
             "eldr_router_load_reports_dropped", "/v1/loads answers ignored, by worker and cause", ["worker", "cause"], registry=r
         )
         self.centroid_rejections = Counter(
-            "eldr_router_centroid_files_rejected", "Centroid files refused at the path, by cause", ["cause"], registry=r
+            "eldr_router_centroid_files_rejected", "Centroid files refused on hot reload (each version once)", registry=r
         )
         self.prefill_routes = Counter("eldr_router_prefill_routes", "Prefill choices by worker", ["worker"], registry=r)
         self.fallbacks = Counter(
