@@ -190,6 +190,30 @@ def choose_default(res: dict) -> tuple[str, list[tuple]]:
     return best[0], rows
 
 
+def headline(res: dict) -> list[str]:
+    """The README's table: per workload, each candidate's median p50 / p99 change against the
+    best load balancer under the default model, and the range of those medians over the band."""
+    L = ["| workload (K = 8) | runs | eldr (paper's rule) p50 / p99 | eldr/0.05 p50 / p99 | locality/0.05 p50 / p99 | perfect-overlap bound p50 |",
+         "|---|---|---|---|---|---|"]
+    for name, w in res["workloads"].items():
+        summ = summarize(w["records"], list(CANDIDATES) + ["perfect_overlap"])
+        variants = {r["variant"] for r in w["records"]}
+        common = set.intersection(*({r["cell"] for r in w["records"] if r["variant"] == v} for v in variants))
+        summ_c = summarize([r for r in w["records"] if r["cell"] in common], list(CANDIDATES))
+
+        def cell(lab):
+            d = summ[lab].get("default") or next(iter(summ[lab].values()))
+            byv = summ_c[lab]
+            p50s = [v["tpot_p50"]["median"] for v in byv.values()]
+            p99s = [v["tpot_p99"]["median"] for v in byv.values()]
+            band = f" (band {_pct(min(p50s))}..{_pct(max(p50s))} / {_pct(min(p99s))}..{_pct(max(p99s))})" if len(byv) > 1 else ""
+            return f"{_pct(d['tpot_p50']['median'])} / {_pct(d['tpot_p99']['median'])}" + band
+
+        L.append(f"| {name} | {len(w['records'])} | {cell('eldr')} | {cell('eldr/0.05')} | {cell('locality/0.05')} | "
+                 f"{_pct(summ['perfect_overlap'].get('default', next(iter(summ['perfect_overlap'].values())))['tpot_p50']['median'])} |")
+    return L
+
+
 def render(res: dict) -> str:
     m = res["meta"]
     L = ["# TPOT study under the strict protocol (simulated)", "",
@@ -228,6 +252,11 @@ def render(res: dict) -> str:
         L.append(f"| {lab} | {loses} of {n} | {_pct(p50)} | {_pct(p99)} |")
     L += ["", f"Supported default: **{chosen}**. The router's default is `eldr_sglang.defaults` "
           f"(`{default_policy_label()}` at the commit that wrote this file).", ""]
+    L += ["## Headline (the README's table)", "",
+          "Median over runs (splits x cells) of the change against the best load balancer of each run, under the default "
+          "cost model; in brackets, the range of that median over the cost-model variants, taken over the cells every variant ran "
+          "(p50 range / p99 range).", ""]
+    L += headline(res) + [""]
     L += ["## Summary", "",
           "Per workload, policy and cost-model variant: change against the best load balancer, median over runs (splits x cells) "
           "and range; runs losing on p50 / p99.", "",
