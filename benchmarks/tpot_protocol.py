@@ -103,6 +103,7 @@ def strict_main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=STRICT_MIN_REQUESTS)
     ap.add_argument("--render", action="store_true", help="only merge the saved parts into the report")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="a sentence about how the saved parts were produced, printed in the report")
     args = ap.parse_args(argv)
     parts = Path(args.parts)
     parts.mkdir(parents=True, exist_ok=True)
@@ -116,10 +117,12 @@ def strict_main(argv=None) -> int:
                 continue
             run_workload(w, args, parts)
     res = merge(parts)
+    if args.note:
+        res["meta"]["note"] = args.note
     if not res["workloads"]:
         raise SystemExit(f"no saved runs in {parts}")
     out = Path(args.out)
-    write_json(res, out / "tpot_study_protocol.json")
+    write_json(summary_json(res), out / "tpot_study_protocol.json")
     md = render(res)
     (out / "tpot_study_protocol.md").write_text(md)
     print(md)
@@ -167,6 +170,18 @@ def merge(parts: Path) -> dict:
             "bounds": list(BOUND_LABELS), "paper_fixed_cost_us": round(paper_fixed_cost() * 1e6, 3),
             "runtime_s": round(sum(docs[n]["runtime_s"] for n in names), 1)}
     return {"meta": meta, "workloads": {n: docs[n] for n in names}}
+
+
+def summary_json(res: dict) -> dict:
+    """The report's numbers without the raw runs (those stay in the parts directory)."""
+    chosen, score = choose_default(res)
+    return {"meta": res["meta"],
+            "default": {"supported": chosen, "score": [dict(zip(("candidate", "runs_losing", "runs", "median_p50", "median_p99"), r))
+                                                       for r in score]},
+            "workloads": {n: {k: w[k] for k in ("note", "skewed", "context_len", "models", "paper_check", "splits", "cells",
+                                                 "runtime_s", "code")}
+                          | {"summary": summarize(w["records"], list(CANDIDATES) + list(BOUND_LABELS))}
+                          for n, w in res["workloads"].items()}}
 
 
 def _pct(x) -> str:
@@ -242,7 +257,7 @@ def render(res: dict) -> str:
          "the 8-clients-per-worker and trace-order open-loop cells (closed loop at 32/worker in both orders, open loop shuffled); "
          "recorded output "
          "lengths on the synthetic traces (they record one length). "
-         f"Runtime of what ran: {m['runtime_s']:.0f} s.", ""]
+         f"Runtime of what ran: {m['runtime_s']:.0f} s.", ""] + ([f"Provenance: {m['note']}", ""] if m.get("note") else [])
     chosen, score = choose_default(res)
     L += ["## The router's default", "",
           "Rule (fixed before reading the numbers): over every run of every skewed workload, in every cost-model variant, the "
