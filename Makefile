@@ -1,10 +1,12 @@
 # The two commands a new user needs (see README):
 #   make demo   set up, then run the main job on the embedded default workload
 #   make test   set up, then run every test, Rust and Python
+#   make test-sglang-cpu   only the end-to-end tests on real SGLang 0.5.23 on this CPU
+#                          (needs sglang==0.5.23 and the mooncake prerequisites: see README)
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup setup-test demo test test-rust test-python bench
+.PHONY: setup setup-test demo test test-rust test-python test-sglang-cpu bench
 
 setup:
 	$(PIP) install -q "maturin>=1.7,<2"
@@ -24,6 +26,10 @@ test-rust:
 
 test-python:
 	$(PYTHON) -m pytest -q
+
+# fails (not skips) when a prerequisite is missing
+test-sglang-cpu: setup-test
+	ELDR_REQUIRE_SGLANG=1 $(PYTHON) -m pytest -q -s tests/test_sglang_cpu_harness.py tests/test_sglang_cpu_e2e.py tests/test_sglang_cpu_deepseek.py
 
 bench:
 	cargo bench -p eldr-core --bench route

@@ -103,6 +103,7 @@ def strict_main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=STRICT_MIN_REQUESTS)
     ap.add_argument("--render", action="store_true", help="only merge the saved parts into the report")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="a sentence about how the saved parts were produced, printed in the report")
     args = ap.parse_args(argv)
     parts = Path(args.parts)
     parts.mkdir(parents=True, exist_ok=True)
@@ -116,10 +117,12 @@ def strict_main(argv=None) -> int:
                 continue
             run_workload(w, args, parts)
     res = merge(parts)
+    if args.note:
+        res["meta"]["note"] = args.note
     if not res["workloads"]:
         raise SystemExit(f"no saved runs in {parts}")
     out = Path(args.out)
-    write_json(res, out / "tpot_study_protocol.json")
+    write_json(summary_json(res), out / "tpot_study_protocol.json")
     md = render(res)
     (out / "tpot_study_protocol.md").write_text(md)
     print(md)
@@ -169,6 +172,18 @@ def merge(parts: Path) -> dict:
     return {"meta": meta, "workloads": {n: docs[n] for n in names}}
 
 
+def summary_json(res: dict) -> dict:
+    """The report's numbers without the raw runs (those stay in the parts directory)."""
+    chosen, score = choose_default(res)
+    return {"meta": res["meta"],
+            "default": {"supported": chosen, "score": [dict(zip(("candidate", "runs_losing", "runs", "median_p50", "median_p99"), r))
+                                                       for r in score]},
+            "workloads": {n: {k: w[k] for k in ("note", "skewed", "context_len", "models", "paper_check", "splits", "cells",
+                                                 "runtime_s", "code")}
+                          | {"summary": summarize(w["records"], list(CANDIDATES) + list(BOUND_LABELS))}
+                          for n, w in res["workloads"].items()}}
+
+
 def _pct(x) -> str:
     return "-" if x is None or not np.isfinite(x) else f"{x:+.1f}%"
 
@@ -188,6 +203,30 @@ def choose_default(res: dict) -> tuple[str, list[tuple]]:
         rows.append((lab, loses, len(d), float(np.median([x["tpot_p50"] for x in d])), float(np.median([x["tpot_p99"] for x in d]))))
     best = min(rows, key=lambda r: (r[1], r[3]))
     return best[0], rows
+
+
+def headline(res: dict) -> list[str]:
+    """The README's table: per workload, each candidate's median p50 / p99 change against the
+    best load balancer under the default model, and the range of those medians over the band."""
+    L = ["| workload (K = 8) | runs | eldr (paper's rule) p50 / p99 | eldr/0.05 p50 / p99 | locality/0.05 p50 / p99 | perfect-overlap bound p50 |",
+         "|---|---|---|---|---|---|"]
+    for name, w in res["workloads"].items():
+        summ = summarize(w["records"], list(CANDIDATES) + ["perfect_overlap"])
+        variants = {r["variant"] for r in w["records"]}
+        common = set.intersection(*({r["cell"] for r in w["records"] if r["variant"] == v} for v in variants))
+        summ_c = summarize([r for r in w["records"] if r["cell"] in common], list(CANDIDATES))
+
+        def cell(lab):
+            d = summ[lab].get("default") or next(iter(summ[lab].values()))
+            byv = summ_c[lab]
+            p50s = [v["tpot_p50"]["median"] for v in byv.values()]
+            p99s = [v["tpot_p99"]["median"] for v in byv.values()]
+            band = f" (band {_pct(min(p50s))}..{_pct(max(p50s))} / {_pct(min(p99s))}..{_pct(max(p99s))})" if len(byv) > 1 else ""
+            return f"{_pct(d['tpot_p50']['median'])} / {_pct(d['tpot_p99']['median'])}" + band
+
+        L.append(f"| {name} | {len(w['records'])} | {cell('eldr')} | {cell('eldr/0.05')} | {cell('locality/0.05')} | "
+                 f"{_pct(summ['perfect_overlap'].get('default', next(iter(summ['perfect_overlap'].values())))['tpot_p50']['median'])} |")
+    return L
 
 
 def render(res: dict) -> str:
@@ -218,7 +257,7 @@ def render(res: dict) -> str:
          "the 8-clients-per-worker and trace-order open-loop cells (closed loop at 32/worker in both orders, open loop shuffled); "
          "recorded output "
          "lengths on the synthetic traces (they record one length). "
-         f"Runtime of what ran: {m['runtime_s']:.0f} s.", ""]
+         f"Runtime of what ran: {m['runtime_s']:.0f} s.", ""] + ([f"Provenance: {m['note']}", ""] if m.get("note") else [])
     chosen, score = choose_default(res)
     L += ["## The router's default", "",
           "Rule (fixed before reading the numbers): over every run of every skewed workload, in every cost-model variant, the "
@@ -228,6 +267,11 @@ def render(res: dict) -> str:
         L.append(f"| {lab} | {loses} of {n} | {_pct(p50)} | {_pct(p99)} |")
     L += ["", f"Supported default: **{chosen}**. The router's default is `eldr_sglang.defaults` "
           f"(`{default_policy_label()}` at the commit that wrote this file).", ""]
+    L += ["## Headline (the README's table)", "",
+          "Median over runs (splits x cells) of the change against the best load balancer of each run, under the default "
+          "cost model; in brackets, the range of that median over the cost-model variants, taken over the cells every variant ran "
+          "(p50 range / p99 range).", ""]
+    L += headline(res) + [""]
     L += ["## Summary", "",
           "Per workload, policy and cost-model variant: change against the best load balancer, median over runs (splits x cells) "
           "and range; runs losing on p50 / p99.", "",

@@ -5,9 +5,9 @@ it (this module imports nothing). It was chosen from benchmarks/results/tpot_stu
 see the README's TPOT section for the numbers and every cell where it loses to a balancer.
 """
 
-DEFAULT_POLICY = "eldr"
-DEFAULT_TAU = 0.1
-DEFAULT_LOAD_FACTOR = 0.05
+DEFAULT_POLICY = "locality"  # the locality-aware balancer (Rust policies/locality.rs)
+DEFAULT_TAU = 0.1  # used only when DEFAULT_POLICY is "eldr"
+DEFAULT_LOAD_FACTOR = 0.05  # the bounded-load cap of eldr/F, shared by locality/F
 
 
 def default_policy_label() -> str:

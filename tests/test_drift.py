@@ -400,8 +400,8 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
     cfg = RouterConfig(prefill=[PrefillWorker("http://127.0.0.1:9", None, "127.0.0.1")],
                        decode=[f"http://127.0.0.1:{10 + k}" for k in range(K)], centroids=path, bind="early",
                        health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20,
-                       admin_token="t0ken")
-    auth = {"Authorization": "Bearer t0ken"}  # control endpoints need the operator's token
+                       admin_token="drift-test-admin-token-0123")
+    auth = {"Authorization": "Bearer drift-test-admin-token-0123"}  # /eldr/refit is a control endpoint
     # hook options travel on the config (install() reads a `drift` dict attribute)
     cfg.drift = dict(executor="inline", cooldown_s=0, window=64, check_interval_s=0.02, refit_on_drift=False,
                      reservoir_capacity=512, reservoir_horizon=512)
@@ -420,7 +420,7 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
             r = await c.get("/eldr/drift")
             assert r.status == 200 and (await r.json())["monitor"]["observations"] == 0
             r = await c.post("/eldr/refit")
-            assert r.status == 401  # a token is set: no refit without it
+            assert r.status == 401
             r = await c.post("/eldr/refit", headers=auth)
             assert r.status == 422 and "needs" in (await r.json())["message"]
             r = await c.post("/eldr/refit", data=b"{oops", headers={"Content-Type": "application/json", **auth})

@@ -150,3 +150,14 @@ def test_launch_router_refuses_bad_numbers_before_anything_runs(flags):
 def test_running_from_loads_refuses_bad_values(body):
     with pytest.raises(ValueError):
         running_from_loads(body)
+
+
+def test_programmatic_router_config_is_checked_too():
+    from eldr_sglang.router.config import PrefillWorker, RouterConfig
+
+    kw = dict(prefill=[PrefillWorker("http://127.0.0.1:1", None, "127.0.0.1")], decode=["http://127.0.0.1:2"])
+    assert RouterConfig(**kw).stall_timeout_s > 0
+    with pytest.raises(ConfigError, match="--stall-timeout-secs"):
+        RouterConfig(**kw, stall_timeout_s=float("nan"))
+    with pytest.raises(ConfigError, match="--port"):
+        RouterConfig(**kw, port=70000)

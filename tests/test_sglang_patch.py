@@ -7,11 +7,8 @@ installed, except under ELDR_REQUIRE_SGLANG=1, where they fail instead.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,45 +22,19 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIRE = os.environ.get("ELDR_REQUIRE_SGLANG") == "1"
 
 
-def _installed_sglang() -> Path:
-    spec = importlib.util.find_spec("sglang")
-    msg = None
-    if spec is None or not spec.submodule_search_locations:
-        msg = "sglang is not installed (pip install 'sglang==0.5.23')"
-    else:
-        version = importlib.metadata.version("sglang")
-        if version != patching.SUPPORTED_SGLANG:
-            msg = f"sglang {version} is installed, the series is for {patching.SUPPORTED_SGLANG}"
-    if msg:
-        if REQUIRE:
-            pytest.fail(msg + " and ELDR_REQUIRE_SGLANG=1")
-        pytest.skip(msg)
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 @pytest.fixture(scope="module")
 def overlay(tmp_path_factory) -> Path:
-    """A tree root whose sglang/ mirrors the installed package; touched files are real copies."""
-    src = _installed_sglang()
-    root = tmp_path_factory.mktemp("sglang_overlay")
-    dst = root / "sglang"
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        rel = Path(dirpath).relative_to(src)
-        (dst / rel).mkdir(parents=True, exist_ok=True)
-        for f in filenames:
-            os.symlink(Path(dirpath) / f, dst / rel / f)
-    for patch in patching.read_series(patching.default_series_dir()):
-        for f in patching.touched_files(patch):
-            link = root / f
-            real = link.resolve()
-            link.unlink()
-            shutil.copy(real, link)
-    # If the installed sglang was patched already, start from pristine sources.
-    _, states = patching.check(root)
-    if all(s.state == "applied" for s in states):
-        patching.revert(root)
-    return root
+    """A tree root whose sglang/ mirrors the installed package; touched files are real copies
+    (eldr_sglang.testing.sglang_cpu.overlay, the one implementation), pristine."""
+    from eldr_sglang.testing.sglang_cpu.overlay import build_overlay
+    from eldr_sglang.testing.sglang_cpu.stub import HarnessError
+
+    try:
+        return build_overlay(tmp_path_factory.mktemp("sglang_overlay"))
+    except HarnessError as exc:
+        if REQUIRE:
+            pytest.fail(f"{exc} and ELDR_REQUIRE_SGLANG=1")
+        pytest.skip(str(exc))
 
 
 def test_series_applies_cleanly_and_idempotently(overlay):

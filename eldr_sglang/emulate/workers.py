@@ -258,6 +258,8 @@ class PrefillWorker:
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.log = EventLog()
         self.rooms: dict[int, _Parked] = {}
+        self.transferred: set[int] = set()  # rooms whose KV has moved: a late decode gets 409 at once
+        self._transferred_order: collections.deque[int] = collections.deque()
         self._lock = asyncio.Lock()
         self.inflight = 0
         self.served = 0
@@ -308,6 +310,9 @@ class PrefillWorker:
             return _json_err(400, "room must be an integer")
         deadline = time.monotonic() + self.bootstrap_timeout_s
         while room not in self.rooms:  # decode may arrive before the prefill request
+            if room in self.transferred:
+                self.log.add("kv_refused", room=room)
+                return _json_err(409, f"room {room} is already transferred to another decode worker")
             if time.monotonic() > deadline:
                 return _json_err(404, f"unknown bootstrap room {room}")
             await asyncio.sleep(0.002)
@@ -326,6 +331,10 @@ class PrefillWorker:
             entry.claimed = False
             raise
         entry.fetched.set()
+        self.transferred.add(room)
+        self._transferred_order.append(room)
+        if len(self._transferred_order) > 100_000:  # remember the recent ones: a bounded set
+            self.transferred.discard(self._transferred_order.popleft())
         self.log.add("kv_fetched", room=room)
         return web.json_response({"trace_request": entry.trace_request, "prompt_len": entry.prompt_len})
 
@@ -556,18 +565,21 @@ class DecodeWorker:
             await resp.prepare(request)
         self.transferring += 1
         failure = None
+        failure_status = 502
         try:
             async with self._session.get(f"http://{host}:{port}/kv/{room}") as r:
                 info = await r.json(content_type=None)
                 if r.status != 200:
                     failure = f"KV transfer for room {room} failed: {info}"
+                    if r.status == 409:  # another decode took this room's KV: the request's fault, not ours
+                        failure_status = 409
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             failure = f"cannot reach the prefill bootstrap server {host}:{port}: {exc}"
         finally:
             self.transferring -= 1
         if failure is not None:
             if resp is None:
-                return _json_err(502, failure)
+                return _json_err(failure_status, failure)
             await resp.write(_sse({"text": "", "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": failure}}}))
             await resp.write_eof()
             return resp

@@ -89,6 +89,9 @@ class RouterConfig:
     explain_headers: bool = True
     drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
 
+    def __post_init__(self):
+        _check_numbers(self)  # the command line and programmatic configs alike
+
     @property
     def late_binding(self) -> bool:
         return self.bind == "late" or (self.bind == "auto" and self.policy == "eldr")
@@ -216,7 +219,6 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         raise ConfigError("at least one --prefill and one --decode worker are needed")
     if a.policy == "eldr" and not a.eldr_centroids:
         raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
-    _check_numbers(a)
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -258,36 +260,36 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     )
 
 
-# flag -> (attribute, lowest, highest, integer, zero allowed (0 = off) though lowest > 0)
+# flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0)
 _NUMERIC_FLAGS = {
     "--port": ("port", 1, 65535, True, False),
-    "--eldr-tau": ("eldr_tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
-    "--eldr-load-factor": ("eldr_load_factor", 0.0, 1e6, False, True),
-    "--eldr-signature-timeout-secs": ("eldr_signature_timeout_secs", 1e-3, DAY_S, False, False),
-    "--eldr-reload-interval-ms": ("eldr_reload_interval_ms", 1, 86_400_000, True, True),
-    "--eldr-load-report-ttl-ms": ("eldr_load_report_ttl_ms", 0, 86_400_000, True, True),
+    "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
+    "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
+    "--eldr-signature-timeout-secs": ("signature_timeout_s", 1e-3, DAY_S, False, False),
+    "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
+    "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),
     "--seed": ("seed", 0, 2**64 - 1, True, True),
-    "--request-timeout-secs": ("request_timeout_secs", 1e-3, 7 * DAY_S, False, False),
-    "--worker-startup-timeout-secs": ("worker_startup_timeout_secs", 0.0, DAY_S, False, True),
-    "--health-check-interval-secs": ("health_check_interval_secs", 1e-3, DAY_S, False, True),
+    "--request-timeout-secs": ("request_timeout_s", 1e-3, 7 * DAY_S, False, False),
+    "--worker-startup-timeout-secs": ("worker_startup_timeout_s", 0.0, DAY_S, False, True),
+    "--health-check-interval-secs": ("health_check_interval_s", 1e-3, DAY_S, False, True),
     "--health-failure-threshold": ("health_failure_threshold", 1, 1_000_000, True, False),
-    "--load-monitor-interval": ("load_monitor_interval", 1e-3, DAY_S, False, True),
+    "--load-monitor-interval": ("load_monitor_interval_s", 1e-3, DAY_S, False, True),
     "--max-payload-size": ("max_payload_size", 1, 1 << 31, True, False),
     "--prometheus-port": ("prometheus_port", 1, 65535, True, False),
-    "--upstream-connect-timeout-secs": ("upstream_connect_timeout_secs", 1e-3, DAY_S, False, False),
-    "--first-byte-timeout-secs": ("first_byte_timeout_secs", 1e-3, 7 * DAY_S, False, False),
-    "--stall-timeout-secs": ("stall_timeout_secs", 1e-3, 7 * DAY_S, False, False),
+    "--upstream-connect-timeout-secs": ("connect_timeout_s", 1e-3, DAY_S, False, False),
+    "--first-byte-timeout-secs": ("first_byte_timeout_s", 1e-3, 7 * DAY_S, False, False),
+    "--stall-timeout-secs": ("stall_timeout_s", 1e-3, 7 * DAY_S, False, False),
     "--retries": ("retries", 0, 64, True, True),
     "--eject-after-failures": ("eject_after_failures", 1, 1_000_000, True, False),
-    "--eject-base-secs": ("eject_base_secs", 1e-3, DAY_S, False, False),
-    "--eject-max-secs": ("eject_max_secs", 1e-3, 7 * DAY_S, False, False),
-    "--client-header-timeout-secs": ("client_header_timeout_secs", 1e-3, DAY_S, False, False),
-    "--client-body-timeout-secs": ("client_body_timeout_secs", 1e-3, DAY_S, False, False),
+    "--eject-base-secs": ("eject_base_s", 1e-3, DAY_S, False, False),
+    "--eject-max-secs": ("eject_max_s", 1e-3, 7 * DAY_S, False, False),
+    "--client-header-timeout-secs": ("client_header_timeout_s", 1e-3, DAY_S, False, False),
+    "--client-body-timeout-secs": ("client_body_timeout_s", 1e-3, DAY_S, False, False),
 }
 
 
-def _check_numbers(a: argparse.Namespace) -> None:
-    """Every numeric flag in range before anything runs: NaN, infinities, negative or absurd
+def _check_numbers(a: "RouterConfig") -> None:
+    """Every numeric setting in range before anything runs: NaN, infinities, negative or absurd
     values are refused with the flag's name (argparse's float() accepts 'nan' and 'inf')."""
     for flag, (attr, lo, hi, integer, zero_ok) in _NUMERIC_FLAGS.items():
         v = getattr(a, attr, None)
@@ -302,8 +304,8 @@ def _check_numbers(a: argparse.Namespace) -> None:
         if not lo <= v <= hi:
             what = f"between {lo:g} and {hi:g}" + (" (or 0: off)" if zero_ok and lo > 0 else "")
             raise ConfigError(f"{flag} must be {what}, got {v:g}" if not integer else f"{flag} must be {what}, got {v}")
-    if a.eject_max_secs < a.eject_base_secs:
-        raise ConfigError(f"--eject-max-secs ({a.eject_max_secs:g}) must be >= --eject-base-secs ({a.eject_base_secs:g})")
+    if a.eject_max_s < a.eject_base_s:
+        raise ConfigError(f"--eject-max-secs ({a.eject_max_s:g}) must be >= --eject-base-secs ({a.eject_base_s:g})")
 
 
 def _admin_token(flag: str | None) -> str | None:

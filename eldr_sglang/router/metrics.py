@@ -60,6 +60,10 @@ class RouterMetrics:
             "eldr_router_retries", "Requests re-sent to another worker before any byte reached the client, by role and cause",
             ["role", "cause"], registry=r,
         )
+        self.retries_refused = Counter(
+            "eldr_router_retries_refused", "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)",
+            ["role"], registry=r,
+        )
         self.timeouts = Counter(
             "eldr_router_upstream_timeouts", "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)",
             ["role", "worker", "phase"], registry=r,
@@ -72,7 +76,7 @@ class RouterMetrics:
             "eldr_router_load_reports_dropped", "/v1/loads answers ignored, by worker and cause", ["worker", "cause"], registry=r
         )
         self.centroid_rejections = Counter(
-            "eldr_router_centroid_files_rejected", "Centroid files refused at the path, by cause", ["cause"], registry=r
+            "eldr_router_centroid_files_rejected", "Centroid files refused on hot reload (each version once)", registry=r
         )
         self.prefill_routes = Counter("eldr_router_prefill_routes", "Prefill choices by worker", ["worker"], registry=r)
         self.fallbacks = Counter(

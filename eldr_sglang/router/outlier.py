@@ -163,3 +163,18 @@ class WorkerPool:
             if w._timer is not None:
                 w._timer.cancel()
                 w._timer = None
+
+
+class RetryBudget:
+    """Re-sends allowed only while few are under way, as Envoy's retry budget (20% of active
+    requests there too): when a whole role is slow (an overload) retries would multiply the
+    load instead of routing around a fault. The floor is 10 concurrent re-sends, not Envoy's
+    3: a hung worker's requests all time out together, and each of them deserves its retry."""
+
+    def __init__(self, fraction: float = 0.2, minimum: int = 10):
+        self.fraction, self.minimum = fraction, minimum
+        self.active = 0  # client requests being served
+        self.retrying = 0  # re-sends under way
+
+    def allows(self) -> bool:
+        return self.retrying < max(self.minimum, self.fraction * self.active)

@@ -27,9 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
-import stat
 import time
 from dataclasses import dataclass
 
@@ -40,7 +38,7 @@ from aiohttp import web
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.outlier import WorkerPool
+from eldr_sglang.router.outlier import RetryBudget, WorkerPool
 from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload, to_layout
 
 logger = logging.getLogger("eldr.router")
@@ -93,69 +91,6 @@ class RetryDecision:
 # <= 16 KiB by default) and an error body passed on to the client.
 MAX_EVENT_BYTES = 1 << 20
 MAX_ERROR_BYTES = 64 << 10
-# Names and provenance of a centroid file: generous room beyond its fixed arrays.
-_CENTROID_TEXT_ALLOWANCE = 64 << 20
-
-
-class CentroidFileWatch:
-    """Pre-flight checks of the centroid path by stat alone (it never opens the file): a
-    FIFO, device or directory would block or mislead the reader, and a file far larger than
-    the running shape allows would be read whole before being found bad. A bad file is
-    reported once per version (inode, size, mtime) and the previous centroids keep serving."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.error: str | None = None
-        self.rejected = 0
-        self._bad_id: tuple | None = None
-
-    @staticmethod
-    def max_size(shape: tuple[int, int, int]) -> int:
-        K, L, E = shape
-        return 256 + 4 * L + 4 * L * E + 4 * L * E * K + _CENTROID_TEXT_ALLOWANCE
-
-    def problem(self, shape: tuple[int, int, int] | None) -> str | None:
-        p = self._inspect(shape)
-        return None if p is None else p[1]
-
-    def _inspect(self, shape):
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return "missing", "no such file", None
-        except OSError as exc:
-            return "unreadable", f"cannot stat it ({exc.strerror})", None
-        ident = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
-                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-            return "not_regular", f"is {kind}, not a regular file", ident
-        if shape is not None and st.st_size > self.max_size(shape):
-            K, L, E = shape
-            return ("too_large", f"is {st.st_size} bytes, more than a centroid file for K={K}, L={L}, E={E} can be "
-                    f"({self.max_size(shape)})", ident)
-        return None
-
-    def check(self, shape) -> tuple[str, str, bool] | None:
-        """None when the path may be read; else (cause, message, new) where new is False
-        for the same bad file as last time."""
-        p = self._inspect(shape)
-        if p is None:
-            self.error, self._bad_id = None, None
-            return None
-        cause, msg, ident = p
-        new = ident is None and self.error is None or ident is not None and ident != self._bad_id
-        self._bad_id = ident
-        self.error = f"{self.path} {msg}: rejected, the previous centroids keep serving"
-        if new:
-            self.rejected += 1
-        return cause, self.error, new
-
-    def status(self) -> dict:
-        return {"path": self.path, "ok": self.error is None, "error": self.error, "rejected": self.rejected}
-
-
 @dataclass
 class SignatureResult:
     counts: np.ndarray | None
@@ -237,13 +172,11 @@ class PDRouter:
         # the file in a worker thread instead (reload_centroids).
         kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
                   reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
-        self.centroid_file = CentroidFileWatch(cfg.centroids) if cfg.centroids else None
         if cfg.centroids:
-            problem = self.centroid_file.problem(None)
-            if problem is not None:
-                raise ValueError(f"--eldr-centroids {cfg.centroids}: {problem}")
             # The Rust set holds a private copy of the file's bytes, so an in-place overwrite
-            # of the user's file cannot fault a route; a bad file is rejected on reload.
+            # of the user's file cannot fault a route; a bad file is rejected on reload. Its
+            # reader opens regular files only, without blocking, and checks the header against
+            # the size before reading the body (a FIFO or a huge file fails fast, at start too).
             kw["centroids"] = cfg.centroids
         if cfg.tau is not None:
             kw["tau"] = cfg.tau
@@ -256,7 +189,6 @@ class PDRouter:
         self._generation = self.router.centroid_generation
         self._reload_failures = 0
         self._layout: tuple[int, int] | None = None
-        self._shape: tuple[int, int, int] | None = None
         self.on_centroids_reloaded()
         D = len(cfg.decode)
         self.reported: list[int | None] = [None] * D
@@ -276,6 +208,7 @@ class PDRouter:
         self.prefill = WorkerPool("prefill", [w.url for w in cfg.prefill], **pool_kw)
         self.decode = WorkerPool("decode", list(cfg.decode), on_change=self.router.set_healthy, **pool_kw)
         self._log = RateLimitedLog(logger)
+        self.retry_budget = RetryBudget()
         self._prefill_of: dict[int, int] = {}  # drain task id -> prefill worker (for error labels)
 
     # ------------------------------------------------------------------ state
@@ -287,12 +220,10 @@ class PDRouter:
                     f"the centroid file has {cs.num_workers} workers, the router {len(self.cfg.decode)} decode workers"
                 )
             self._layout = (cs.num_layers, cs.num_experts)
-            self._shape = (cs.num_workers, cs.num_layers, cs.num_experts)
 
     def state(self) -> dict:
         pre, dec = self.prefill.state(), self.decode.state()
-        rust_error = self.router.last_reload_error
-        watch = self.centroid_file.status() if self.centroid_file is not None else None
+        reload_error = self.router.last_reload_error
         return {
             "policy": self.cfg.policy,
             "late_binding": self.cfg.late_binding,
@@ -306,9 +237,9 @@ class PDRouter:
             "prefill_workers": pre,
             "prefill_signatures": list(self.prefill_signs),
             "centroid_generation": int(self.router.centroid_generation),
-            "centroid_reload_failures": int(self.router.reload_failures) + (watch["rejected"] if watch else 0),
-            "last_reload_error": (watch["error"] if watch and watch["error"] else None) or rust_error,
-            "centroid_file": watch,
+            "centroid_reload_failures": int(self.router.reload_failures),
+            "last_reload_error": reload_error,
+            "centroid_file": {"path": self.cfg.centroids, "ok": reload_error is None} if self.cfg.centroids else None,
             "tau": float(self.router.tau),
             "load_factor": self.router.load_factor,
         }
@@ -325,23 +256,16 @@ class PDRouter:
 
     def check_centroids(self) -> bool:
         """Hot reload, blocking (call it off the event loop): True when a new centroid file is
-        serving. The path is checked first (a regular file of plausible size: never a FIFO
-        or device, never gigabytes); a bad file raises CentroidFileError once and the previous
-        centroids keep serving."""
+        serving. A bad file (a FIFO, a device, a huge or corrupt file: the Rust reader refuses
+        each without blocking or reading it whole) raises CentroidFileError once per version
+        and the previous centroids keep serving."""
         if not self.cfg.centroids:
             return False
-        problem = self.centroid_file.check(self._shape)
-        if problem is not None:
-            cause, msg, new = problem
-            if not new:  # the same bad file as at the last check: reported once
-                return False
-            self.metrics.centroid_rejections.labels(cause).inc()
-            raise _core_errors().CentroidFileError(msg)
         self.router.maybe_reload()
         failures = self.router.reload_failures
         if failures != self._reload_failures:
+            self.metrics.centroid_rejections.inc(failures - self._reload_failures)
             self._reload_failures = failures
-            self.metrics.centroid_rejections.labels("invalid").inc()
             raise _core_errors().CentroidFileError(self.router.last_reload_error or "centroid file rejected")
         gen = self.router.centroid_generation
         if gen == self._generation:
@@ -539,21 +463,36 @@ class PDRouter:
         client_stream = bool(body.get("stream", False))
         tried: set[int] = set()
         last: UpstreamError | None = None
-        for attempt in range(min(len(self.cfg.prefill), 1 + self.cfg.retries)):
-            p = self.pick_prefill(tried)
-            if p is None:
-                break
-            tried.add(p)
-            if attempt:
-                self.metrics.retries.labels("prefill", last.cause if isinstance(last, Retryable) else "error").inc()
-            try:
-                return await self._serve_with_prefill(request, kind, body, p, client_stream, deadline)
-            except Retryable as exc:  # the prefill failed before anything reached a decode or the client
-                last = exc
-                if loop.time() >= deadline:
+        budget = self.retry_budget
+        budget.active += 1
+        try:
+            for attempt in range(min(len(self.cfg.prefill), 1 + self.cfg.retries)):
+                p = self.pick_prefill(tried)
+                if p is None or (attempt and not self._may_retry("prefill")):
                     break
+                tried.add(p)
+                if attempt:
+                    self.metrics.retries.labels("prefill", last.cause if isinstance(last, Retryable) else "error").inc()
+                    budget.retrying += 1
+                try:
+                    return await self._serve_with_prefill(request, kind, body, p, client_stream, deadline)
+                except Retryable as exc:  # the prefill failed before anything reached a decode or the client
+                    last = exc
+                    if loop.time() >= deadline:
+                        break
+                finally:
+                    if attempt:
+                        budget.retrying -= 1
+        finally:
+            budget.active -= 1
         assert last is not None
         raise last
+
+    def _may_retry(self, role: str) -> bool:
+        if self.retry_budget.allows():
+            return True
+        self.metrics.retries_refused.labels(role).inc()
+        return False
 
     async def _serve_with_prefill(self, request, kind, body, p, client_stream, deadline) -> web.StreamResponse:
         self.metrics.prefill_routes.labels(str(p)).inc()
@@ -725,29 +664,42 @@ class PDRouter:
         until a decode fetches it. At most 1 + --retries decode workers per request."""
         loop = asyncio.get_running_loop()
         tried: set[int] = set()
-        last: UpstreamError | None = None
+        first: Retryable | None = None  # the root cause: what the client is told if no retry works
+        last: Retryable | None = None
         for attempt in range(min(len(self.cfg.decode), 1 + self.cfg.retries)):
+            if attempt and not self._may_retry("decode"):
+                break
             try:
                 decision = self.route(sig, tried)
             except _core_errors().NoHealthyWorker:
-                if last is None:
+                if first is None:
                     raise
                 break
             if attempt:
                 self.metrics.decode_failovers.inc()
-                self.metrics.retries.labels("decode", last.cause if isinstance(last, Retryable) else "error").inc()
+                self.metrics.retries.labels("decode", last.cause).inc()
+                self.retry_budget.retrying += 1
             tried.add(decision.worker)
             try:
                 return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain)
             except Retryable as exc:
                 if exc.role == "prefill":  # the KV is gone: start over from a prefill
                     raise
-                last = exc
+                first, last = first or exc, exc
                 if loop.time() >= deadline:
                     break
-        assert last is not None
+            except UpstreamError:
+                # A retry refused (e.g. 409: the failed worker had already taken the room's
+                # KV): the first failure is what went wrong.
+                if first is None:
+                    raise
+                break
+            finally:
+                if attempt:
+                    self.retry_budget.retrying -= 1
+        assert first is not None
         # Not the prefill's fault: end as a plain upstream error (no prefill retry).
-        raise UpstreamError(last.status, last.body, last.content_type, last.role)
+        raise UpstreamError(first.status, first.body, first.content_type, first.role)
 
     async def _kv_lost(self, drain: asyncio.Future | None) -> bool:
         """Did the prefill's stream break (the prefill died, and its parked KV with it)?"""

@@ -1,0 +1,1 @@
+"""Test-only helpers. Nothing under eldr_sglang.testing is used by the product."""

@@ -1,0 +1,455 @@
+"""Real SGLang 0.5.23 end to end on this CPU: a tiny Qwen3-MoE in PD mode behind the ELDR router.
+
+The chain, once per module (servers start once; each set is stopped as soon as it is done):
+
+1. a non-PD reference server (the patched overlay, ELDR flags off, --enable-return-routed-experts):
+   `eldr collect` records a trace from it, and greedy outputs of the comparison prompts are
+   kept; then it is stopped, so that at most three servers ever run at once;
+2. `eldr fit` fits centroids for two decode workers on that trace;
+3. one patched prefill (--enable-eldr-signature --enable-eldr-late-binding), two decodes,
+   mooncake over TCP, and the project's router with --disagg-router eldr. Every worker sits
+   behind a recording tap (eldr_sglang.testing.sglang_cpu.tap), so the tests see from outside
+   the router when each request reached which worker and when the signature passed by.
+
+Test-only machinery (libcuda stub, CPU shim, tiny models) is in eldr_sglang/testing/sglang_cpu.
+Skipped when sglang 0.5.23 or the mooncake/ibverbs prerequisites are missing, except under
+CI=true or ELDR_REQUIRE_SGLANG=1, where the tests fail instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("prometheus_client")
+
+from _sglang_cpu import STARTUP_TIMEOUT, harness_or_skip  # noqa: E402
+from pd_cluster import get_json, metric, post  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+LAYERS, TOP_K, EXPERTS = 2, 2, 8  # the tiny Qwen3-MoE (eldr_sglang/testing/sglang_cpu/model.py)
+MAX_NEW = 12
+
+# the greedy KV comparison prompts (each sent once through the router: no radix-cache hits)
+KV_PROMPTS = [
+    "The quick brown fox",
+    "Mixture of experts models route",
+    "def add(a, b):",
+    "Bonjour, comment allez-vous?",
+    "Numbers like 1, 2, 3 appear in",
+    "The weather today is sunny",
+    "Please summarise the following paragraph",
+    "A router sends each request to",
+    "Prefill computes the key value cache",
+    "SGLang serves large language models",
+]
+
+# the trace `eldr collect` records from the reference server, then `eldr fit` clusters
+TOPICS = ["code", "math", "weather", "travel", "cooking", "music"]
+
+
+def collect_prompts() -> list[dict]:
+    out = []
+    for i in range(48):
+        t = TOPICS[i % len(TOPICS)]
+        out.append({"prompt": f"Question {i} about {t}: tell me something about {t} number {i * 7 % 13}.",
+                    "domain": t})
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu(tmp_path_factory):
+    h = harness_or_skip(tmp_path_factory.mktemp("sglang_cpu"))
+    try:
+        yield h
+    finally:
+        h.close()
+        print(f"\n[sglang-cpu] peak RSS of the server process groups: {h.memory.peak / 2**30:.2f} GiB; "
+              f"ready after: {', '.join(f'{s.name} {s.ready_s:.0f}s' for s in h.servers if s.ready_s)}")
+
+
+def _wait(h, servers):
+    from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
+
+    wait_ready(servers, STARTUP_TIMEOUT)
+
+
+def generate(url: str, text: str, max_new: int = MAX_NEW, stream: bool = False, **extra):
+    """POST /generate (greedy, exactly max_new tokens); the answer, or a stream's last event."""
+    status, headers, body = post(url + "/generate", {"text": text, "stream": stream, "sampling_params": {
+        "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}, **extra}, timeout=300)
+    assert status == 200, body[:2000]
+    if not stream:
+        return headers, json.loads(body)
+    events = [ev[6:] for ev in body.decode().split("\n\n") if ev.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", body[-500:]
+    return headers, json.loads(events[-2])
+
+
+def prompt_rows(resp: dict) -> np.ndarray:
+    """The prompt's rows [prompt_tokens, layers, top_k] of meta_info.routed_experts."""
+    arr = np.frombuffer(base64.b64decode(resp["meta_info"]["routed_experts"]), dtype="<i4").reshape(-1, LAYERS, TOP_K)
+    n = resp["meta_info"]["prompt_tokens"]
+    assert arr.shape[0] >= n, (arr.shape, n)
+    return arr[:n]
+
+
+def counts_of(rows: np.ndarray) -> np.ndarray:
+    counts = np.zeros((LAYERS, EXPERTS), np.int64)
+    for layer in range(LAYERS):
+        np.add.at(counts[layer], rows[:, layer].reshape(-1), 1)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def reference(cpu):
+    """Greedy outputs and routed experts of a non-PD server; the trace `eldr collect` records."""
+    model = cpu.model("qwen3_moe")
+    srv = cpu.start("reference", model, ["--enable-return-routed-experts", "--random-seed", "0"])
+    try:
+        _wait(cpu, [srv])
+        outs = {}
+        for text in KV_PROMPTS:
+            _, r = generate(srv.url, text, return_routed_experts=True)
+            outs[text] = {"output_ids": r["output_ids"], "text": r["text"], "rows": prompt_rows(r)}
+        data = cpu.workdir / "collect.jsonl"
+        data.write_text("".join(json.dumps(p) + "\n" for p in collect_prompts()))
+        trace = cpu.workdir / "tiny.npz"
+        p = subprocess.run([sys.executable, "-m", "eldr_sglang", "collect", str(data), "--url", srv.url, "--out", str(trace),
+                            "--num-hidden-layers", str(LAYERS), "--top-k", str(TOP_K), "--num-experts", str(EXPERTS),
+                            "--model-name", "tiny-qwen3-moe", "--max-new-tokens", "4", "--ignore-eos", "--concurrency", "4",
+                            "--no-progress"], capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-3000:] + srv.tail()
+    finally:
+        cpu.stop([srv])
+    return {"outputs": outs, "trace": trace, "collect_stdout": p.stdout}
+
+
+@pytest.fixture(scope="module")
+def centroids(cpu, reference):
+    out = cpu.workdir / "tiny.eldr"
+    p = subprocess.run([sys.executable, "-m", "eldr_sglang", "fit", str(reference["trace"]), "--workers", "2",
+                        "--layers", "all", "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=600,
+                       cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+class PD:
+    """The running PD cluster: servers, taps, router URL."""
+
+    def __init__(self, prefill, boot, decodes, ptap, dtaps, router):
+        self.prefill, self.boot, self.decodes = prefill, boot, decodes
+        self.ptap, self.dtaps, self.router = ptap, dtaps, router
+        self.url = router.url
+
+    def status(self) -> dict:
+        return get_json(self.url + "/eldr/status")
+
+    def settle(self, timeout: float = 60.0) -> dict:
+        """Wait until the router sees no load anywhere (in flight, reported)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if not any(st["decode_inflight"]) and not any(st["decode_loads"]) and not any(st["prefill_inflight"]):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"router did not settle: {st}")
+            time.sleep(0.2)
+
+    def events(self, room: int):
+        sig = [e for e in self.ptap.snapshot() if e["room"] == room and e["event"] == "signature"]
+        preq = [e for e in self.ptap.snapshot() if e["room"] == room and e["event"] == "request"]
+        dreq = [(i, e) for i, t in enumerate(self.dtaps) for e in t.snapshot() if e["room"] == room and e["event"] == "request"]
+        return sig, preq, dreq
+
+
+@pytest.fixture(scope="module")
+def pd(cpu, centroids):
+    from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
+    from eldr_sglang.testing.sglang_cpu.tap import Tap
+
+    model = cpu.model("qwen3_moe")
+    prefill, boot, decodes = cpu.start_pd(model, 2, prefill_extra=[
+        "--enable-eldr-signature", "--enable-eldr-late-binding", "--enable-return-routed-experts", "--random-seed", "0"],
+        decode_extra=["--random-seed", "0"])
+    taps, router = [], None
+    try:
+        _wait(cpu, [prefill, *decodes])
+        ptap = Tap("prefill", prefill.url)
+        dtaps = [Tap(f"decode{i}", d.url) for i, d in enumerate(decodes)]
+        taps = [ptap, *dtaps]
+        router = cpu.start_router("router", [(ptap.url, boot)], [t.url for t in dtaps], [
+            "--disagg-router", "eldr", "--eldr-centroids", str(centroids), "--no-eldr-drift",
+            "--eldr-signature-timeout-secs", "120", "--request-timeout-secs", "600",
+            # /health and /v1/loads of a busy SGLang on two cores can take seconds, and the
+            # router's timeouts for them are min(interval, 5 s): short intervals eject healthy
+            # workers (seen with 1 s) and drop load reports (seen with 0.5 s)
+            "--load-monitor-interval", "3", "--health-check-interval-secs", "5", "--log-level", "info"])
+        wait_ready([router], 120)
+        yield PD(prefill, boot, decodes, ptap, dtaps, router)
+    finally:
+        cpu.stop([s for s in [router] if s] + [prefill, *decodes])
+        for t in taps:
+            t.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers on the taps' records
+
+
+def signature_counts(raw) -> tuple[np.ndarray, object]:
+    """[layers, experts] counts of a streamed meta_info.eldr_signature (a per-token list)."""
+    from eldr_sglang.sglang_ext.payload import decode_payload
+
+    if isinstance(raw, list):
+        raw = raw[0]
+    dec = decode_payload(raw)
+    return dec.counts.astype(np.int64), dec
+
+
+def prefill_stream_rows(pd: PD, room: int) -> np.ndarray:
+    """The prompt rows of the routed_experts the prefill returned at the end of the same stream."""
+    def stream_ends():
+        return [e for e in pd.ptap.snapshot() if e["room"] == room and e["event"] == "stream_end"]
+
+    # the prefill's last event may trail the decode's answer, which the client already has
+    wait_for(stream_ends, timeout=120, what=f"the end of the prefill stream of room {room}")
+    found = stream_ends()
+    assert len(found) == 1, found
+    return prompt_rows(json.loads(found[0]["last"][5:]))
+
+
+def wait_for(pred, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_eldr_collect_recorded_the_real_servers_routing(reference):
+    """`eldr collect` against the real server: one request per prompt, the prompt/decode split
+    from SGLang's token counts, the domain labels kept."""
+    from eldr_sglang.traces import load_trace
+
+    tr = load_trace(reference["trace"])
+    assert tr.num_requests == len(collect_prompts())
+    assert (tr.num_layers, tr.top_k, tr.num_experts) == (LAYERS, TOP_K, EXPERTS)
+    assert np.all(tr.prefill_len > 0)
+    # --max-new-tokens 4: SGLang captures prompt + 3 decode rows per request
+    assert np.array_equal(np.diff(tr.req_offsets), tr.prefill_len + 3)
+    assert tr.domain is not None
+
+
+def test_router_text_equals_a_single_server_token_for_token(pd, reference):
+    """Intact KV: the decode server continues from the KV mooncake moved; a corrupted or
+    misplaced page changes the greedy continuation. Also: the signature streamed for each
+    prompt equals the counts the reference server's return_routed_experts gives."""
+    compared = 0
+    for text in KV_PROMPTS:
+        pd.settle()
+        headers, r = generate(pd.url, text)
+        ref = reference["outputs"][text]
+        assert r["output_ids"] == ref["output_ids"], (text, r["output_ids"], ref["output_ids"])
+        assert r["text"] == ref["text"]
+        assert len(r["output_ids"]) == MAX_NEW
+        assert headers["X-ELDR-Reason"] == "band", headers
+        sig, _, _ = pd.events(int(headers["X-ELDR-Bootstrap-Room"]))
+        counts, dec = signature_counts(sig[0]["payload"])
+        # a radix-cache hit is not recomputed, so not counted (docs/serving.md): compare the rest
+        cached = sig[0]["meta"]["cached_tokens"]
+        assert dec.exact and dec.num_tokens == len(ref["rows"]) - cached
+        assert np.array_equal(counts, counts_of(ref["rows"][cached:])), (text, cached, counts, ref["rows"])
+        compared += 1
+    print(f"\n[sglang-cpu] prompts compared token for token with a non-PD server: {compared} x {MAX_NEW} tokens")
+    assert compared >= 8
+
+
+COUNT_PROMPTS = [
+    "Count the experts of this prompt exactly, please.",
+    "x",
+    "def mul(a, b):\n    return a * b\n" * 3,
+    "Guten Tag! Hola, que tal? The lazy dog sleeps.",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "Summarise: " + "mixture of experts routing " * 8,
+]
+
+
+def test_streamed_signature_counts_equal_return_routed_experts(pd):
+    """Exact counts: the signature the prefill streams (seen by the tap between prefill and
+    router) equals the counts from return_routed_experts of the same prefill forward."""
+    compared = cached_seen = 0
+    for text in COUNT_PROMPTS:
+        headers, r = generate(pd.url, text, max_new=2, return_routed_experts=True)
+        room = int(headers["X-ELDR-Bootstrap-Room"])
+        sig, _, _ = pd.events(room)
+        assert len(sig) == 1, sig
+        counts, dec = signature_counts(sig[0]["payload"])
+        rows = prefill_stream_rows(pd, room)
+        cached = sig[0]["meta"]["cached_tokens"]  # radix-cache hits are not recomputed, not counted
+        truth = counts_of(rows[cached:])
+        assert dec.exact and list(dec.layers) == list(range(LAYERS))
+        assert dec.num_tokens == sig[0]["meta"]["prompt_tokens"] - cached == len(rows) - cached
+        assert np.array_equal(counts, truth), (text, counts, truth)
+        compared += int(truth.sum())
+        cached_seen += cached
+    print(f"\n[sglang-cpu] exact counts: {len(COUNT_PROMPTS)} prompts, {compared} (token, layer, expert) "
+          f"choices compared ({cached_seen} prompt tokens were radix-cache hits, not counted)")
+
+
+def test_signature_arrives_before_any_decode_worker_is_contacted(pd):
+    """Late binding, observed outside the router: for every request so far, the prefill's
+    signature passed its tap before any decode tap saw the request's bootstrap room, and the
+    room reached exactly one decode worker: the one the router named."""
+    for i in range(4):
+        generate(pd.url, f"Late binding check {i}", max_new=2, stream=bool(i % 2))
+    rooms = {e["room"] for e in pd.ptap.snapshot() if e["event"] == "request" and e["room"] is not None}
+    checked = 0
+    for room in rooms:
+        sig, preq, dreq = pd.events(room)
+        if not dreq:
+            continue
+        assert len(sig) == 1 and len(preq) == 1, (room, sig, preq)
+        assert preq[0]["t"] < sig[0]["t"] < min(e["t"] for _, e in dreq), (room, sig, dreq)
+        assert len({i for i, _ in dreq}) == 1, dreq
+        checked += 1
+    assert checked >= 4
+    print(f"\n[sglang-cpu] late binding: {checked} requests, signature before the decode contact in all")
+
+
+def test_decision_equals_the_rust_router_offline(pd, centroids):
+    """The right worker: the router's choice equals a fresh Rust router's choice for the same
+    counts and centroid file (idle cluster: no load)."""
+    from eldr_sglang import _core
+    from eldr_sglang.sglang_ext.payload import to_layout
+
+    st = pd.settle()
+    offline = _core.Router(policy="eldr", num_workers=2, centroids=str(centroids), load_factor=st["load_factor"])
+    cs = offline.centroid_set()
+    decided, workers = 0, set()
+    for i in range(12):
+        pd.settle()
+        headers, _ = generate(pd.url, f"Which worker for request {i} about {TOPICS[i % len(TOPICS)]}?", max_new=2)
+        sig, _, _ = pd.events(int(headers["X-ELDR-Bootstrap-Room"]))
+        _, dec = signature_counts(sig[0]["payload"])
+        want = offline.route_dense(to_layout(dec, cs.num_layers, cs.num_experts), explain=True)
+        assert headers["X-ELDR-Reason"] == "band" == want.reason
+        assert int(headers["X-ELDR-Decode-Worker"]) == want.worker, (headers, want.distances, want.band)
+        assert [int(x) for x in headers["X-ELDR-Band"].split(",")] == want.band
+        decided += 1
+        workers.add(want.worker)
+    print(f"\n[sglang-cpu] decisions compared with the offline Rust router: {decided}; workers chosen: {sorted(workers)}")
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_endpoints_streamed_and_not(pd, path, stream):
+    n = 5
+    if path == "/generate":
+        body = {"text": f"Endpoint {path} {stream}", "stream": stream,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    elif path == "/v1/completions":
+        body = {"model": "tiny", "prompt": f"Endpoint {path} {stream}", "max_tokens": n, "temperature": 0.0,
+                "ignore_eos": True, "stream": stream}
+    else:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"Endpoint {stream}"}], "max_tokens": n,
+                "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    status, headers, raw = post(pd.url + path, body, timeout=300)
+    assert status == 200, raw[:2000]
+    assert headers["X-ELDR-Reason"] == "band", headers
+    if not stream:
+        out = json.loads(raw)
+        tokens = out["meta_info"]["completion_tokens"] if path == "/generate" else out["usage"]["completion_tokens"]
+        assert tokens == n
+        text = out["text"] if path == "/generate" else (
+            out["choices"][0]["text"] if path == "/v1/completions" else out["choices"][0]["message"]["content"])
+        assert text
+        return
+    assert headers["Content-Type"].startswith("text/event-stream")
+    events = [ev[6:] for ev in raw.decode().split("\n\n") if ev.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    if path == "/generate":
+        assert chunks[-1]["meta_info"]["completion_tokens"] == n
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    else:
+        key = "text" if path == "/v1/completions" else "content"
+        pieces = [c["choices"][0].get("delta", c["choices"][0]).get(key) for c in chunks if c.get("choices")]
+        assert "".join(p for p in pieces if p)
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
+
+
+def test_no_leaks_in_flight_back_to_zero_and_loads_polled_cleanly(pd):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(6) as ex:
+        outs = list(ex.map(lambda i: generate(pd.url, f"Concurrent {i}", max_new=4, stream=bool(i % 2)), range(6)))
+    assert len(outs) == 6
+    st = pd.settle()
+    assert st["decode_inflight"] == [0, 0] and st["prefill_inflight"] == [0]
+    assert st["decode_healthy"] == [True, True] and st["prefill_signatures"] == [True]
+    m = get_json_text(pd.url + "/metrics")
+    assert metric(m, "eldr_router_worker_errors_total") == 0, [ln for ln in m.splitlines() if "worker_errors" in ln]
+    polls = [e for t in pd.dtaps for e in t.snapshot() if e["event"] == "response" and e["path"] == "/v1/loads"]
+    assert len(polls) >= 4 and all(e["status"] == 200 for e in polls)
+    log = pd.router.log.read_text()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def get_json_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_killing_a_decode_server_loses_no_request_that_had_not_reached_it(pd):
+    """Fault: SIGKILL decode 1 (and close its tap, so its port refuses like a dead server's)
+    while requests run. Every request that had not reached decode 1 must finish in full
+    (those routed to it after the kill fail over to decode 0); afterwards all go to decode 0."""
+    victim, victim_tap = pd.decodes[1], pd.dtaps[1]
+    prompts = [f"Fault run request {i} about {TOPICS[i % len(TOPICS)]}" for i in range(8)]
+
+    def one(text):
+        status, headers, raw = post(pd.url + "/generate", {"text": text, "sampling_params": {
+            "max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}}, timeout=600)
+        return text, status, headers, raw
+
+    def reached_victim():
+        return {e["prompt"] for e in victim_tap.snapshot()
+                if e["event"] == "request" and e["room"] is not None and e["prompt"] in prompts}
+
+    pd.settle()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        futs = [ex.submit(one, t) for t in prompts]
+        wait_for(lambda: bool(reached_victim()), timeout=300, what="a request on decode 1")
+        victim.kill()
+        victim_tap.close()
+        results = [f.result() for f in cf.as_completed(futs, timeout=900)]
+    hit = reached_victim()
+    finished = [t for t, s, _, raw in results if s == 200 and len(json.loads(raw)["output_ids"]) == 24]
+    lost = [t for t in prompts if t not in finished]
+    assert not [t for t in lost if t not in hit], (lost, hit, [(t, s, raw[:300]) for t, s, _, raw in results])
+    after = [generate(pd.url, f"After the fault {i}", max_new=2)[0] for i in range(4)]
+    assert [h["X-ELDR-Decode-Worker"] for h in after] == ["0"] * 4
+    print(f"\n[sglang-cpu] fault: {len(prompts)} requests, {len(hit)} had reached the killed decode, "
+          f"{len(lost)} failed (all among those), {len(finished)} finished; 4 sent after the kill all on decode 0")
+
+
+def test_memory_peak_stays_under_the_ci_budget(cpu, pd):
+    gib = cpu.memory.peak / 2**30
+    print(f"\n[sglang-cpu] peak memory of the server process groups: RSS sum {gib:.2f} GiB, "
+          f"PSS sum {cpu.memory.peak_pss / 2**30:.2f} GiB; ready after: "
+          + ", ".join(f"{s.name} {s.ready_s:.0f}s" for s in cpu.servers if s.ready_s))
+    assert gib < 14.0
