@@ -1,7 +1,7 @@
 """Plain-numpy reference of the signature and the band rule.
 
 Exists only so tests can check the Rust hot path against an obviously-correct version of
-ELDR.md's formulas; nothing in the product calls it.
+the paper's formulas (arXiv:2607.00466; README, "The ELDR rule"); nothing in the product calls it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-//! ELDR's band rule (ELDR.md): d_k = 1 - cos(s, mu_k), d* = min over healthy k, band =
+//! ELDR's band rule (arXiv:2607.00466; README, "The ELDR rule"): d_k = 1 - cos(s, mu_k), d* = min over healthy k, band =
 //! {k healthy : d_k <= d* + tau}; choose the band member with the shortest queue, ties to the
 //! smaller d_k (then the lower index). Without a usable signature: shortest queue.
 //!
