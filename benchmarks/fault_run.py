@@ -351,9 +351,11 @@ def main(argv=None) -> int:
                         os.mkfifo(fifo)
                         os.replace(fifo, live)
                     else:  # restore a good file
-                        st = await asyncio.to_thread(get_json, base + "/eldr/status")
-                        state["fifo_error"] = st["last_reload_error"]
-                        state["generation_before_restore"] = st["centroid_generation"]
+                        try:
+                            st = await asyncio.to_thread(get_json, base + "/eldr/status", 60.0)
+                            state["fifo_error"] = st["last_reload_error"]
+                        except OSError as exc:  # a starved machine: say so, keep going
+                            state["fifo_error"] = f"(status not read: {exc})"
                         tmp_good = workdir / "good.tmp"
                         shutil.copy(cpath, tmp_good)
                         os.replace(tmp_good, live)
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
             state["client_lag_s"] = client_lag
             deadline = time.monotonic() + 30
             while True:
-                st = get_json(base + "/eldr/status")
+                st = get_json(base + "/eldr/status", 60.0)
                 if (not any(st["decode_inflight"]) and not any(st["prefill_inflight"])) or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)

@@ -430,10 +430,10 @@ class PDRouter:
             status = 499
             self.metrics.disconnects.inc()
             raise
-        except _CLIENT_GONE:
+        except _CLIENT_GONE:  # the client went away (mid-body or mid-answer): nobody to answer
             status = 499
             self.metrics.disconnects.inc()
-            raise
+            return web.Response(status=499)
         finally:
             self.metrics.requests.labels(kind, str(status)).inc()
 
