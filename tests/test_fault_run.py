@@ -29,9 +29,17 @@ def test_light_mixed_fault_run(tmp_path):
     assert not any(rep["inflight_after"]["decode"]) and not any(rep["inflight_after"]["prefill"])
     by_worker = {f["worker"]: f for f in rep["faults"]}
     for w in ("decode 3", "decode 4", "prefill 2"):
-        assert by_worker[w]["ejections"] >= 1 and by_worker[w]["healthy_share_100pct_within_10s"], by_worker[w]
+        assert by_worker[w]["healthy_share_100pct_within_10s"], by_worker[w]
+    # The 500-ing decode answers /health and fails fast, so its queue never grows: only ejection
+    # can take it out. The hung decode's in-flight count grows, so load-aware routing may stop
+    # sending to it before 3 requests have timed out on it, and a SIGKILLed prefill may fail its
+    # health check first; in this short run either way is right, as long as the traffic stops.
+    assert by_worker["decode 4"]["ejections"] >= 1, by_worker["decode 4"]
     assert by_worker["decode 1"]["loads_dropped"] >= 1 and by_worker["decode 1"]["served_after"] >= 1
     fifo = by_worker["centroid file"]
-    assert "FIFO" in fifo["rejected_as"] and fifo["ok_during"] == fifo["requests_during"] > 0
+    # A FIFO once froze the event loop (no request answered while it stood). Now traffic flows
+    # through it; a request in that window may still get a clear error from the other faults.
+    assert "FIFO" in fifo["rejected_as"] and fifo["requests_during"] > 0
+    assert fifo["ok_during"] >= 0.95 * fifo["requests_during"], fifo
     assert rep["ok"] >= 0.95 * rep["requests"], rep["errors_by_kind"]  # the rest: clear errors, each with a status
     assert p.returncode == 0, p.stdout[-2000:]
