@@ -15,13 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+from eldr_sglang.testing.sglang_cpu.cluster import _free  # one loopback port check for both harnesses
 
 
 def free_base_port(prefill: int, decode: int, lo: int = 20000, hi: int = 45000) -> int:
