@@ -1,6 +1,6 @@
 """`eldr demo`: the whole ELDR story on an embedded default, in about a minute on 2 cores.
 
-1. Generate a synthetic, domain-skewed DeepSeek-V3 routing workload (eldr_sglang.synth).
+1. Generate a synthetic, domain-skewed DeepSeek-V3 routing workload (eldr_sglang.traces.synth).
 2. Fit the centroids (balanced K-means over prefill signatures) on its first part.
 3. Simulate the PD cluster on the later part with every policy and a small load sweep.
 4. Print the comparison table and write a plot and JSON to the output directory.
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     K = args.workers
     loads = list(args.concurrency)  # parsed and checked by argparse
     from eldr_sglang import memory
-    from eldr_sglang.synth import model_shape
+    from eldr_sglang.traces.synth import model_shape
 
     shape = model_shape(args.model)
     memory.require(memory.synth_bytes(args.requests, (64 + 256) / 2 + args.output_len, shape["num_layers"], shape["top_k"],
@@ -83,7 +83,7 @@ def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
     from eldr_sglang.sim.report import format_table, json_summary, markdown_table, plot_runs, plot_sweep, write_json
     from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison
     from eldr_sglang.sim.workload import make_workload
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
 
     say(f"[1/4] generating a synthetic {'uniform' if args.uniform else 'domain-skewed'} {args.model} workload: "
         f"{args.requests} requests, {args.output_len} output tokens each")
