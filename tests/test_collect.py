@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from eldr_sglang.cli import main
-from eldr_sglang.traces.collect import CollectConfig, checkpoint_path, collect, load_prompts, read_checkpoint
+import functools
+
+from eldr_sglang.traces.collect import CollectConfig, checkpoint_path, load_prompts, read_checkpoint
+from eldr_sglang.traces.collect import collect as collect_any
+
+# Most tests check every id of a v1 trace; the v2 tests at the end use collect_any.
+collect = functools.partial(collect_any, fmt="v1")
 from eldr_sglang.traces.sglang_responses import ModelSpec
 from eldr_sglang.traces import load_trace
 
@@ -193,7 +199,7 @@ def test_cli_collect_and_convert(tmp_path, capsys):
     path, recs = _dataset(tmp_path, n=5)
     out = tmp_path / "cli.npz"
     with FakeSGLang() as srv:
-        rc = main(["collect", str(path), "--url", srv.url, "--out", str(out), "--num-hidden-layers", "6",
+        rc = main(["collect", str(path), "--url", srv.url, "--out", str(out), "--format", "v1", "--num-hidden-layers", "6",
                    "--top-k", "2", "--num-experts", "8", "--first-k-dense-replace", "2",
                    "--max-new-tokens", str(MAX_NEW), "--no-progress", "--concurrency", "3"])
     assert rc == 0
@@ -254,3 +260,54 @@ def test_a_second_run_on_the_same_checkpoint_is_refused(tmp_path):
     with _CheckpointWriter(checkpoint_path(out)):
         with pytest.raises(ValueError, match="in use by another eldr collect run"):
             collect(load_prompts(path), _cfg("http://127.0.0.1:9"), out, progress=False)
+
+def test_collect_writes_v2_counts_and_the_decode_routing_asked_for(tmp_path, capsys):
+    from eldr_sglang.traces.counts_file import open_counts_trace
+
+    path, recs = _dataset(tmp_path, n=9)
+    v1, v2 = tmp_path / "v1.npz", tmp_path / "v2.npz"
+    with FakeSGLang() as srv:
+        collect(load_prompts(path), _cfg(srv.url), v1, progress=False)
+        res = collect_any(load_prompts(path), _cfg(srv.url), v2, progress=False, keep_decode=4)
+    assert res.trace is None and res.requests == 9
+    t1 = load_trace(v1)
+    with open_counts_trace(v2) as t2:
+        C = t2.counts().toarray()
+        for r in range(9):  # the prompt counts of every request, by numpy from the v1 ids
+            ids = t1.prefill_ids(r).astype(np.int64)
+            want = np.bincount((np.arange(t1.num_layers)[None, :, None] * t1.num_experts + ids).ravel(),
+                               minlength=t1.num_layers * t1.num_experts)
+            np.testing.assert_array_equal(C[r], want)
+        np.testing.assert_array_equal(t2.decode_len(), t1.decode_len())
+        np.testing.assert_array_equal(t2.decode_requests(), np.arange(4))
+        np.testing.assert_array_equal(t2.decode_trace().expert_ids, np.concatenate([t1.decode_ids(r) for r in range(4)]))
+        np.testing.assert_array_equal(t2.domain, t1.domain)
+        assert t2.counts_exact.all()
+
+
+def test_collect_counts_only_reads_the_signature_payload(tmp_path):
+    from eldr_sglang.traces.counts_file import open_counts_trace
+
+    path, recs = _dataset(tmp_path, n=5)
+    v1, v2 = tmp_path / "v1.npz", tmp_path / "v2.npz"
+    with FakeSGLang() as srv:
+        collect(load_prompts(path), _cfg(srv.url), v1, progress=False)
+    with FakeSGLang(signature=True) as srv:
+        cfg = _cfg(srv.url)
+        cfg.routed_experts = False
+        collect_any(load_prompts(path), cfg, v2, progress=False, keep_decode=0)
+        assert not any(b.get("return_routed_experts") for b in srv.bodies)
+    t1 = load_trace(v1)
+    with open_counts_trace(v2) as t2:
+        for r in range(5):
+            ids = t1.prefill_ids(r).astype(np.int64)
+            want = np.bincount((np.arange(t1.num_layers)[None, :, None] * t1.num_experts + ids).ravel(),
+                               minlength=t1.num_layers * t1.num_experts)
+            np.testing.assert_array_equal(t2.counts([r]).toarray()[0], want)
+        assert t2.decode_requests().size == 0 and t2.counts_exact.all()
+    with FakeSGLang() as srv:  # an unpatched server sends no payload: a clear error, nothing written
+        cfg = _cfg(srv.url)
+        cfg.routed_experts = False
+        with pytest.raises(ValueError, match="no routed_experts"):
+            collect_any(load_prompts(path), cfg, tmp_path / "x.npz", progress=False, keep_decode=0)
+    assert not (tmp_path / "x.npz").exists()
