@@ -201,10 +201,12 @@ def fit_trace(
             f"K > N: {K} workers but only {n_valid} calibration requests have a signature on the selected layers"
         )
     t_sig = time.perf_counter() - t0
-    X = S[valid]
+    X = S if valid.all() else S[valid]  # no copy in the usual case: every request has a signature
     density = X.nnz / max(1, X.shape[0] * X.shape[1])
     if density >= DENSE_MIN_DENSITY and X.shape[0] * X.shape[1] * 4 <= DENSE_MAX_BYTES:
         X = X.toarray()
+    if not keep_signatures:
+        S = None  # X holds the fitted rows; the full matrix is not needed again
 
     # 4. balanced spherical K-means
     with status_line(desc="eldr fit", enabled=progress) as line:
@@ -267,7 +269,7 @@ def fit_trace(
         cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
     if len(cand) >= 3:
         prof = src.decode_profiles(fitted[cand])
-        rep["signature_rho"] = rpt.signature_rho(S[valid][cand], prof, rng)
+        rep["signature_rho"] = rpt.signature_rho(X[cand], prof, rng)
     else:
         rep["signature_rho"] = {"spearman_rho": float("nan"), "n_pairs": 0}
     rep["decode_locality"] = src.decode_locality(fitted, km.assignment, rng)
@@ -320,7 +322,7 @@ def fit_trace(
         tau=tau,
         worker_names=names,
         provenance=provenance,
-        signatures=S if keep_signatures else None,
+        signatures=S,
         valid=valid,
     )
 

@@ -129,13 +129,14 @@ class CountsSource:
                 bar.update(len(pos))
         pos = np.concatenate(positions)
         S = sp.vstack(blocks, format="csr")
+        del blocks
         valid = np.empty(len(req), dtype=bool)
         valid[pos] = np.concatenate(valids)
         if not np.array_equal(pos, np.arange(len(req))):
             inv = np.empty(len(req), dtype=np.int64)
             inv[pos] = np.arange(len(req))
             S = S[inv]
-        return S.astype(np.float32), valid
+        return S.astype(np.float32, copy=False), valid
 
     def prefill_pass(self, req: np.ndarray, progress: bool) -> tuple[np.ndarray, np.ndarray]:
         L, E = self.trace.num_layers, self.trace.num_experts
