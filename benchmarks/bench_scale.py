@@ -62,6 +62,9 @@ def main() -> int:
     ap.add_argument("--dir", help="directory for the trace and centroid files (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the files")
     ap.add_argument("--json", help="write the results as JSON to this path")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep a trace already in --dir and the synth row of the same case from the --json file "
+                         "(re-measure the fit only)")
     args = ap.parse_args()
     eldr = [sys.executable, "-m", "eldr_sglang"]
     work = args.dir or tempfile.mkdtemp(prefix="bench_scale.")
@@ -71,7 +74,14 @@ def main() -> int:
     for name in args.case or ["deepseek-100k"]:
         case = CASES[name]
         trace, cent = os.path.join(work, f"{name}.npz"), os.path.join(work, f"{name}.eldr")
-        synth = run_step([*eldr, "synth", *case["synth"], "--out", trace, "--no-progress"])
+        previous = {}
+        if args.reuse and args.json and os.path.exists(args.json):
+            with open(args.json) as fh:
+                previous = {r["case"]: r for r in json.load(fh)["rows"]}
+        if args.reuse and os.path.exists(trace) and name in previous:
+            synth = dict(previous[name]["synth"], reused=True)
+        else:
+            synth = run_step([*eldr, "synth", *case["synth"], "--out", trace, "--no-progress"])
         size = os.path.getsize(trace) / GIB if os.path.exists(trace) else float("nan")
         fit = run_step([*eldr, "fit", trace, *case["fit"], "--out", cent, "--json", cent + ".json", "-q"])
         rep = {}

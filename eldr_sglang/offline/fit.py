@@ -193,7 +193,13 @@ def fit_trace(
 
     # 3. final signatures through the Rust normalizer (the router's exact path)
     spec = make_spec(weights, idf)
-    S, valid2 = src.signatures(spec, req, progress)
+    # The density of the signatures is known before they are made: with IDF > 0 a signature
+    # entry is non-zero exactly where its count is, so df over the selected layers counts
+    # them. A matrix that K-means will densify is then built dense, never as CSR first.
+    n_cells = max(1, n_valid * spec.dim)
+    predicted = float(df[weights > 0].sum()) / n_cells
+    dense = predicted >= DENSE_MIN_DENSITY and len(req) * spec.dim * 4 <= DENSE_MAX_BYTES
+    S, valid2 = src.signatures(spec, req, progress, dense=dense)
     valid = valid & valid2
     n_valid = int(valid.sum())
     if K > n_valid:
@@ -202,10 +208,13 @@ def fit_trace(
         )
     t_sig = time.perf_counter() - t0
     X = S if valid.all() else S[valid]  # no copy in the usual case: every request has a signature
-    density = X.nnz / max(1, X.shape[0] * X.shape[1])
-    if density >= DENSE_MIN_DENSITY and X.shape[0] * X.shape[1] * 4 <= DENSE_MAX_BYTES:
+    nnz = int(np.count_nonzero(X)) if dense else X.nnz
+    density = nnz / max(1, X.shape[0] * X.shape[1])
+    if not dense and density >= DENSE_MIN_DENSITY and X.shape[0] * X.shape[1] * 4 <= DENSE_MAX_BYTES:
         X = X.toarray()
-    if not keep_signatures:
+    if keep_signatures:
+        S = sp.csr_matrix(S) if dense else S
+    else:
         S = None  # X holds the fitted rows; the full matrix is not needed again
 
     # 4. balanced spherical K-means

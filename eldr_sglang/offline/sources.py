@@ -46,8 +46,10 @@ class TokenSource:
         """Raw (all layers, IDF 1) signatures of req[rows]; rows index the prefill pass's req."""
         return self._raw[rows]
 
-    def signatures(self, spec, req: np.ndarray, progress: bool) -> tuple[sp.csr_matrix, np.ndarray]:
-        return compute_signatures(self.trace, spec, req, self.chunk_tokens, progress, desc="signatures")
+    def signatures(self, spec, req: np.ndarray, progress: bool, dense: bool = False):
+        """(signatures [N, D] float32: CSR, or an ndarray when `dense`; valid [N])."""
+        S, valid = compute_signatures(self.trace, spec, req, self.chunk_tokens, progress, desc="signatures")
+        return (S.toarray() if dense else S), valid
 
     def has_decode(self, req: np.ndarray) -> np.ndarray:
         return self.trace.decode_len()[req] > 0
@@ -98,6 +100,20 @@ def _spec_rows(spec, counts: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
     return S, valid
 
 
+def _spec_dense(spec, counts: sp.csr_matrix, out: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> None:
+    """_spec_rows written straight into rows `rows` of a dense [N, D] array (no CSR on the way:
+    at DeepSeek-V3 density the CSR would be larger than the dense matrix)."""
+    indptr, index, data = counts.indptr, counts.indices.astype(np.int64), counts.data
+    for j, row in enumerate(rows):
+        s, e = int(indptr[j]), int(indptr[j + 1])
+        if e > s:
+            try:
+                out[row] = spec.from_sparse(index[s:e], data[s:e])
+                valid[row] = True
+            except ValueError:  # NoSignature: only zero-weight layers
+                pass
+
+
 class CountsSource:
     """A v2 trace: prompt counts read chunk by chunk; decode routing of the requests that kept it."""
 
@@ -105,6 +121,7 @@ class CountsSource:
         self.trace = trace
         self._dtrace = None
         self._dreq = trace.decode_requests()
+        self._digest = None
 
     def _by_chunk(self, req: np.ndarray):
         """(positions in req, counts CSR of those requests) per chunk holding any of req."""
@@ -142,13 +159,19 @@ class CountsSource:
         L, E = self.trace.num_layers, self.trace.num_experts
         df = np.zeros(L * E, dtype=np.int64)
         valid = np.zeros(len(req), dtype=bool)
+        whole = np.array_equal(req, np.arange(self.trace.num_requests))  # then the pass reads every chunk in order
+        h = self._digest_start() if whole else None
         with progress_bar(len(req), desc="prefill counts", unit="req", leave=False, enabled=progress) as bar:
             for pos, counts in self._by_chunk(req):
+                if h is not None:
+                    self._digest_chunk(h, counts)
                 counts.eliminate_zeros()
                 ok = np.diff(counts.indptr) > 0
                 valid[pos] = ok
                 df += np.bincount(counts.indices, minlength=L * E)  # rows without counts add nothing
                 bar.update(len(pos))
+        if h is not None:
+            self._digest = h.hexdigest()
         return valid, df.reshape(L, E)
 
     def _ones_spec(self):
@@ -161,8 +184,18 @@ class CountsSource:
         spec = self._ones_spec()
         return self._map(req[rows], lambda c: _spec_rows(spec, c), spec.dim, False, "raw")[0]
 
-    def signatures(self, spec, req: np.ndarray, progress: bool) -> tuple[sp.csr_matrix, np.ndarray]:
-        return self._map(req, lambda c: _spec_rows(spec, c), spec.dim, progress, "signatures")
+    def signatures(self, spec, req: np.ndarray, progress: bool, dense: bool = False):
+        """(signatures [N, D] float32: CSR, or an ndarray filled chunk by chunk when `dense`;
+        valid [N])."""
+        if not dense:
+            return self._map(req, lambda c: _spec_rows(spec, c), spec.dim, progress, "signatures")
+        out = np.zeros((len(req), spec.dim), dtype=np.float32)
+        valid = np.zeros(len(req), dtype=bool)
+        with progress_bar(len(req), desc="signatures", unit="req", leave=False, enabled=progress) as bar:
+            for pos, counts in self._by_chunk(req):
+                _spec_dense(spec, counts, out, pos, valid)
+                bar.update(len(pos))
+        return out, valid
 
     def has_decode(self, req: np.ndarray) -> np.ndarray:
         kept = np.isin(req, self._dreq)
@@ -184,17 +217,28 @@ class CountsSource:
         dt, pos = self._decode(req[keep])
         return rpt.decode_locality(dt, pos, assign[keep], rng)
 
-    def digest(self) -> str:
-        """sha256 of the trace's counts content (shape meta, lengths, every chunk's CSR)."""
+    def _digest_start(self):
         t = self.trace
         h = hashlib.sha256()
         h.update(json.dumps([t.num_layers, t.num_experts, t.top_k, "counts-v2"]).encode())
         for a in (t.prefill_len.astype(np.int32), t.decode_len_.astype(np.int32)):
             h.update(np.ascontiguousarray(a).tobytes())
-        for _, c in t.iter_counts():
-            for a in (c.indptr.astype(np.int64), c.indices.astype(np.uint32), c.data.astype(np.uint32)):
-                h.update(np.ascontiguousarray(a).tobytes())
-        return h.hexdigest()
+        return h
+
+    @staticmethod
+    def _digest_chunk(h, c: sp.csr_matrix) -> None:
+        for a in (c.indptr.astype(np.int64), c.indices.astype(np.uint32), c.data.astype(np.uint32)):
+            h.update(np.ascontiguousarray(a).tobytes())
+
+    def digest(self) -> str:
+        """sha256 of the trace's counts content (shape meta, lengths, every chunk's CSR); taken
+        during the prefill pass when that read every chunk, else by reading them again."""
+        if getattr(self, "_digest", None) is None:
+            h = self._digest_start()
+            for _, c in self.trace.iter_counts():
+                self._digest_chunk(h, c)
+            self._digest = h.hexdigest()
+        return self._digest
 
 
 def prefill_source(trace, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
