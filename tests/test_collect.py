@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -221,9 +222,35 @@ def test_repeated_prompt_is_sent_once(tmp_path):
     _check_trace(load_trace(out), recs)
 
 
-def test_corrupt_checkpoint_line_is_named(tmp_path):
+def test_damaged_checkpoint_lines_are_skipped_and_named(tmp_path, capsys):
+    from eldr_sglang.traces.collect import _checkpoint_line
+
+    path, recs = _dataset(tmp_path, n=4)
+    out = tmp_path / "trace.npz"
+    with FakeSGLang() as srv:  # a complete checkpoint of all four prompts
+        collect(load_prompts(path), _cfg(srv.url), out, progress=False, keep_checkpoint=True)
+    ckpt = checkpoint_path(out)
+    lines = ckpt.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 4 and all(line[8:9] == b" " and line.endswith(b"\n") for line in lines)  # crc32, space, JSON
+    assert _checkpoint_line({"key": "k", "response": {}}) == b"%08x " % zlib.crc32(b'{"key":"k","response":{}}') + b'{"key":"k","response":{}}\n'
+    flipped = bytearray(lines[1])
+    flipped[len(flipped) // 2] ^= 0x01  # one bit flipped by a crash: the checksum catches it
+    ckpt.write_bytes(lines[0] + bytes(flipped) + b"\x00" * 64 + b"\n" + b"not json\n" + lines[2] + lines[3][:20])
+    out.unlink()
+    with FakeSGLang() as srv2:
+        res = collect(load_prompts(path), _cfg(srv2.url), out, progress=False)
+        assert sum(srv2.received.values()) == 2  # the flipped record and the torn one, sent again
+    err = capsys.readouterr().err
+    assert "skipped 3 damaged checkpoint line(s) (line 2, 4, 6)" in err
+    assert res.reused == 2
+    _check_trace(load_trace(out), recs)
+
+
+def test_a_second_run_on_the_same_checkpoint_is_refused(tmp_path):
+    from eldr_sglang.traces.collect import _CheckpointWriter
+
     path, _ = _dataset(tmp_path, n=2)
     out = tmp_path / "trace.npz"
-    checkpoint_path(out).write_text('{"key": "a", "response": {}}\nnot json\n{"key": "b", "response": {}}\n')
-    with pytest.raises(ValueError, match=r"partial.jsonl:2: corrupt checkpoint line"):
-        collect(load_prompts(path), _cfg("http://127.0.0.1:9"), out, progress=False)
+    with _CheckpointWriter(checkpoint_path(out)):
+        with pytest.raises(ValueError, match="in use by another eldr collect run"):
+            collect(load_prompts(path), _cfg("http://127.0.0.1:9"), out, progress=False)

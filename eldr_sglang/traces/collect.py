@@ -10,10 +10,12 @@ must run with `--enable-return-routed-experts`.
 
 - Concurrency: `concurrency` daemon worker threads, stdlib urllib only (Ctrl-C returns at
   once; requests still running are dropped and re-sent on the next run).
-- Resumable: every answered request is appended (one JSON line, flushed) to a checkpoint
-  `<out>.partial.jsonl` next to the output, keyed by a hash of the request it answers. A
-  re-run skips every prompt whose request is already there; a torn last line (an
-  interruption mid-write) is dropped.
+- Resumable: every answered request is appended (one checksummed JSON line, flushed, fsynced
+  at least once a second) to a checkpoint `<out>.partial.jsonl` next to the output, keyed by
+  a hash of the request it answers, under an exclusive lock (a concurrent second run is
+  refused). A re-run skips every prompt whose request is already there; a damaged line (torn
+  by an interruption, or garbled by a crash) is skipped with a warning and its prompt sent
+  again. The checkpoint is only ever appended to, never rewritten.
 - Transient failures (connection errors, timeouts, HTTP 5xx/429) are retried with backoff;
   other HTTP errors are not. If requests still fail, nothing is written but the checkpoint,
   and the error names the first failure (re-run to retry them, or `allow_failures`).
@@ -34,6 +36,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -232,36 +235,98 @@ def checkpoint_path(out: str | os.PathLike) -> Path:
     return out.with_name(out.name + ".partial.jsonl")
 
 
-def read_checkpoint(path: Path, on_record: Callable[[dict], None] | None = None) -> dict[str, dict]:
-    """Stream the checkpoint: key -> {"index", "domain"} of every complete record, calling
-    `on_record(record)` on each (the raw response is not kept, so memory stays small). A torn
-    last line (no newline: an interrupted write) is truncated away; a bad line elsewhere is
-    an error."""
+def _checkpoint_line(rec: dict) -> bytes:
+    """One checkpoint record: `<crc32 hex> <json>\n`, so a damaged line is recognised as one."""
+    body = json.dumps(rec, separators=(",", ":")).encode()
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def _parse_checkpoint_line(line: bytes):
+    """The record of a complete line, or None when it is damaged (bad checksum, not JSON,
+    not a record). Lines without a checksum (older checkpoints) are plain JSON records."""
+    body = line.rstrip(b"\n")
+    if len(body) > 9 and body[8:9] == b" " and not body.startswith(b"{"):
+        head, body = body[:8], body[9:]
+        try:
+            if int(head, 16) != zlib.crc32(body):
+                return None
+        except ValueError:
+            return None
+    try:
+        rec = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
+        return None
+    return rec
+
+
+def read_checkpoint(path: Path, on_record: Callable[[dict], None] | None = None,
+                    damaged: list | None = None) -> dict[str, dict]:
+    """Stream the checkpoint: key -> {"index", "domain"} of every intact record, calling
+    `on_record(record)` on each (the raw response is not kept, so memory stays small).
+    A damaged line (a torn last line, a checksum that does not match, as a crash can leave)
+    is skipped and its line number appended to `damaged`: its prompt is simply sent again.
+    The file is never rewritten here."""
     done: dict[str, dict] = {}
     if not path.exists():
         return done
-    good = 0
-    torn = False
     with open(path, "rb") as fh:
         for n, line in enumerate(fh, 1):
-            if not line.endswith(b"\n"):
-                torn = True  # the last line, cut short
-                break
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                    if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
-                        raise ValueError
-                except (json.JSONDecodeError, ValueError, UnicodeDecodeError):
-                    raise ValueError(f"{path}:{n}: corrupt checkpoint line; delete the file to start over") from None
-                if on_record is not None:
-                    on_record(rec)
-                done[rec["key"]] = {"index": rec.get("index"), "domain": rec.get("domain")}
-            good += len(line)
-    if torn:
-        with open(path, "r+b") as fh:
-            fh.truncate(good)
+            if not line.strip(b"\x00 \n"):
+                continue
+            rec = _parse_checkpoint_line(line) if line.endswith(b"\n") else None
+            if rec is None:
+                if damaged is not None:
+                    damaged.append(n)
+                continue
+            if on_record is not None:
+                on_record(rec)
+            done[rec["key"]] = {"index": rec.get("index"), "domain": rec.get("domain")}
     return done
+
+
+class _CheckpointWriter:
+    """Appends records to the checkpoint, crash-safe: an exclusive lock (a second run of the
+    same command is refused, not interleaved), a newline first when the file ends in a torn
+    line, one checksummed line per record, and an fsync at least every `sync_s` seconds and
+    on close, so a crash or power loss costs at most the last moments' answers."""
+
+    def __init__(self, path: Path, sync_s: float = 1.0):
+        import fcntl
+
+        self.fh = open(path, "ab")
+        try:
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.fh.close()
+            raise ValueError(f"{path} is in use by another eldr collect run; wait for it or give another --out") from None
+        if self.fh.tell() > 0:
+            with open(path, "rb") as rd:
+                rd.seek(-1, os.SEEK_END)
+                if rd.read(1) != b"\n":
+                    self.fh.write(b"\n")  # the torn line stays a line of its own, skipped on read
+        self.sync_s = sync_s
+        self.last_sync = time.monotonic()
+
+    def append(self, rec: dict) -> None:
+        self.fh.write(_checkpoint_line(rec))
+        self.fh.flush()
+        if time.monotonic() - self.last_sync >= self.sync_s:
+            os.fsync(self.fh.fileno())
+            self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+            self.fh.close()  # releases the lock
+
+    def __enter__(self) -> "_CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass
@@ -298,7 +363,12 @@ def collect(
             parsed[rec["key"]] = response_routing(rec["response"], cfg.spec,
                                                   where=f"{ckpt.name} (prompt {rec.get('index')})")
 
-    read_checkpoint(ckpt, take)
+    damaged: list[int] = []
+    read_checkpoint(ckpt, take, damaged)
+    if damaged:
+        shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        print(f"eldr collect: {ckpt}: skipped {len(damaged)} damaged checkpoint line(s) (line {shown}); "
+              "their prompts are sent again", file=sys.stderr)
     todo, queued = [], set()
     for i, k in enumerate(keys):  # a prompt repeated in the dataset is sent once
         if k not in parsed and k not in queued:
@@ -353,7 +423,7 @@ def collect(
     source = iter(todo)
     in_flight = 0
     try:
-        with open(ckpt, "a", encoding="utf-8") as fh:
+        with _CheckpointWriter(ckpt) as fh:
             while True:
                 while not fatal and in_flight < 2 * len(threads):
                     i = next(source, None)
@@ -374,8 +444,7 @@ def collect(
                         fatal.append(str(exc))  # stop feeding; let the in-flight ones land
                     continue
                 rec = {"key": keys[i], "index": i, "domain": prompts[i].domain, "response": _compact(resp)}
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
+                fh.append(rec)
                 try:
                     parsed[keys[i]] = response_routing(rec["response"], cfg.spec, where=f"prompt {i}")
                 except RoutedExpertsError as exc2:
