@@ -342,6 +342,13 @@ def read_sglang(path: str | os.PathLike, spec: ModelSpec) -> Trace:
     raise RoutedExpertsError(f"{path}: the file is empty")
 
 
-def encode_routed_experts(arr: np.ndarray) -> str:
-    """The inverse of decode_routed_experts (for tests and fake servers)."""
-    return base64.b64encode(np.ascontiguousarray(arr, dtype="<i4").tobytes()).decode("ascii")
+def __getattr__(name: str):
+    # encode_routed_experts moved to eldr_sglang.testing.payloads: only tests build payloads
+    if name == "encode_routed_experts":
+        import warnings
+
+        from eldr_sglang.testing.payloads import encode_routed_experts
+
+        warnings.warn("encode_routed_experts moved to eldr_sglang.testing.payloads", DeprecationWarning, stacklevel=2)
+        return encode_routed_experts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

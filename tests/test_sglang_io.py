@@ -12,7 +12,6 @@ from eldr_sglang.sglang_io import (
     ModelSpec,
     RoutedExpertsError,
     decode_routed_experts,
-    encode_routed_experts,
     read_bench_serving_output,
     read_responses_jsonl,
     read_sglang,
@@ -23,6 +22,7 @@ from eldr_sglang.traces import load_trace, save_trace
 from _fake_sglang import routing_for
 
 SPEC = ModelSpec.from_args(6, 2, 8, first_k_dense_replace=2, model="fake/moe")
+from eldr_sglang.testing.payloads import encode_routed_experts
 
 
 def _resp(text: str, completion: int, arr=None) -> dict:
