@@ -91,8 +91,8 @@ class ModelSpec:
 
     @classmethod
     def preset(cls, name: str) -> "ModelSpec":
-        """From a named shape in eldr_sglang.synth.MODEL_SHAPES (e.g. 'deepseek-v3')."""
-        from .synth import model_shape
+        """From the model catalogue (a name such as 'deepseek-v3', an HF id or a config.json)."""
+        from eldr_sglang.models import model_shape
 
         s = model_shape(name)
         return cls.from_args(s["num_hidden_layers"], s["top_k"], s["num_experts"],

@@ -42,26 +42,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .traces import Trace
+from eldr_sglang.models import MODEL_SHAPES, model_shape  # noqa: F401  (the one model catalogue)
 
-MODEL_SHAPES: dict[str, dict] = {
-    "deepseek-v3": {
-        "num_layers": 58, "num_experts": 256, "top_k": 8,
-        "hf_id": "deepseek-ai/DeepSeek-V3", "num_hidden_layers": 61, "first_k_dense_replace": 3,
-    },
-    "qwen3-30b-a3b": {
-        "num_layers": 48, "num_experts": 128, "top_k": 8,
-        "hf_id": "Qwen/Qwen3-30B-A3B", "num_hidden_layers": 48, "first_k_dense_replace": 0,
-    },
-    "mixtral-8x7b": {
-        "num_layers": 32, "num_experts": 8, "top_k": 2,
-        "hf_id": "mistralai/Mixtral-8x7B-Instruct-v0.1", "num_hidden_layers": 32, "first_k_dense_replace": 0,
-    },
-    "gpt-oss-20b": {
-        "num_layers": 24, "num_experts": 32, "top_k": 4,
-        "hf_id": "openai/gpt-oss-20b", "num_hidden_layers": 24, "first_k_dense_replace": 0,
-    },
-}
+from .traces import Trace
 
 # ---------------------------------------------------------------------------------------
 # Calibrated defaults. Fitted by benchmarks/calibrate_synth.py against
@@ -125,13 +108,6 @@ class SynthParams:
             p = np.asarray(p, dtype=np.float64)
             return np.interp(x, np.linspace(0.0, 1.0, len(p)), p) if len(p) > 1 else np.full(num_layers, p[0])
         return interp(self.base_scale), interp(self.concept_scale)
-
-
-def model_shape(model: str) -> dict:
-    try:
-        return MODEL_SHAPES[model]
-    except KeyError:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODEL_SHAPES)}") from None
 
 
 # ------------------------------------------------------------------------------ workload

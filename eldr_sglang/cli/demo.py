@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     K = args.workers
     loads = list(args.concurrency)  # parsed and checked by argparse
     from eldr_sglang import memory
-    from eldr_sglang.synth import model_shape
+    from eldr_sglang.models import model_shape
 
     shape = model_shape(args.model)
     memory.require(memory.synth_bytes(args.requests, (64 + 256) / 2 + args.output_len, shape["num_layers"], shape["top_k"],
@@ -78,7 +78,8 @@ def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
     from eldr_sglang.offline.fit import fit_trace
     from eldr_sglang.sim.cluster import ClusterConfig
     from eldr_sglang.sim.cost_model import ExecutionModel
-    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.profiles import get_hardware
     from eldr_sglang.sim.replay import TraceReplay
     from eldr_sglang.sim.report import format_table, json_summary, markdown_table, plot_runs, plot_sweep, write_json
     from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison

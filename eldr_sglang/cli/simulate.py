@@ -68,7 +68,8 @@ def register(sub) -> None:
 
 
 def list_profiles() -> str:
-    from eldr_sglang.sim.profiles import HARDWARE_PROFILES, MODEL_PROFILES
+    from eldr_sglang.models import MODEL_PROFILES
+    from eldr_sglang.sim.profiles import HARDWARE_PROFILES
 
     lines = ["models:"]
     for m in MODEL_PROFILES.values():
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
     from eldr_sglang.sim.cluster import ClusterConfig
     from eldr_sglang.sim.cost_model import ExecutionModel
-    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.profiles import get_hardware
     from eldr_sglang.sim.replay import TraceReplay
     from eldr_sglang.sim.report import format_table, format_workers, json_summary, plot_runs, plot_sweep, write_json
     from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison

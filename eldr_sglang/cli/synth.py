@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from eldr_sglang.synth import MODEL_SHAPES
+from eldr_sglang.models import MODEL_SHAPES, model_shape
 from eldr_sglang.cli import args as A
 
 
@@ -32,7 +32,7 @@ def register(subparsers) -> None:
         description="Generate a synthetic domain-skewed MoE routing trace (ELDR trace v1), calibrated "
                     "to real GPT-OSS-20B routing statistics; --uniform gives the no-locality control.",
     )
-    p.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES), help="model shape")
+    p.add_argument("--model", required=True, type=A.model, help="model shape: " + A.MODEL_HELP.format(", ".join(MODEL_SHAPES)))
     p.add_argument("--requests", type=A.integer(1, A.MAX_REQUESTS), required=True, help="number of requests")
     p.add_argument("--domains", type=A.integer(1, 4096), default=8, help="number of domains (default 8)")
     p.add_argument("--uniform", action="store_true", help="uniform routing: no domain locality (control)")
@@ -61,7 +61,7 @@ def run(args) -> int:
     from eldr_sglang import memory
 
     check_output(args.out, what="--out", create_parent=True)  # before the generation, not after
-    shape = MODEL_SHAPES[args.model]
+    shape = model_shape(args.model)
     mean = lambda v: (v[0] + v[1]) / 2 if isinstance(v, tuple) else float(v)  # noqa: E731
     memory.require(memory.synth_bytes(args.requests, mean(args.prompt_len) + mean(args.output_len), shape["num_layers"],
                                       shape["top_k"], shape["num_experts"]),
