@@ -43,6 +43,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from eldr_sglang.models import MODEL_SHAPES, model_shape  # noqa: F401  (the one model catalogue)
+from eldr_sglang.workload import Workload, _lengths, synthetic_workload  # noqa: F401  (the one Workload)
 
 from .traces import Trace
 
@@ -108,104 +109,6 @@ class SynthParams:
             p = np.asarray(p, dtype=np.float64)
             return np.interp(x, np.linspace(0.0, 1.0, len(p)), p) if len(p) > 1 else np.full(num_layers, p[0])
         return interp(self.base_scale), interp(self.concept_scale)
-
-
-# ------------------------------------------------------------------------------ workload
-@dataclass
-class Workload:
-    """Everything about a synthetic trace except the expert ids."""
-
-    domain: np.ndarray  # int [R]
-    prefill_len: np.ndarray  # int64 [R]
-    decode_len: np.ndarray  # int64 [R]
-    arrival_s: np.ndarray  # float64 [R]
-    regime: np.ndarray  # int [R]
-    domain_weights: np.ndarray  # float [D]
-
-    @property
-    def req_offsets(self) -> np.ndarray:
-        off = np.zeros(len(self.domain) + 1, dtype=np.int64)
-        np.cumsum(self.prefill_len + self.decode_len, out=off[1:])
-        return off
-
-
-def _lengths(spec, n: int, rng: np.random.Generator, name: str, number_is_mean: bool, minimum: int) -> np.ndarray:
-    if isinstance(spec, (int, np.integer, float, np.floating)) and not isinstance(spec, bool):
-        m = float(spec)
-        if not np.isfinite(m) or m < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {spec}")
-        if not number_is_mean:
-            return np.full(n, int(round(m)), dtype=np.int64)
-        # gamma(shape 4) around the mean: spread like real prompt lengths, never below minimum
-        x = np.rint(rng.gamma(4.0, m / 4.0, size=n)).astype(np.int64)
-        return np.clip(x, minimum, max(minimum, int(8 * m)))
-    if isinstance(spec, tuple):
-        if len(spec) != 2:
-            raise ValueError(f"{name} range must be a (lo, hi) pair, got {spec!r}")
-        lo, hi = int(spec[0]), int(spec[1])
-        if lo < minimum or hi < lo:
-            raise ValueError(f"{name} range must satisfy {minimum} <= lo <= hi, got ({lo}, {hi})")
-        return rng.integers(lo, hi + 1, size=n, dtype=np.int64)
-    arr = np.asarray(spec)
-    if arr.ndim == 1 and arr.shape[0] == n and np.issubdtype(arr.dtype, np.integer):
-        if arr.size and arr.min() < minimum:
-            raise ValueError(f"{name} values must be >= {minimum}")
-        return arr.astype(np.int64)
-    raise ValueError(f"{name} must be a number, a (lo, hi) pair or {n} integers, got {spec!r}")
-
-
-def make_workload(
-    requests: int,
-    domains: int,
-    rng: np.random.Generator,
-    prompt_len=(128, 512),
-    output_len=256,
-    burstiness: float = 0.7,
-    rate: float = 4.0,
-    regime_len: float = 64.0,
-    burst_prob: float = 0.3,
-    burst_rate: float = 3.0,
-    domain_weights: Sequence[float] | None = None,
-) -> Workload:
-    R, D = int(requests), int(domains)
-    if R < 1:
-        raise ValueError(f"requests must be >= 1, got {requests}")
-    if D < 1:
-        raise ValueError(f"domains must be >= 1, got {domains}")
-    if not 0.0 <= burstiness <= 1.0:
-        raise ValueError(f"burstiness must lie in [0, 1], got {burstiness}")
-    if not (rate > 0 and np.isfinite(rate)):
-        raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
-    if not regime_len >= 1:
-        raise ValueError(f"regime_len must be >= 1, got {regime_len}")
-    if not (0.0 <= burst_prob <= 1.0 and burst_rate > 0):
-        raise ValueError("burst_prob must lie in [0, 1] and burst_rate must be > 0")
-    if domain_weights is None:
-        w = 1.0 / np.arange(1, D + 1)  # Zipf(1): a few popular domains, a long tail
-    else:
-        w = np.asarray(domain_weights, dtype=np.float64)
-        if w.shape != (D,) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-            raise ValueError(f"domain_weights must be {D} non-negative numbers with a positive sum")
-    w = w / w.sum()
-    # regime process over request index
-    switch = rng.random(R) < 1.0 / regime_len
-    switch[0] = True
-    regime = np.cumsum(switch) - 1
-    n_reg = int(regime[-1]) + 1
-    dominant = rng.choice(D, size=n_reg, p=w)
-    background = rng.choice(D, size=R, p=w)
-    in_burst = rng.random(R) < burstiness
-    domain = np.where(in_burst, dominant[regime], background)
-    # arrivals: Poisson, regimes are traffic bursts with probability burst_prob
-    is_burst = rng.random(n_reg) < burst_prob
-    mult = np.where(is_burst, burst_rate, 1.0)[regime]
-    base = rate * (burst_prob / burst_rate + (1.0 - burst_prob))  # mean rate == rate
-    gaps = rng.exponential(1.0, size=R) / (base * mult)
-    arrival = np.cumsum(gaps) - gaps[0]
-    pre = _lengths(prompt_len, R, rng, "prompt_len", number_is_mean=True, minimum=1)
-    dec = _lengths(output_len, R, rng, "output_len", number_is_mean=False, minimum=0)
-    return Workload(domain=domain, prefill_len=pre, decode_len=dec, arrival_s=arrival,
-                    regime=regime, domain_weights=w)
 
 
 # ------------------------------------------------------------------------------ routing
@@ -356,7 +259,7 @@ def _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burs
     L, E, k = shape["num_layers"], shape["num_experts"], shape["top_k"]
     ss = np.random.SeedSequence(int(seed))
     rng_work, rng_model, rng_concept, rng_pool, rng_tok = (np.random.default_rng(s) for s in ss.spawn(5))
-    wl = make_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
+    wl = synthetic_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
                        regime_len, burst_prob, burst_rate, domain_weights)
     dtype = np.uint8 if E <= 256 else np.int16
     rm = RoutingModel.uniform(L, E) if uniform else RoutingModel.sample(L, E, params, rng_model)
@@ -474,8 +377,7 @@ def iter_generate(
     R = len(wl.domain)
     for ci, a in enumerate(range(0, R, chunk_requests)):
         b = min(R, a + chunk_requests)
-        sub = Workload(domain=wl.domain[a:b], prefill_len=wl.prefill_len[a:b], decode_len=wl.decode_len[a:b],
-                       arrival_s=wl.arrival_s[a:b], regime=wl.regime[a:b], domain_weights=wl.domain_weights)
+        sub = wl.slice(a, b)
         rng_c, rng_t = (np.random.default_rng(s) for s in np.random.SeedSequence([int(seed), 1, ci]).spawn(2))
         T = int(sub.req_offsets[-1])
         tok_c = np.zeros(T, dtype=np.int32) if uniform else token_concepts(sub, st.params, rng_c, w_dom)
@@ -506,3 +408,6 @@ def workload_like(trace: Trace) -> dict:
         "prompt_len": trace.prefill_len.astype(np.int64),
         "output_len": trace.decode_len().astype(np.int64),
     }
+
+
+make_workload = synthetic_workload  # the old name
