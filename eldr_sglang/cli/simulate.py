@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from eldr_sglang.cli import args as A
+from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES
 
 DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr"
 COST_MODELS = ("default", "paper-fixed", "paper-fixed+overhead", "band")
@@ -47,6 +48,9 @@ def register(sub) -> None:
     p.add_argument("--tp", type=A.integer(0, 1024), default=0, help="GPUs per worker (default: fewest that hold the weights)")
     p.add_argument("--workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="decode workers K (default: the centroid file's, else 8)")
     p.add_argument("--prefill-workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="prefill workers (default: K)")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=DEFAULT_PREFILL_POLICY,
+                   help="prefill placement (default round_robin, as the router service's --prefill-policy; "
+                        "earliest_free: the worker that frees up first, the simulator's rule before)")
     p.add_argument("--max-running", type=A.integer(1, 1_000_000), default=256, help="max running requests per decode worker")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=A.listed(A.integer(1, 10_000_000)), help="closed loop: concurrent clients (a comma list sweeps load)")
@@ -147,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     K = K or 8
     if any(s.policy == "eldr" for s in specs) and not args.centroids:
         raise ValueError("policy eldr needs --centroids (make one with `eldr fit`)")
-    cfg = ClusterConfig(num_decode=K, num_prefill=args.prefill_workers, max_running=args.max_running)
+    cfg = ClusterConfig(num_decode=K, num_prefill=args.prefill_workers, max_running=args.max_running,
+                        prefill_policy=args.prefill_policy)
     replay = TraceReplay(trace)
 
     conc = list(args.concurrency or [])  # parsed and checked by argparse
