@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     if not 0 <= args.rate <= 5000 or not 0 < args.requests <= 100000:
         ap.error("--rate must lie in [0, 5000] and --requests in (0, 100000]")
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     with tempfile.TemporaryDirectory() as tmp:

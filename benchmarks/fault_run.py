@@ -67,7 +67,7 @@ RESTORE_FILE_AT = 7 / 8
 
 def build_files(workdir: Path):
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     trace = generate(model="gpt-oss-20b", requests=TRACE_REQUESTS, seed=21, prompt_len=(16, 48), output_len=12)

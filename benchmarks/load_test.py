@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests and --rate must be positive")
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     with tempfile.TemporaryDirectory(prefix="eldr-load-") as tmp:

@@ -43,7 +43,7 @@ def log(*a):
 
 
 def _synth(model: str, uniform: bool = False):
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
 
     return generate(model=model, requests=SYN_REQUESTS, domains=8, uniform=uniform, seed=0, prompt_len=(64, 256),
                     output_len=FIXED_OUTPUT_LEN)

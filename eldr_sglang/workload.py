@@ -4,7 +4,7 @@ the one arrival generator both the simulator and the synthetic traces use.
 
 - `replay_workload(replay, ...)`: replays a trace's requests in the simulator;
 - `synthetic_workload(requests, domains, rng, ...)`: domains, lengths and arrivals of a
-  synthetic trace (`eldr_sglang.synth` then draws the expert ids).
+  synthetic trace (`eldr_sglang.traces.synth` then draws the expert ids).
 
 Arrival processes (`arrival_times`):
 - "poisson": exponential inter-arrival gaps at `rate` requests/s (a per-request rate for
@@ -224,7 +224,7 @@ def synthetic_workload(
     domain_weights: Sequence[float] | None = None,
 ) -> Workload:
     """Domains (a regime process over a Zipf popularity), lengths and Poisson arrivals with
-    traffic bursts, for a synthetic trace of `requests` requests (see eldr_sglang.synth)."""
+    traffic bursts, for a synthetic trace of `requests` requests (see eldr_sglang.traces.synth)."""
     R, D = int(requests), int(domains)
     if R < 1:
         raise ValueError(f"requests must be >= 1, got {requests}")

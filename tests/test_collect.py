@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from eldr_sglang.cli import main
-from eldr_sglang.collect import CollectConfig, checkpoint_path, collect, load_prompts, read_checkpoint
-from eldr_sglang.sglang_io import ModelSpec
+from eldr_sglang.traces.collect import CollectConfig, checkpoint_path, collect, load_prompts, read_checkpoint
+from eldr_sglang.traces.sglang_responses import ModelSpec
 from eldr_sglang.testing.payloads import encode_routed_experts
 from eldr_sglang.traces import load_trace
 

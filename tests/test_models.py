@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from eldr_sglang import models, synth
+from eldr_sglang import models
+from eldr_sglang.traces import synth
 from eldr_sglang.models import MODEL_PROFILES, from_config, get_model, model_shape
-from eldr_sglang.sglang_io import ModelSpec
+from eldr_sglang.traces.sglang_responses import ModelSpec
 
 
 def _hf_config(p) -> dict:

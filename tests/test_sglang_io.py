@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from eldr_sglang.sglang_io import (
+from eldr_sglang.traces.sglang_responses import (
     ModelSpec,
     RoutedExpertsError,
     decode_routed_experts,

@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from eldr_sglang import synth, trace_stats as ts
+from eldr_sglang.traces import synth, stats as ts
 from eldr_sglang.cli import main
 from eldr_sglang.traces import load_trace
 

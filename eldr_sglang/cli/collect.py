@@ -72,7 +72,7 @@ def register(subparsers) -> None:
 
 
 def _spec(args):
-    from eldr_sglang.sglang_io import ModelSpec
+    from eldr_sglang.traces.sglang_responses import ModelSpec
 
     if args.model:
         if any(v is not None for v in (args.num_hidden_layers, args.top_k, args.num_experts)):
@@ -94,8 +94,8 @@ def _spec(args):
 
 
 def run(args) -> int:
-    from eldr_sglang.collect import CollectConfig, collect, load_prompts
-    from eldr_sglang.sglang_io import read_sglang
+    from eldr_sglang.traces.collect import CollectConfig, collect, load_prompts
+    from eldr_sglang.traces.sglang_responses import read_sglang
     from eldr_sglang.traces import save_trace
 
     from eldr_sglang.io_safe import check_output

@@ -1,6 +1,6 @@
 """`eldr demo`: the whole ELDR story on an embedded default, in about a minute on 2 cores.
 
-1. Generate a synthetic, domain-skewed DeepSeek-V3 routing workload (eldr_sglang.synth).
+1. Generate a synthetic, domain-skewed DeepSeek-V3 routing workload (eldr_sglang.traces.synth).
 2. Fit the centroids (balanced K-means over prefill signatures) on its first part.
 3. Simulate the PD cluster on the later part with every policy and a small load sweep.
 4. Print the comparison table and write a plot and JSON to the output directory.
@@ -108,7 +108,7 @@ def _generate_and_fit(args, out: Path, K: int, say, show: bool):
     import numpy as np
 
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
 
     say(f"[1/4] generating a synthetic {'uniform' if args.uniform else 'domain-skewed'} {args.model} workload: "
         f"{args.requests} requests, {args.output_len} output tokens each")

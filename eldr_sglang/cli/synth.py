@@ -51,7 +51,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     from eldr_sglang.io_safe import check_output

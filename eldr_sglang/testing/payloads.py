@@ -8,5 +8,5 @@ import numpy as np
 
 
 def encode_routed_experts(arr: np.ndarray) -> str:
-    """The inverse of `eldr_sglang.sglang_io.decode_routed_experts`: int32 little-endian, base64."""
+    """The inverse of `eldr_sglang.traces.sglang_responses.decode_routed_experts`: int32 little-endian, base64."""
     return base64.b64encode(np.ascontiguousarray(arr, dtype="<i4").tobytes()).decode("ascii")

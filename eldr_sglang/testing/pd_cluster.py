@@ -36,7 +36,7 @@ def free_base_port(prefill: int, decode: int, lo: int = 20000, hi: int = 45000) 
 def make_trace_files(workdir: Path, requests: int, seed: int, workers: int):
     """A small synthetic GPT-OSS-shaped trace and its centroid file: (trace, trace path, centroids path)."""
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     trace = generate(model="gpt-oss-20b", requests=requests, seed=seed, prompt_len=(16, 48), output_len=24)
