@@ -17,12 +17,12 @@ from eldr_sglang.traces.sglang_responses import (
     read_sglang,
     response_routing,
 )
+from eldr_sglang.testing.payloads import encode_routed_experts
 from eldr_sglang.traces import load_trace, save_trace
 
 from _fake_sglang import routing_for
 
 SPEC = ModelSpec.from_args(6, 2, 8, first_k_dense_replace=2, model="fake/moe")
-from eldr_sglang.testing.payloads import encode_routed_experts
 
 
 def _resp(text: str, completion: int, arr=None) -> dict:
