@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import _sglang_cpu
-from pd_cluster import post
+from eldr_sglang.testing.pd_cluster import post
 
 DRIVER_SYMBOLS = """cuInit cuDriverGetVersion cuDeviceGetCount cuDeviceGet cuDeviceGetAttribute cuCtxGetDevice
 cuCtxSetCurrent cuDevicePrimaryCtxRetain cuDevicePrimaryCtxRelease_v2 cuGetProcAddress cuGetProcAddress_v2
