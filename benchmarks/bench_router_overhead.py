@@ -31,11 +31,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from pd_cluster import start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import start_cluster, start_router  # noqa: E402
 
 
 async def _direct(s: aiohttp.ClientSession, prefill: str, bport: int, decode: str, body: dict) -> None:

@@ -29,11 +29,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from pd_cluster import get_json, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, start_cluster, start_router  # noqa: E402
 
 
 def _cpu_s(pid: int) -> float:

@@ -15,7 +15,6 @@ server drops every further connection without answering (a crashed server).
 
 from __future__ import annotations
 
-import base64
 import json
 import sys
 import threading
@@ -25,6 +24,8 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+
+from eldr_sglang.testing.payloads import encode_routed_experts
 
 HIDDEN, DENSE, TOPK, EXPERTS = 6, 2, 2, 8
 
@@ -97,7 +98,7 @@ class FakeSGLang:
                 if fake.delay_s:
                     time.sleep(fake.delay_s)
                 P = len(text.split())
-                b64 = base64.b64encode(routing_for(text, max_new, hidden=fake.hidden).tobytes()).decode()
+                b64 = encode_routed_experts(routing_for(text, max_new, hidden=fake.hidden))
                 with fake.lock:
                     fake.bodies.append(body)
                 sig = None

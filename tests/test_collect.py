@@ -17,6 +17,7 @@ from eldr_sglang.traces.collect import collect as collect_any
 # Most tests check every id of a v1 trace; the v2 tests at the end use collect_any.
 collect = functools.partial(collect_any, fmt="v1")
 from eldr_sglang.traces.sglang_responses import ModelSpec
+from eldr_sglang.testing.payloads import encode_routed_experts
 from eldr_sglang.traces import load_trace
 
 from _fake_sglang import FakeSGLang, routing_for
@@ -211,8 +212,7 @@ def test_cli_collect_and_convert(tmp_path, capsys):
     # --from-file converts saved /generate responses
     resp = tmp_path / "resp.jsonl"
     resp.write_text(json.dumps({"meta_info": {"prompt_tokens": 2, "completion_tokens": 3,
-                                              "routed_experts": __import__("eldr_sglang.traces.sglang_responses", fromlist=["x"])
-                                              .encode_routed_experts(routing_for("a b", 3))}}) + "\n")
+                                              "routed_experts": encode_routed_experts(routing_for("a b", 3))}}) + "\n")
     rc = main(["collect", "--from-file", str(resp), "--out", str(tmp_path / "conv.npz"), "--num-hidden-layers", "6",
                "--top-k", "2", "--num-experts", "8"])
     assert rc == 0

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 
 N_TRACE = 120

@@ -24,6 +24,7 @@ COMMANDS = [
     "eldr_sglang.cli.demo",
     "eldr_sglang.cli.patch",
     "eldr_sglang.cli.refit",
+    "eldr_sglang.cli.drift_check",
 ]
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from eldr_sglang.traces.synth import MODEL_SHAPES
+from eldr_sglang.models import MODEL_SHAPES
 from eldr_sglang.cli import args as A
 
 
@@ -46,7 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--url", default="http://127.0.0.1:30000", help="SGLang server (default http://127.0.0.1:30000)")
     p.add_argument("--out", required=True, help="output trace (.npz), written atomically")
     m = p.add_argument_group("model (a preset, or the three numbers)")
-    m.add_argument("--model", choices=sorted(MODEL_SHAPES), help="model preset (layer layout, top-k, experts)")
+    m.add_argument("--model", type=A.model,
+                   help="model preset (layer layout, top-k, experts): " + A.MODEL_HELP.format(", ".join(MODEL_SHAPES)))
     m.add_argument("--num-hidden-layers", type=A.integer(1, A.MAX_LAYERS), help="hidden layers in SGLang's routed_experts")
     m.add_argument("--top-k", type=A.integer(1, 1024), help="experts per token (num_experts_per_tok)")
     m.add_argument("--num-experts", type=A.integer(1, A.MAX_EXPERTS), help="routed experts per MoE layer")

@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 
-from eldr_sglang.traces.synth import MODEL_SHAPES
+from eldr_sglang.models import MODEL_SHAPES, model_shape
 from eldr_sglang.cli import args as A
 
 
@@ -42,7 +42,7 @@ def register(subparsers) -> None:
         description="Generate a synthetic domain-skewed MoE routing trace (ELDR trace v2, or v1), calibrated "
                     "to real GPT-OSS-20B routing statistics; --uniform gives the no-locality control.",
     )
-    p.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES), help="model shape")
+    p.add_argument("--model", required=True, type=A.model, help="model shape: " + A.MODEL_HELP.format(", ".join(MODEL_SHAPES)))
     p.add_argument("--requests", type=A.integer(1, A.MAX_REQUESTS), required=True, help="number of requests")
     p.add_argument("--domains", type=A.integer(1, 4096), default=8, help="number of domains (default 8)")
     p.add_argument("--uniform", action="store_true", help="uniform routing: no domain locality (control)")
@@ -72,7 +72,7 @@ def run(args) -> int:
     from eldr_sglang.progress import progress
 
     check_output(args.out, what="--out", create_parent=True)  # before the generation, not after
-    shape = MODEL_SHAPES[args.model]
+    shape = model_shape(args.model)
     gen = dict(model=args.model, requests=args.requests, domains=args.domains, uniform=args.uniform, seed=args.seed,
                prompt_len=args.prompt_len, output_len=args.output_len, burstiness=args.burstiness, rate=args.rate)
     t0 = time.time()

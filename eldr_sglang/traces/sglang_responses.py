@@ -91,8 +91,8 @@ class ModelSpec:
 
     @classmethod
     def preset(cls, name: str) -> "ModelSpec":
-        """From a named shape in eldr_sglang.traces.synth.MODEL_SHAPES (e.g. 'deepseek-v3')."""
-        from .synth import model_shape
+        """From the model catalogue (a name such as 'deepseek-v3', an HF id or a config.json)."""
+        from eldr_sglang.models import model_shape
 
         s = model_shape(name)
         return cls.from_args(s["num_hidden_layers"], s["top_k"], s["num_experts"],
@@ -409,6 +409,13 @@ def read_sglang(path: str | os.PathLike, spec: ModelSpec) -> Trace:
     raise RoutedExpertsError(f"{path}: the file is empty")
 
 
-def encode_routed_experts(arr: np.ndarray) -> str:
-    """The inverse of decode_routed_experts (for tests and fake servers)."""
-    return base64.b64encode(np.ascontiguousarray(arr, dtype="<i4").tobytes()).decode("ascii")
+def __getattr__(name: str):
+    # encode_routed_experts moved to eldr_sglang.testing.payloads: only tests build payloads
+    if name == "encode_routed_experts":
+        import warnings
+
+        from eldr_sglang.testing.payloads import encode_routed_experts
+
+        warnings.warn("encode_routed_experts moved to eldr_sglang.testing.payloads", DeprecationWarning, stacklevel=2)
+        return encode_routed_experts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

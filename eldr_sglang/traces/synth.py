@@ -43,25 +43,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .format import Trace, span_rows
+from eldr_sglang.models import MODEL_SHAPES, model_shape  # noqa: F401  (the one model catalogue)
+from eldr_sglang.workload import Workload, _lengths, synthetic_workload  # noqa: F401  (the one Workload)
 
-MODEL_SHAPES: dict[str, dict] = {
-    "deepseek-v3": {
-        "num_layers": 58, "num_experts": 256, "top_k": 8,
-        "hf_id": "deepseek-ai/DeepSeek-V3", "num_hidden_layers": 61, "first_k_dense_replace": 3,
-    },
-    "qwen3-30b-a3b": {
-        "num_layers": 48, "num_experts": 128, "top_k": 8,
-        "hf_id": "Qwen/Qwen3-30B-A3B", "num_hidden_layers": 48, "first_k_dense_replace": 0,
-    },
-    "mixtral-8x7b": {
-        "num_layers": 32, "num_experts": 8, "top_k": 2,
-        "hf_id": "mistralai/Mixtral-8x7B-Instruct-v0.1", "num_hidden_layers": 32, "first_k_dense_replace": 0,
-    },
-    "gpt-oss-20b": {
-        "num_layers": 24, "num_experts": 32, "top_k": 4,
-        "hf_id": "openai/gpt-oss-20b", "num_hidden_layers": 24, "first_k_dense_replace": 0,
-    },
-}
 
 # ---------------------------------------------------------------------------------------
 # Calibrated defaults. Fitted by benchmarks/calibrate_synth.py against
@@ -125,111 +109,6 @@ class SynthParams:
             p = np.asarray(p, dtype=np.float64)
             return np.interp(x, np.linspace(0.0, 1.0, len(p)), p) if len(p) > 1 else np.full(num_layers, p[0])
         return interp(self.base_scale), interp(self.concept_scale)
-
-
-def model_shape(model: str) -> dict:
-    try:
-        return MODEL_SHAPES[model]
-    except KeyError:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODEL_SHAPES)}") from None
-
-
-# ------------------------------------------------------------------------------ workload
-@dataclass
-class Workload:
-    """Everything about a synthetic trace except the expert ids."""
-
-    domain: np.ndarray  # int [R]
-    prefill_len: np.ndarray  # int64 [R]
-    decode_len: np.ndarray  # int64 [R]
-    arrival_s: np.ndarray  # float64 [R]
-    regime: np.ndarray  # int [R]
-    domain_weights: np.ndarray  # float [D]
-
-    @property
-    def req_offsets(self) -> np.ndarray:
-        off = np.zeros(len(self.domain) + 1, dtype=np.int64)
-        np.cumsum(self.prefill_len + self.decode_len, out=off[1:])
-        return off
-
-
-def _lengths(spec, n: int, rng: np.random.Generator, name: str, number_is_mean: bool, minimum: int) -> np.ndarray:
-    if isinstance(spec, (int, np.integer, float, np.floating)) and not isinstance(spec, bool):
-        m = float(spec)
-        if not np.isfinite(m) or m < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {spec}")
-        if not number_is_mean:
-            return np.full(n, int(round(m)), dtype=np.int64)
-        # gamma(shape 4) around the mean: spread like real prompt lengths, never below minimum
-        x = np.rint(rng.gamma(4.0, m / 4.0, size=n)).astype(np.int64)
-        return np.clip(x, minimum, max(minimum, int(8 * m)))
-    if isinstance(spec, tuple):
-        if len(spec) != 2:
-            raise ValueError(f"{name} range must be a (lo, hi) pair, got {spec!r}")
-        lo, hi = int(spec[0]), int(spec[1])
-        if lo < minimum or hi < lo:
-            raise ValueError(f"{name} range must satisfy {minimum} <= lo <= hi, got ({lo}, {hi})")
-        return rng.integers(lo, hi + 1, size=n, dtype=np.int64)
-    arr = np.asarray(spec)
-    if arr.ndim == 1 and arr.shape[0] == n and np.issubdtype(arr.dtype, np.integer):
-        if arr.size and arr.min() < minimum:
-            raise ValueError(f"{name} values must be >= {minimum}")
-        return arr.astype(np.int64)
-    raise ValueError(f"{name} must be a number, a (lo, hi) pair or {n} integers, got {spec!r}")
-
-
-def make_workload(
-    requests: int,
-    domains: int,
-    rng: np.random.Generator,
-    prompt_len=(128, 512),
-    output_len=256,
-    burstiness: float = 0.7,
-    rate: float = 4.0,
-    regime_len: float = 64.0,
-    burst_prob: float = 0.3,
-    burst_rate: float = 3.0,
-    domain_weights: Sequence[float] | None = None,
-) -> Workload:
-    R, D = int(requests), int(domains)
-    if R < 1:
-        raise ValueError(f"requests must be >= 1, got {requests}")
-    if D < 1:
-        raise ValueError(f"domains must be >= 1, got {domains}")
-    if not 0.0 <= burstiness <= 1.0:
-        raise ValueError(f"burstiness must lie in [0, 1], got {burstiness}")
-    if not (rate > 0 and np.isfinite(rate)):
-        raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
-    if not regime_len >= 1:
-        raise ValueError(f"regime_len must be >= 1, got {regime_len}")
-    if not (0.0 <= burst_prob <= 1.0 and burst_rate > 0):
-        raise ValueError("burst_prob must lie in [0, 1] and burst_rate must be > 0")
-    if domain_weights is None:
-        w = 1.0 / np.arange(1, D + 1)  # Zipf(1): a few popular domains, a long tail
-    else:
-        w = np.asarray(domain_weights, dtype=np.float64)
-        if w.shape != (D,) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-            raise ValueError(f"domain_weights must be {D} non-negative numbers with a positive sum")
-    w = w / w.sum()
-    # regime process over request index
-    switch = rng.random(R) < 1.0 / regime_len
-    switch[0] = True
-    regime = np.cumsum(switch) - 1
-    n_reg = int(regime[-1]) + 1
-    dominant = rng.choice(D, size=n_reg, p=w)
-    background = rng.choice(D, size=R, p=w)
-    in_burst = rng.random(R) < burstiness
-    domain = np.where(in_burst, dominant[regime], background)
-    # arrivals: Poisson, regimes are traffic bursts with probability burst_prob
-    is_burst = rng.random(n_reg) < burst_prob
-    mult = np.where(is_burst, burst_rate, 1.0)[regime]
-    base = rate * (burst_prob / burst_rate + (1.0 - burst_prob))  # mean rate == rate
-    gaps = rng.exponential(1.0, size=R) / (base * mult)
-    arrival = np.cumsum(gaps) - gaps[0]
-    pre = _lengths(prompt_len, R, rng, "prompt_len", number_is_mean=True, minimum=1)
-    dec = _lengths(output_len, R, rng, "output_len", number_is_mean=False, minimum=0)
-    return Workload(domain=domain, prefill_len=pre, decode_len=dec, arrival_s=arrival,
-                    regime=regime, domain_weights=w)
 
 
 # ------------------------------------------------------------------------------ routing
@@ -406,7 +285,7 @@ def _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burs
     L, E, k = shape["num_layers"], shape["num_experts"], shape["top_k"]
     ss = np.random.SeedSequence(int(seed))
     rng_work, rng_model, rng_concept, rng_pool, _ = (np.random.default_rng(s) for s in ss.spawn(5))
-    wl = make_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
+    wl = synthetic_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
                        regime_len, burst_prob, burst_rate, domain_weights)
     if check is not None:
         check(wl, shape)
@@ -679,3 +558,6 @@ def workload_like(trace: Trace) -> dict:
         "prompt_len": trace.prefill_len.astype(np.int64),
         "output_len": trace.decode_len().astype(np.int64),
     }
+
+
+make_workload = synthetic_workload  # the old name
