@@ -11,7 +11,8 @@ use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
 use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext};
 use crate::queue::QueueTracker;
-use crate::signature::NoSignature;
+use crate::distance::Counts;
+use crate::signature::{CountValue, NoSignature, SparseIndex};
 use crate::store::CentroidStore;
 
 pub const DEFAULT_TAU: f64 = 0.1;
@@ -146,6 +147,14 @@ impl Router {
         F: FnOnce(&CentroidSet) -> Result<Vec<f64>, NoSignature>,
     {
         self.route_profiled(distances_of, None, explain)
+    }
+
+    /// The request's expert profile for the locality balancer from its raw prefill counts,
+    /// over the current centroid file's selected layers (tagged with its generation, so the
+    /// balancer follows a change of layer selection). None without a centroid file.
+    pub fn profile<I: SparseIndex, T: CountValue>(&self, counts: Counts<'_, I, T>, tokens: u64) -> Option<Result<ExpertProfile, NoSignature>> {
+        let snap = self.store.as_ref()?.snapshot();
+        Some(ExpertProfile::from_counts(snap.set.spec(), snap.generation, counts, tokens))
     }
 
     /// [`Router::route`] with the request's expert profile (read by the locality balancer).
