@@ -195,6 +195,8 @@ class Router:
         NoSignature on bad counts, ValueError without a centroid file."""
     def profile_sparse(self, index: npt.NDArray[Any], counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
         """profile_dense from sparse (l*E+e, count) pairs."""
+    def expert_distinct(self) -> list[float] | None:
+        """Locality balancer: expected distinct experts per layer per step in flight per worker; None otherwise."""
     def route_profile(self, profile: ExpertProfile, explain: bool = False) -> int | Decision:
         """Route by the request's expert profile (policy "locality"; others route as with no signature)."""
     def acquire(self, worker: int, tokens: int = 0, profile: ExpertProfile | None = None) -> Lease:

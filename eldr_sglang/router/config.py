@@ -36,7 +36,10 @@ DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
 DAY_S = 86400.0
 
-DECODE_POLICIES = ("eldr", "random", "round_robin", "shortest_queue", "power_of_two")
+DECODE_POLICIES = ("eldr", "locality", "random", "round_robin", "shortest_queue", "power_of_two")
+# Policies that route on the prefill's expert counts: they bind late, need the centroid file
+# (eldr: its centroids; locality: its layer selection) and count fallbacks.
+COUNTS_POLICIES = ("eldr", "locality")
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
 
 
@@ -94,7 +97,7 @@ class RouterConfig:
 
     @property
     def late_binding(self) -> bool:
-        return self.bind == "late" or (self.bind == "auto" and self.policy == "eldr")
+        return self.bind == "late" or (self.bind == "auto" and self.policy in COUNTS_POLICIES)
 
 
 def _url(u: str, flag: str) -> str:
@@ -124,17 +127,18 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help="decode routing policy (default eldr)",
     )
     pol.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
-    pol.add_argument("--eldr-centroids", metavar="PATH", help="centroid file from `eldr fit` (required for eldr)")
+    pol.add_argument("--eldr-centroids", metavar="PATH",
+                     help="centroid file from `eldr fit` (required for eldr and locality; locality uses its layer selection)")
     pol.add_argument("--eldr-tau", type=float, default=None, help="band width tau (default: the file's)")
     pol.add_argument(
         "--eldr-load-factor", type=_load_factor, default=DEFAULT_LOAD_FACTOR, metavar="F|none",
-        help="ELDR with bounded loads: a worker is a candidate only while its load is below "
+        help="bounded loads for eldr and locality: a worker is a candidate only while its load is below "
         f"ceil((1+F)*(total+1)/workers) (default {DEFAULT_LOAD_FACTOR}; 'none' = the paper's rule, "
         "which piles single-domain bursts onto one worker: see benchmarks/results/tpot_study*.md)",
     )
     pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",
-        help="pick the decode worker after prefill (late) or with the prefill (early); auto: late for eldr",
+        help="pick the decode worker after prefill (late) or with the prefill (early); auto: late for eldr and locality",
     )
     pol.add_argument(
         "--eldr-signature-timeout-secs", type=float, default=30.0,
@@ -219,6 +223,9 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         raise ConfigError("at least one --prefill and one --decode worker are needed")
     if a.policy == "eldr" and not a.eldr_centroids:
         raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
+    if a.policy == "locality" and not a.eldr_centroids:
+        raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
+                          "the balancer tracks experts on the layers it selected)")
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(

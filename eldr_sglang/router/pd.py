@@ -35,7 +35,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.outlier import RetryBudget, WorkerPool
@@ -97,6 +97,8 @@ class SignatureResult:
     reason: str  # 'ok' or why there is none
     wait_s: float
     data_bytes: int = 0
+    tokens: int = 0  # prompt tokens behind the counts (the locality balancer's denominator)
+    profile: object | None = None  # _core.ExpertProfile, built once by PDRouter._locality_route
 
 
 def validate_request(kind: str, body: object) -> dict:
@@ -170,6 +172,8 @@ class PDRouter:
         # reload_interval_ms=0: the Rust route path never touches the file (its own
         # rate-limited check would stat and read it on the event loop); the service checks
         # the file in a worker thread instead (reload_centroids).
+        if cfg.policy == "locality" and not cfg.centroids:
+            raise ValueError("policy locality needs a centroid file (its layer selection): give --eldr-centroids")
         kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
                   reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
         if cfg.centroids:
@@ -242,6 +246,7 @@ class PDRouter:
             "centroid_file": {"path": self.cfg.centroids, "ok": reload_error is None} if self.cfg.centroids else None,
             "tau": float(self.router.tau),
             "load_factor": self.router.load_factor,
+            "decode_expert_distinct": self.router.expert_distinct(),  # locality only, else None
         }
 
     def set_healthy(self, role: str, i: int, ok: bool) -> None:
@@ -327,7 +332,9 @@ class PDRouter:
 
     def route(self, sig: SignatureResult | None, exclude: set[int] = frozenset()):
         t0 = time.perf_counter()
-        if sig is None or sig.counts is None:
+        if self.cfg.policy == "locality":
+            d = self._locality_route(sig)
+        elif sig is None or sig.counts is None:
             d = self.router.route_signature(None, explain=True)
         else:
             d = self.router.route_dense(sig.counts, explain=True)
@@ -344,12 +351,42 @@ class PDRouter:
             self.metrics.band_size.observe(len(d.band))
             self.metrics.d_star.observe(d.d_star)
             self.metrics.d_chosen.observe(d.distances[d.worker])
-        elif self.cfg.policy == "eldr" and reason != "retry":
+        elif self.cfg.policy in COUNTS_POLICIES and reason not in ("retry", "profile"):
             why = sig.reason if (sig is not None and sig.counts is None) else reason
             self.metrics.fallbacks.labels(why).inc()
         if self.drift is not None and reason != "retry":  # O(K) monitor update; never raises
             self.drift.on_route(d, None if sig is None else sig.counts)
         return d
+
+    # ------------------------------------------------------------------ locality balancer
+    def _locality_route(self, sig: SignatureResult | None):
+        """The locality balancer's decision. The request's expert profile (over the centroid
+        file's selected layers) is built once and kept on `sig`, so a failover acquires the
+        same profile on its next worker; counts it cannot use fall back to shortest queue
+        with the same reasons as a signature."""
+        if sig is None or sig.counts is None:
+            return self.router.route_signature(None, explain=True)
+        if sig.profile is None:
+            try:
+                sig.profile = self.router.profile_dense(sig.counts, max(int(sig.tokens), 1))
+            except _core_errors().NoSignature as exc:
+                sig.reason = getattr(exc, "reason", "malformed")
+                sig.counts = None
+                return self.router.route_fallback(sig.reason, True)
+        return self.router.route_profile(sig.profile, explain=True)
+
+    def _lease(self, w: int, profile):
+        """A queue slot on decode worker w, counting the request's experts there too when
+        the locality balancer routed it. A profile from before a centroid reload changed the
+        layer selection no longer fits the balancer: the request is then counted in the queue
+        only (and said so), never failed."""
+        if profile is None:
+            return self.router.acquire(w, 0)
+        try:
+            return self.router.acquire(w, 0, profile=profile)
+        except ValueError as exc:
+            self._log.warning("stale-profile", "expert profile not counted: %s", safe(str(exc)))
+            return self.router.acquire(w, 0)
 
     # ------------------------------------------------------------------ signature
     def _signature_from(self, raw: object, t0: float) -> SignatureResult:
@@ -368,7 +405,7 @@ class PDRouter:
             self._log.warning("malformed", "malformed signature payload: %s", safe(str(exc)))
             return SignatureResult(None, "malformed", wait)
         self.metrics.sig_bytes.observe(dec.data_bytes)
-        return SignatureResult(counts, "ok", wait, dec.data_bytes)
+        return SignatureResult(counts, "ok", wait, dec.data_bytes, tokens=dec.num_tokens)
 
     async def _await_signature(self, presp: aiohttp.ClientResponse, t0: float) -> SignatureResult:
         """Read prefill stream events until the signature; the rest is left for the drain.
@@ -681,7 +718,8 @@ class PDRouter:
                 self.retry_budget.retrying += 1
             tried.add(decision.worker)
             try:
-                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain)
+                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain,
+                                          profile=sig.profile if sig is not None else None)
             except Retryable as exc:
                 if exc.role == "prefill":  # the KV is gone: start over from a prefill
                     raise
@@ -721,7 +759,7 @@ class PDRouter:
         self.decode.failure(w, cause)
 
     async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, deadline, state=None,
-                      drain: asyncio.Future | None = None) -> web.StreamResponse:
+                      drain: asyncio.Future | None = None, profile=None) -> web.StreamResponse:
         w = decision.worker
         headers = {}
         if self.cfg.explain_headers:
@@ -742,7 +780,7 @@ class PDRouter:
         pool.dispatched(w)
         verdict = False
         try:
-            with self.router.acquire(w, 0):
+            with self._lease(w, profile):
                 try:
                     dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
                 except Retryable as exc:

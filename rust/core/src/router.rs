@@ -170,8 +170,9 @@ impl Router {
         let mut distances = None;
         let mut fallback = Reason::NoCentroids;
         let mut generation = 0;
+        let mut distances_of = Some(distances_of);
         if self.policy.uses_signature() {
-            if let Some(store) = &self.store {
+            if let (Some(store), Some(distances_of)) = (&self.store, distances_of.take()) {
                 if self.auto_reload {
                     let _ = store.maybe_reload(); // errors are kept in store.last_error()
                 }
@@ -182,6 +183,17 @@ impl Router {
                     Err(why) => fallback = Reason::NoSignature(why),
                 }
             }
+        }
+        if self.policy.uses_profile() && profile.is_none() {
+            // no profile: the caller's reason (a route_fallback) names the fallback
+            if let (Some(store), Some(distances_of)) = (&self.store, distances_of.take()) {
+                if let Err(why) = distances_of(&store.snapshot().set) {
+                    fallback = Reason::NoSignature(why);
+                }
+            }
+        }
+        if let (true, Some(p)) = (self.policy.uses_profile(), profile) {
+            generation = p.generation(); // the centroids its layer selection came from
         }
         let load_factor = self.load_factor();
         let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, load_factor, profile, explain };

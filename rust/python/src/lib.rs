@@ -684,6 +684,12 @@ impl PyRouter {
     fn profile_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, tokens: u64) -> PyResult<PyExpertProfile> {
         dispatch!(index, "index", profile_sparse_i, [i64, i32, u32, u16], counts, self, py, tokens)
     }
+    /// The locality balancer's expected distinct experts per layer per step of each worker's
+    /// in-flight requests (zeros before its first profile); None for other policies.
+    fn expert_distinct(&self) -> Option<Vec<f64>> {
+        let k = self.inner.num_workers();
+        self.inner.policy().expert_distinct().map(|d| if d.len() == k { d } else { vec![0.0; k] })
+    }
     /// Count one request on `worker` (GIL released: the counters are atomics, so threads
     /// really do acquire and release concurrently); with `profile`, the locality balancer also
     /// counts its experts there until the lease is released.

@@ -488,12 +488,19 @@ impl Policy for Locality {
         })
     }
 
+    fn expert_distinct(&self) -> Option<Vec<f64>> {
+        Some(self.load.load_full().map_or_else(Vec::new, |l| (0..l.num_workers()).map(|w| l.distinct(w)).collect()))
+    }
+
     fn choose(&self, ctx: &RouteContext) -> Decision {
         let k = ctx.loads.len();
         let prof = ctx.profile.filter(|p| !p.is_empty());
         let Some(load) = prof.and_then(|p| self.load_for(k, p)) else {
             let why = match ctx.profile {
-                None => NoSignature::Missing,
+                None => match ctx.fallback {
+                    Reason::NoSignature(w) => w,
+                    _ => NoSignature::Missing,
+                },
                 Some(p) if p.is_empty() => NoSignature::Empty,
                 Some(_) => NoSignature::Shape,
             };
@@ -515,7 +522,7 @@ impl Policy for Locality {
                 best = Some(key);
             }
         }
-        Decision { worker: best.map(|b| b.2), reason: Reason::Policy, d_star: None, band: None }
+        Decision { worker: best.map(|b| b.2), reason: Reason::Profile, d_star: None, band: None }
     }
 }
 

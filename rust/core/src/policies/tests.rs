@@ -475,7 +475,7 @@ fn a_newer_layer_selection_replaces_the_expert_state_and_an_older_one_falls_back
     let (loads, healthy) = ([1, 0], [true, true]);
     let mut c = ctx(&loads, &healthy, None, 0.0);
     c.profile = Some(&pb);
-    assert_eq!(pol.choose(&c).reason, Reason::Policy, "the newer generation's layout takes over");
+    assert_eq!(pol.choose(&c).reason, Reason::Profile, "the newer generation's layout takes over");
     let newer = pol.track(2, 1, Arc::clone(&pb)).unwrap().unwrap();
     assert!(pol.load_for(2, &pb).unwrap().distinct(1) > 0.0);
     c.profile = Some(&stale);
