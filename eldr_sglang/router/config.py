@@ -73,6 +73,7 @@ class RouterConfig:
     health_check_interval_s: float = 10.0
     health_failure_threshold: int = 3
     load_monitor_interval_s: float = 1.0
+    poll_timeout_s: float = 10.0  # one /health or /v1/loads call; not tied to the intervals
     load_report_ttl_ms: int = 2000
     reload_interval_ms: int = 250
     max_payload_size: int = DEFAULT_MAX_PAYLOAD
@@ -161,6 +162,11 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         "--load-monitor-interval", type=float, default=1.0,
         help="seconds between polls of the decode workers' /v1/loads (0: off)",
     )
+    req.add_argument(
+        "--worker-poll-timeout-secs", type=float, default=10.0,
+        help="how long one /health or /v1/loads call may take (default 10; a busy CPU SGLang can take seconds). "
+        "Each worker is polled on its own, so a slow one never delays the others' polls",
+    )
     req.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD,
                      help=f"largest client request body in bytes (default {DEFAULT_MAX_PAYLOAD}); larger gets 413")
     up = ap.add_argument_group("Upstream timeouts, retries and outlier ejection")
@@ -246,6 +252,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         health_check_interval_s=a.health_check_interval_secs,
         health_failure_threshold=a.health_failure_threshold,
         load_monitor_interval_s=a.load_monitor_interval,
+        poll_timeout_s=a.worker_poll_timeout_secs,
         load_report_ttl_ms=a.eldr_load_report_ttl_ms,
         reload_interval_ms=a.eldr_reload_interval_ms,
         max_payload_size=a.max_payload_size,
@@ -281,6 +288,7 @@ _NUMERIC_FLAGS = {
     "--health-check-interval-secs": ("health_check_interval_s", 1e-3, DAY_S, False, True),
     "--health-failure-threshold": ("health_failure_threshold", 1, 1_000_000, True, False),
     "--load-monitor-interval": ("load_monitor_interval_s", 1e-3, DAY_S, False, True),
+    "--worker-poll-timeout-secs": ("poll_timeout_s", 1e-3, DAY_S, False, False),
     "--max-payload-size": ("max_payload_size", 1, 1 << 31, True, False),
     "--prometheus-port": ("prometheus_port", 1, 65535, True, False),
     "--upstream-connect-timeout-secs": ("connect_timeout_s", 1e-3, DAY_S, False, False),
