@@ -3,8 +3,8 @@
 - A busy worker whose /health and /v1/loads take seconds is neither ejected nor dropped from
   load reports: the poll timeout is its own flag (--worker-poll-timeout-secs), not
   min(interval, 5 s).
-- A large client body is parsed off the event loop: /health keeps answering while big bodies
-  are being parsed.
+- A non-streamed request to a decode that hangs moves on after the first-byte timeout (the
+  decode never took the KV) instead of waiting the whole request timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from pd_cluster import get_json, make_trace_files, metric, start_cluster  # noqa: E402
-from test_router_faults import eldr_router, metrics, set_fault  # noqa: E402
+from test_router_faults import FAST, eldr_router, metrics, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
 
@@ -67,6 +67,27 @@ def test_slow_status_answers_are_waited_for_not_ejected(cluster, trace_files, wo
         st = get_json(base + "/eldr/status")
         assert st["decode_healthy"] == [True, False, True]
         assert metric(metrics(base), "eldr_router_load_reports_dropped_total", worker="1", cause="timeout") >= 1
+    finally:
+        set_fault(cluster["decode"][1], "none")
+        router.stop()
+
+
+def test_non_streamed_request_to_a_hung_decode_fails_over(cluster, trace_files, workdir):
+    """Decode 1 accepts and never answers (nor takes the KV). Non-streamed requests routed
+    there move on once the first-byte timeout passes without the KV taken, instead of waiting
+    the request timeout (60 s, above the client's 40 s limit); the worker is ejected."""
+    set_fault(cluster["decode"][1], "hang")
+    router, base = eldr_router(cluster, trace_files, workdir, [*FAST, "--request-timeout-secs", "60"])
+    try:
+        results = run_requests(base, 24, concurrency=6, seed=4, stream_share=0.0)
+        bad = [r for r in results if not (r["status"] == 200 and r["complete"])]
+        assert not bad, [(r["status"], r["body"][:200]) for r in bad[:5]]
+        assert all(r["worker"] in (0, 2) for r in results)
+        text = metrics(base)
+        assert metric(text, "eldr_router_retries_total", role="decode") >= 1
+        assert metric(text, "eldr_router_ejections_total", role="decode", worker="1") == 1
+        st = wait_idle(base)
+        assert st["decode_inflight"] == [0, 0, 0] and st["prefill_inflight"] == [0]
     finally:
         set_fault(cluster["decode"][1], "none")
         router.stop()

@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+# The default decode policy and bounded-load factor are the ones the protocol study supports
+# (eldr_sglang.defaults: locality/0.05; benchmarks/results/tpot_study_protocol.md). The load
+# cost of locality at DeepSeek-V3 shape is in benchmarks/results/bench_router_locality.md.
+from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
 
-# Bounded loads on by default: the simulated TPOT study (benchmarks/results/tpot_study*.md)
-# shows the paper's rule losing up to +48% median TPOT when one domain bursts, and F = 0.05
-# beating every load balancer on median TPOT in every skewed configuration.
-DEFAULT_LOAD_FACTOR = 0.05
 
 
 def _load_factor(text: str) -> float | None:
@@ -58,7 +58,7 @@ class PrefillWorker:
 class RouterConfig:
     prefill: list[PrefillWorker]
     decode: list[str]
-    policy: str = "eldr"
+    policy: str = DEFAULT_POLICY
     prefill_policy: str = "round_robin"
     centroids: str | None = None
     tau: float | None = None
@@ -124,8 +124,9 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL", help="decode worker URL; repeat per worker")
     pol = ap.add_argument_group("Routing")
     pol.add_argument(
-        "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default="eldr",
-        help="decode routing policy (default eldr)",
+        "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default=DEFAULT_POLICY,
+        help=f"decode routing policy (default {DEFAULT_POLICY}: the locality-aware balancer, least marginal expected "
+        "expert cost under the load cap; eldr: the paper's band rule; both need --eldr-centroids)",
     )
     pol.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
     pol.add_argument("--eldr-centroids", metavar="PATH",
@@ -173,8 +174,9 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     up.add_argument("--upstream-connect-timeout-secs", type=float, default=5.0, help="TCP connect to a worker (default 5)")
     up.add_argument(
         "--first-byte-timeout-secs", type=float, default=60.0,
-        help="a worker's first byte: prefill response headers, a decode stream's first chunk (default 60); "
-        "a non-streamed decode answer is bounded by --request-timeout-secs only",
+        help="a worker's first byte: prefill response headers, a decode stream's first chunk, and for a "
+        "non-streamed decode answer the decode taking the prefill's KV (default 60); a decode that misses it is "
+        "charged and the request moves to another one",
     )
     up.add_argument("--stall-timeout-secs", type=float, default=60.0,
                     help="longest silence between two chunks of a worker's stream (default 60)")

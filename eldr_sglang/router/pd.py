@@ -774,7 +774,7 @@ class PDRouter:
         durl = f"{self.cfg.decode[w]}{request.path}"
         loop = asyncio.get_running_loop()
         t_start = loop.time()
-        # a non-streamed answer comes whole at the end: only the total deadline bounds it
+        # a non-streamed answer comes whole at the end: no byte bounds it (see _open_watched)
         first_byte_s = self.cfg.first_byte_timeout_s if client_stream else None
         pool = self.decode
         pool.dispatched(w)
@@ -782,7 +782,10 @@ class PDRouter:
         try:
             with self._lease(w, profile):
                 try:
-                    dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
+                    if client_stream:
+                        dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
+                    else:
+                        dresp = await self._open_watched(w, durl, dbody, deadline, drain)
                 except Retryable as exc:
                     await self._blame(w, exc.cause, drain)
                     verdict = True
@@ -851,6 +854,29 @@ class PDRouter:
             if not verdict:
                 pool.abandoned(w)
             pool.finished(w)
+
+    async def _open_watched(self, w: int, durl: str, dbody: dict, deadline: float, drain: asyncio.Future | None):
+        """Open a non-streamed decode answer. It comes whole at the end, so no first byte can
+        bound it; the KV can: a decode at work takes the prefill's KV, which ends the prefill's
+        stream, within the first-byte timeout. One that has not by then is treated like a
+        stream with no first byte (a Retryable: charged, and the request moves to another
+        decode with the KV still parked). Once the KV is taken, the request deadline bounds it."""
+        loop = asyncio.get_running_loop()
+        opening = asyncio.ensure_future(self._open("decode", w, durl, dbody, None, deadline))
+        try:
+            if drain is not None and not drain.done():
+                limit = max(0.0, min(self.cfg.first_byte_timeout_s, deadline - loop.time()))
+                done, _ = await asyncio.wait({opening, drain}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    self.metrics.timeouts.labels("decode", str(w), "first_byte").inc()
+                    self.metrics.worker_errors.labels("decode", str(w), "timeout").inc()
+                    raise Retryable(504, _err(f"decode worker {w} took no KV in {limit:.3g} s"), "application/json",
+                                    "decode", "first_byte_timeout")
+            return await opening
+        finally:
+            if not opening.done():
+                opening.cancel()
+                await asyncio.gather(opening, return_exceptions=True)
 
     async def _chunk(self, resp: aiohttp.ClientResponse, w: int, limit: float, phase: str) -> bytes:
         """The next chunk of a decode stream within `limit` seconds (b'' at its end)."""
