@@ -5,10 +5,14 @@
   min(interval, 5 s).
 - A non-streamed request to a decode that hangs moves on after the first-byte timeout (the
   decode never took the KV) instead of waiting the whole request timeout.
+- A large client body is parsed off the event loop (in the body-parse process): /health keeps
+  answering while big bodies are parsed, and large bodies still go through, or get their 4xx.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 import pytest
@@ -16,7 +20,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from pd_cluster import get_json, make_trace_files, metric, start_cluster  # noqa: E402
+from pd_cluster import get_json, make_trace_files, metric, post, start_cluster  # noqa: E402
 from test_router_faults import FAST, eldr_router, metrics, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
@@ -90,4 +94,55 @@ def test_non_streamed_request_to_a_hung_decode_fails_over(cluster, trace_files, 
         assert st["decode_inflight"] == [0, 0, 0] and st["prefill_inflight"] == [0]
     finally:
         set_fault(cluster["decode"][1], "none")
+        router.stop()
+
+
+def test_large_bodies_are_parsed_off_the_event_loop(cluster, trace_files, workdir):
+    router, base = eldr_router(cluster, trace_files, workdir, [])
+    try:
+        # large bodies still work: a valid one is served, bad ones get the same 4xx as small ones
+        ids = [1] * 200_000  # ~600 KiB of JSON, above the off-loop threshold
+        status, headers, out = post(base + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2},
+                                                         "emulator": {"trace_request": 3}}, timeout=60)
+        assert status == 200, out[:300]
+        assert headers["X-ELDR-Reason"] == "band"
+        status, _, out = post(base + "/generate", {"input_ids": ids, "n": 2}, timeout=60)
+        assert status == 400 and b"n > 1" in out
+        status, _, out = post(base + "/generate", b'{"input_ids": [' + b"1," * 200_000 + b"]", timeout=60)
+        assert status == 400 and b"not valid JSON" in out
+
+        # a body whose parse takes a while (a long list of token ids): how long here, in this process
+        big = json.dumps({"input_ids": [1] * 1_000_000, "n": 2}).encode()
+        t0 = time.perf_counter()
+        json.loads(big)
+        parse_s = time.perf_counter() - t0
+
+        async def run():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                async def send():
+                    async with s.post(base + "/generate", data=big, headers={"Content-Type": "application/json"}) as r:
+                        return r.status
+
+                async def poll(stop):
+                    worst = 0.0
+                    while not stop.is_set():
+                        t = time.perf_counter()
+                        async with s.get(base + "/health") as r:
+                            await r.read()
+                        worst = max(worst, time.perf_counter() - t)
+                        await asyncio.sleep(0.01)
+                    return worst
+
+                stop = asyncio.Event()
+                poller = asyncio.ensure_future(poll(stop))
+                await asyncio.sleep(0.2)
+                statuses = await asyncio.gather(*(send() for _ in range(4)))
+                stop.set()
+                return statuses, await poller
+
+        statuses, worst = asyncio.run(run())
+        assert statuses == [400] * 4  # parsed, then refused for n = 2: the workers never see them
+        # parsed on the loop, a /health call waits out at least one whole parse
+        assert worst < parse_s / 2, (worst, parse_s)
+    finally:
         router.stop()

@@ -143,6 +143,53 @@ def validate_request(kind: str, body: object) -> dict:
     return body
 
 
+# Client bodies above this are parsed in the body-parse process: json.loads holds the GIL for
+# its whole run, so a thread would not free the event loop (an 8 MiB list of token ids took
+# 0.7-0.9 s here, in a thread or not). Below it a parse takes a few ms.
+LARGE_BODY_BYTES = 256 << 10
+_ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "stream")
+
+
+@dataclass
+class RawBody:
+    """A large client body, parsed and validated in the body-parse process: its JSON text,
+    re-encoded there without the fields the router sets, and its stream flag. The router
+    sends it on without parsing or encoding it again (`with_fields` splices the fields in)."""
+
+    text: bytes  # a compact JSON object
+    stream: bool
+
+    def get(self, key: str, default=None):
+        return self.stream if key == "stream" else default
+
+    def with_fields(self, fields: dict) -> bytes:
+        extra = json.dumps(fields, separators=(",", ":")).encode()
+        return extra if self.text == b"{}" else self.text[:-1] + b"," + extra[1:]
+
+
+def parse_large_body(kind: str, raw: bytes) -> tuple:
+    """In the body-parse process: ("ok", stream, text) or ("bad", status, message)."""
+    try:
+        body = validate_request(kind, json.loads(raw))
+    except BadRequest as exc:
+        return ("bad", exc.status, str(exc))
+    except (ValueError, UnicodeDecodeError):
+        return ("bad", 400, "the request body is not valid JSON")
+    except RecursionError:
+        return ("bad", 400, "the request body is nested too deeply")
+    stream = bool(body.get("stream", False))
+    for k in _ROUTER_FIELDS:
+        body.pop(k, None)
+    return ("ok", stream, json.dumps(body, separators=(",", ":")).encode())
+
+
+def leg_body(body: "dict | RawBody", fields: dict) -> "dict | bytes":
+    """The body of one upstream leg: the client's, with the router's fields set."""
+    if isinstance(body, RawBody):
+        return body.with_fields({"stream": body.stream, **fields})
+    return {**body, **fields}
+
+
 def find_signature(event: dict) -> object | None:
     """The signature payload in one stream event, wherever the endpoint puts it."""
     meta = event.get("meta_info")
@@ -202,6 +249,7 @@ class PDRouter:
         self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
+        self._parse_pool = None  # the body-parse process (large client bodies), spawned on first use
         self._reload_busy_since: float | None = None
         self.drift = None  # eldr_sglang.drift.router_hook.DriftHook, set by the app when enabled
         self.metrics = RouterMetrics(self.state)
@@ -309,6 +357,8 @@ class PDRouter:
             await self.session.close()
         if self._reload_pool is not None:
             self._reload_pool.shutdown(wait=False, cancel_futures=True)
+        if self._parse_pool is not None:
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ choices
     def pick_prefill(self, exclude: set[int] = frozenset()) -> int | None:
@@ -450,7 +500,8 @@ class PDRouter:
         kind = ENDPOINTS[request.path]
         status = 500
         try:
-            body = validate_request(kind, await self._read_body(request))
+            parsed = await self._read_body(request, kind)
+            body = parsed if isinstance(parsed, RawBody) else validate_request(kind, parsed)
             resp = await self._serve(request, kind, body)
             status = resp.status
             return resp
@@ -474,8 +525,9 @@ class PDRouter:
         finally:
             self.metrics.requests.labels(kind, str(status)).inc()
 
-    async def _read_body(self, request: web.Request) -> object:
-        """The client's JSON body, read within the body timeout and the size limit."""
+    async def _read_body(self, request: web.Request, kind: str) -> object:
+        """The client's JSON body, read within the body timeout and the size limit. A large
+        one is parsed and validated off the event loop (a RawBody comes back)."""
         try:
             raw = await asyncio.wait_for(request.read(), self.cfg.client_body_timeout_s)
         except asyncio.TimeoutError:
@@ -483,12 +535,35 @@ class PDRouter:
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(f"the request body is larger than {self.cfg.max_payload_size} bytes "
                              "(the router's --max-payload-size)", 413) from None
+        if len(raw) > LARGE_BODY_BYTES:
+            return await self._parse_large(kind, raw)
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
         except RecursionError:
             raise BadRequest("the request body is nested too deeply") from None
+
+    async def _parse_large(self, kind: str, raw: bytes) -> RawBody:
+        """Parse and validate a large body in the body-parse process (one, spawned on first
+        use: it bounds the memory big bodies take, and queues them), within the body timeout."""
+        import concurrent.futures as cf
+        import multiprocessing
+
+        if self._parse_pool is None:
+            self._parse_pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        fut = asyncio.get_running_loop().run_in_executor(self._parse_pool, parse_large_body, kind, raw)
+        try:
+            out = await asyncio.wait_for(fut, self.cfg.client_body_timeout_s)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body was not parsed within {self.cfg.client_body_timeout_s:g} s "
+                             "(the router is busy with large bodies)", 503) from None
+        except cf.process.BrokenProcessPool:  # the parser died (out of memory?): a fresh one next time
+            self._parse_pool = None
+            raise BadRequest("the request body could not be parsed (the parser process failed)", 503) from None
+        if out[0] == "bad":
+            raise BadRequest(out[2], out[1])
+        return RawBody(out[2], out[1])
 
     def _bootstrap(self, p: int) -> dict:
         w = self.cfg.prefill[p]
@@ -534,14 +609,12 @@ class PDRouter:
     async def _serve_with_prefill(self, request, kind, body, p, client_stream, deadline) -> web.StreamResponse:
         self.metrics.prefill_routes.labels(str(p)).inc()
         boot = self._bootstrap(p)
-        dbody = {**body, **boot}
-        pbody = {**body, **boot}
         late = self.cfg.late_binding
         no_sig = late and self.prefill_signs[p] is False
         if no_sig:
             late = False  # this prefill never streams a signature: do not wait for one
-        if late:
-            pbody["stream"] = True
+        dbody = leg_body(body, boot)
+        pbody = leg_body(body, {**boot, "stream": True} if late else boot)
         purl = f"{self.cfg.prefill[p].url}{request.path}"
         self.prefill.dispatched(p)
         presp: aiohttp.ClientResponse | None = None
@@ -597,7 +670,7 @@ class PDRouter:
             if presp is not None:
                 presp.release()
 
-    async def _open(self, role: str, i: int, url: str, body: dict, first_byte_s: float | None, deadline: float):
+    async def _open(self, role: str, i: int, url: str, body: dict | bytes, first_byte_s: float | None, deadline: float):
         """POST to a worker; the response once its headers are in. Raises Retryable for
         connect errors, timeouts and 5xx (nothing reached the client yet), UpstreamError for
         other statuses (the client's own fault: passed on)."""
@@ -606,7 +679,8 @@ class PDRouter:
         limit = budget if first_byte_s is None else min(first_byte_s, budget)
         phase = "total" if first_byte_s is None or budget <= first_byte_s else "first_byte"
         try:
-            resp = await asyncio.wait_for(self.session.post(url, json=body), max(limit, 0.0))
+            send = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+            resp = await asyncio.wait_for(self.session.post(url, **send), max(limit, 0.0))
         except asyncio.TimeoutError:
             self.metrics.timeouts.labels(role, str(i), phase).inc()
             self.metrics.worker_errors.labels(role, str(i), "timeout").inc()
