@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -119,6 +120,11 @@ def test_tap_records_rooms_signatures_and_stream_ends():
     try:
         status, _, body = post(tap.url + "/generate", {"text": "x", "bootstrap_room": 7, "stream": True})
         assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        # The tap logs stream_end after its last write to the client, so the client can see
+        # [DONE] first: wait (bounded) for the event rather than race it.
+        deadline = time.monotonic() + 10
+        while not any(e["event"] == "stream_end" for e in tap.snapshot()) and time.monotonic() < deadline:
+            time.sleep(0.02)
         ev = {e["event"]: e for e in tap.snapshot()}
         assert ev["request"]["room"] == 7 and ev["request"]["prompt"] == "x"
         assert ev["signature"]["payload"] == [sig] and ev["signature"]["t"] > ev["request"]["t"]
