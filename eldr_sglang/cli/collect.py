@@ -68,6 +68,14 @@ def register(subparsers) -> None:
     p.add_argument("--allow-failures", action="store_true", help="write the trace without failed prompts")
     p.add_argument("--keep-checkpoint", action="store_true", help="keep OUT.partial.jsonl after success")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--format", choices=["v2", "v1"], default="v2",
+                   help="v2 (default): prompt counts per request, decode routing of --keep-decode prompts; "
+                        "v1: every token's routing")
+    p.add_argument("--keep-decode", type=lambda t: None if t.strip().lower() == "all" else A.integer(0, A.MAX_REQUESTS)(t),
+                   default=None, metavar="N|all", help="(v2) keep the decode routing of the first N prompts (default all)")
+    p.add_argument("--counts-only", action="store_true",
+                   help="(v2) do not ask for return_routed_experts: take each prompt's counts from the eldr_signature "
+                        "payload a patched prefill streams (SGLang with --enable-eldr-signature); no decode routing")
     p.set_defaults(func=run)
 
 
@@ -124,10 +132,12 @@ def run(args) -> int:
     cfg = CollectConfig(url=args.url, spec=spec, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         ignore_eos=args.ignore_eos, concurrency=args.concurrency, timeout_s=args.timeout,
                         retries=args.retries, served_model=args.served_model, api_key=api_key,
-                        extra_body=args.extra_body)
+                        extra_body=args.extra_body, routed_experts=not args.counts_only)
+    if args.counts_only and args.format != "v2":
+        raise ValueError("--counts-only writes a trace v2 (there is no per-token routing to write as v1)")
     res = collect(prompts, cfg, args.out, progress=not args.no_progress, allow_failures=args.allow_failures,
-                  keep_checkpoint=args.keep_checkpoint)
-    t = res.trace
-    print(f"wrote {args.out}: {t.num_requests} requests ({res.reused} from the checkpoint, {res.sent} sent, "
-          f"{len(res.failed)} failed), {t.expert_ids.shape[0]} tokens, {t.num_layers} MoE layers")
+                  keep_checkpoint=args.keep_checkpoint, fmt=args.format,
+                  keep_decode=0 if args.counts_only else args.keep_decode)
+    print(f"wrote {args.out} (trace {args.format}): {res.requests} requests ({res.reused} from the checkpoint, "
+          f"{res.sent} sent, {len(res.failed)} failed), {res.tokens} tokens")
     return 0

@@ -236,6 +236,73 @@ def response_routing(resp: dict, spec: ModelSpec, start_len: int = 0, where: str
     return rr
 
 
+@dataclass
+class RequestCounts:
+    """One request for a trace v2: its prompt counts over the MoE layers, and optionally its
+    decode routing."""
+
+    index: np.ndarray  # int64 columns l * E + e (l: MoE layer position)
+    counts: np.ndarray  # uint32, same length
+    num_layers: int  # MoE layers
+    prefill_len: int
+    decode_len: int
+    exact: bool  # False when the counts came from a log-quantized signature payload
+    decode_ids: np.ndarray | None = None  # [decode_len, L, k]
+    domain: str | None = None
+
+
+def _signature_payload(resp: dict):
+    """The `eldr_signature` payload a patched prefill puts in meta_info (or sglext)."""
+    from eldr_sglang.sglang_ext.payload import META_KEY
+
+    for where in (resp.get("meta_info"), resp.get("sglext")):
+        if isinstance(where, dict) and where.get(META_KEY) is not None:
+            return where[META_KEY]
+    return None
+
+
+def response_counts(resp: dict, spec: ModelSpec, keep_decode: bool = True, where: str = "") -> RequestCounts:
+    """One response as prompt counts: from its per-token routed_experts when it has them
+    (exact; decode routing kept when `keep_decode`), else from the `eldr_signature` payload
+    of a patched prefill (decoded by the router's own decoder; no decode routing)."""
+    from eldr_sglang import _core
+
+    at = f"{where}: " if where else ""
+    payload = _signature_payload(resp) if isinstance(resp, dict) else None
+    has_ids = isinstance(resp, dict) and any(_find(resp, *p) is not None for p in (
+        ("meta_info", "routed_experts"), ("sglext", "routed_experts")))
+    if has_ids or payload is None:
+        rr = response_routing(resp, spec, where=where)
+        L = rr.ids.shape[1]
+        c = np.asarray(_core.count_topk(np.ascontiguousarray(rr.ids[: rr.prefill_len]), spec.num_experts)).reshape(-1)
+        nz = np.flatnonzero(c)
+        return RequestCounts(nz.astype(np.int64), c[nz].astype(np.uint32), L, rr.prefill_len,
+                             rr.ids.shape[0] - rr.prefill_len, True,
+                             rr.ids[rr.prefill_len:].astype(np.uint8 if spec.num_experts <= 256 else np.int16)
+                             if keep_decode else None, rr.domain)
+    from eldr_sglang.sglang_ext.payload import PayloadError, decode_payload
+
+    try:
+        sig = decode_payload(payload)
+    except PayloadError as exc:
+        raise RoutedExpertsError(f"{at}bad eldr_signature payload: {exc}") from None
+    if sig.counts.shape[1] != spec.num_experts:
+        raise RoutedExpertsError(f"{at}eldr_signature has {sig.counts.shape[1]} experts per layer, "
+                                 f"the model {spec.num_experts}")
+    if spec.moe_layers is not None and list(sig.layers) != list(spec.moe_layers):
+        raise RoutedExpertsError(f"{at}eldr_signature covers hidden layers {list(sig.layers)[:4]}..., "
+                                 f"the model's MoE layers are {spec.moe_layers[:4]}...")
+    meta = resp.get("meta_info") if isinstance(resp.get("meta_info"), dict) else resp.get("usage") or {}
+    if "prompt_tokens" not in meta or "completion_tokens" not in meta:
+        raise RoutedExpertsError(f"{at}the response lacks prompt_tokens/completion_tokens")
+    c = np.rint(sig.counts).astype(np.uint32).reshape(-1)
+    nz = np.flatnonzero(c)
+    dom = resp.get("domain")
+    return RequestCounts(nz.astype(np.int64), c[nz], len(sig.layers), int(meta["prompt_tokens"]),
+                         max(0, int(meta["completion_tokens"]) - 1), bool(sig.exact), None,
+                         None if dom is None else str(dom))
+
+
 def build_trace(requests: list[RequestRouting], spec: ModelSpec, source: str, note: str = "") -> Trace:
     """Concatenate requests into a validated v1 trace (uint8 ids when E <= 256)."""
     if not requests:

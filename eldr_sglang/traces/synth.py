@@ -42,10 +42,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .format import Trace, span_rows
 from eldr_sglang.models import MODEL_SHAPES, model_shape  # noqa: F401  (the one model catalogue)
 from eldr_sglang.workload import Workload, _lengths, synthetic_workload  # noqa: F401  (the one Workload)
 
-from .format import Trace
 
 # ---------------------------------------------------------------------------------------
 # Calibrated defaults. Fitted by benchmarks/calibrate_synth.py against
@@ -213,28 +213,48 @@ def domain_mixtures(D: int, params: SynthParams, rng: np.random.Generator) -> np
     return params.domain_focus * home + (1.0 - params.domain_focus) * spread
 
 
-def token_concepts(wl: Workload, params: SynthParams, rng: np.random.Generator,
-                   w_dom: np.ndarray | None = None) -> np.ndarray:
-    """int32 [T]: the concept of every token row (prefill rows draw from the request's own
-    mixture, decode rows from decode_mix * own + (1 - decode_mix) * domain). The domain
-    mixtures are drawn from rng first unless given."""
-    C, D, R = params.concepts, len(wl.domain_weights), len(wl.domain)
-    if w_dom is None:
-        w_dom = domain_mixtures(D, params, rng)
-    conc = params.request_concentration * np.exp(params.concentration_spread * rng.standard_normal(R))
-    w_req = _dirichlet(conc[:, None] * w_dom[wl.domain] + 1e-6, rng)
-    w_dec = params.decode_mix * w_req + (1.0 - params.decode_mix) * w_dom[wl.domain]
-    W = np.concatenate([w_req, w_dec])  # rows 0..R-1 prefill, R..2R-1 decode
+def _draw_concepts(W: np.ndarray, row: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """int32 [len(row)]: token t draws a concept from the mixture W[row[t]] ([n, C] rows)."""
+    n, C = W.shape
     cdf = np.cumsum(W, axis=1)
     cdf /= cdf[:, -1:]
-    flat = (cdf + np.arange(2 * R)[:, None]).ravel()
+    flat = (cdf + np.arange(n)[:, None]).ravel()
+    u = rng.random(row.size)
+    idx = np.searchsorted(flat, row + u, side="right")
+    return np.minimum(idx - row * C, C - 1).astype(np.int32)
+
+
+def request_mixtures(domain: np.ndarray, w_dom: np.ndarray, params: SynthParams,
+                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """([n, C] prefill, [n, C] decode) concept mixtures of requests from these domains: the
+    request's own mixture around its domain's, and decode_mix * own + (1 - decode_mix) * domain."""
+    conc = params.request_concentration * np.exp(params.concentration_spread * rng.standard_normal(len(domain)))
+    w_req = _dirichlet(conc[:, None] * w_dom[domain] + 1e-6, rng)
+    w_dec = params.decode_mix * w_req + (1.0 - params.decode_mix) * w_dom[domain]
+    return w_req, w_dec
+
+
+def token_concepts(wl: Workload, params: SynthParams, rng: np.random.Generator,
+                   w_dom: np.ndarray | None = None) -> np.ndarray:
+    """int32 [T]: the concept of every token row of a whole workload, from one stream (prefill
+    rows draw from the request's own mixture, decode rows from its decode mixture). The domain
+    mixtures are drawn from rng first unless given. (The calibration's path; generate() draws
+    per block of requests, see _block_ids.)"""
+    D, R = len(wl.domain_weights), len(wl.domain)
+    if w_dom is None:
+        w_dom = domain_mixtures(D, params, rng)
+    w_req, w_dec = request_mixtures(wl.domain, w_dom, params, rng)
     lens = wl.prefill_len + wl.decode_len
     req = np.repeat(np.arange(R, dtype=np.int64), lens)
     pos = np.arange(req.size, dtype=np.int64) - wl.req_offsets[req]
-    row = np.where(pos < wl.prefill_len[req], req, req + R)
-    u = rng.random(req.size)
-    idx = np.searchsorted(flat, row + u, side="right")
-    return np.minimum(idx - row * C, C - 1).astype(np.int32)
+    row = np.where(pos < wl.prefill_len[req], req, req + R)  # rows 0..R-1 prefill, R..2R-1 decode
+    return _draw_concepts(np.concatenate([w_req, w_dec]), row, rng)
+
+
+# Requests drawn together from one random stream: generate(), iter_generate() and
+# write_synth() all draw block by block, so a request's routing depends on the seed and its
+# block only, not on how the output is chunked or how many requests keep decode routing.
+RNG_BLOCK = 1024
 
 
 @dataclass
@@ -247,24 +267,33 @@ class _Setup:
     dtype: type
     meta: dict
     names: np.ndarray
-    rng_concept: np.random.Generator
-    rng_tok: np.random.Generator
+    w_dom: np.ndarray | None  # [D, C] domain mixtures; None for the uniform control
+    seed: int
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-len(self.wl.domain) // RNG_BLOCK)
 
 
 def _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
-           regime_len, burst_prob, burst_rate, domain_weights, params) -> _Setup:
+           regime_len, burst_prob, burst_rate, domain_weights, params, check: Callable | None = None) -> _Setup:
+    """The workload, the routing model and its pools; `check(workload, shape)` runs between
+    the two (the memory check, before the expensive part)."""
     shape = model_shape(model)
     params = params or SynthParams()
     params.validate()
     L, E, k = shape["num_layers"], shape["num_experts"], shape["top_k"]
     ss = np.random.SeedSequence(int(seed))
-    rng_work, rng_model, rng_concept, rng_pool, rng_tok = (np.random.default_rng(s) for s in ss.spawn(5))
+    rng_work, rng_model, rng_concept, rng_pool, _ = (np.random.default_rng(s) for s in ss.spawn(5))
     wl = synthetic_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
                        regime_len, burst_prob, burst_rate, domain_weights)
+    if check is not None:
+        check(wl, shape)
     dtype = np.uint8 if E <= 256 else np.int16
     rm = RoutingModel.uniform(L, E) if uniform else RoutingModel.sample(L, E, params, rng_model)
     P = params.pool_size
     pools = [_row_view(rm.pools(l, k, P, rng_pool).astype(dtype)) for l in range(L)]
+    w_dom = None if uniform else domain_mixtures(len(wl.domain_weights), params, rng_concept)
     meta = {
         "model": shape["hf_id"],
         "num_layers": L,
@@ -277,14 +306,15 @@ def _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burs
             "model": model, "requests": int(requests), "domains": int(domains), "uniform": bool(uniform),
             "seed": int(seed), "burstiness": float(burstiness), "rate": float(rate),
             "regime_len": float(regime_len), "burst_prob": float(burst_prob), "burst_rate": float(burst_rate),
-            "params": dataclasses.asdict(params),
+            "params": dataclasses.asdict(params), "rng_block": RNG_BLOCK,
         },
     }
     names = np.array([f"domain{d}" for d in range(domains)])
-    return _Setup(shape, params, wl, rm, pools, dtype, meta, names, rng_concept, rng_tok)
+    return _Setup(shape, params, wl, rm, pools, dtype, meta, names, w_dom, int(seed))
 
 
-def _fill(st: _Setup, tok_c: np.ndarray, rng_tok: np.random.Generator, progress, chunk_tokens: int) -> np.ndarray:
+def _fill(st: _Setup, tok_c: np.ndarray, rng_tok: np.random.Generator, progress=None,
+          chunk_tokens: int = 1 << 20) -> np.ndarray:
     """[T, L, k] ids: every token row gathers a pre-sampled top-k set of its concept's pool."""
     L, k = st.shape["num_layers"], st.shape["top_k"]
     T, P = tok_c.size, st.params.pool_size
@@ -302,6 +332,55 @@ def _fill(st: _Setup, tok_c: np.ndarray, rng_tok: np.random.Generator, progress,
         if progress is not None:
             progress(stop - start)
     return ids
+
+
+def _block_span(st: _Setup, i: int) -> tuple[int, int]:
+    return i * RNG_BLOCK, min(len(st.wl.domain), (i + 1) * RNG_BLOCK)
+
+
+def _block_ids(st: _Setup, i: int, decode: bool = True, progress=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Block i's prompt ids [sum prefill_len, L, k] and, when `decode`, its decode ids
+    [sum decode_len, L, k], requests in order. Three streams per block (request mixtures,
+    prompt tokens, decode tokens), so the prompts are the same whether decode is drawn or not."""
+    a, b = _block_span(st, i)
+    rng_mix, rng_pre, rng_dec = (np.random.default_rng(s) for s in np.random.SeedSequence([st.seed, 2, i]).spawn(3))
+    wl = st.wl
+    n = b - a
+    parts = []
+    lens_of = [wl.prefill_len[a:b]] + ([wl.decode_len[a:b]] if decode else [])
+    if st.w_dom is not None:
+        mixtures = request_mixtures(wl.domain[a:b], st.w_dom, st.params, rng_mix)
+    for part, (lens, rng) in enumerate(zip(lens_of, (rng_pre, rng_dec))):
+        row = np.repeat(np.arange(n, dtype=np.int64), lens)
+        tok_c = np.zeros(row.size, dtype=np.int32) if st.w_dom is None else _draw_concepts(mixtures[part], row, rng)
+        parts.append(_fill(st, tok_c, rng, progress))
+    return parts[0], (parts[1] if decode else None)
+
+
+def _block_trace(st: _Setup, i: int, progress=None) -> Trace:
+    """Block i as a v1 trace (prompt rows, then decode rows, of each request)."""
+    a, b = _block_span(st, i)
+    wl = st.wl
+    pre, dec = _block_ids(st, i, True, progress)
+    pl, dl = wl.prefill_len[a:b], wl.decode_len[a:b]
+    off = np.zeros(b - a + 1, dtype=np.int64)
+    np.cumsum(pl + dl, out=off[1:])
+    ids = np.empty((int(off[-1]),) + pre.shape[1:], dtype=st.dtype)
+    ids[span_rows(off[:-1], pl)] = pre
+    ids[span_rows(off[:-1] + pl, dl)] = dec
+    return Trace(expert_ids=ids, req_offsets=off, prefill_len=pl.astype(np.int32), meta=st.meta,
+                 domain=st.names[wl.domain[a:b]], arrival_s=wl.arrival_s[a:b].astype(np.float64))
+
+
+def _concat(traces: list[Trace], meta: dict) -> Trace:
+    """Consecutive traces joined into one."""
+    lens = np.concatenate([t.request_len() for t in traces])
+    off = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    return Trace(expert_ids=np.concatenate([t.expert_ids for t in traces]), req_offsets=off,
+                 prefill_len=np.concatenate([t.prefill_len for t in traces]), meta=meta,
+                 domain=np.concatenate([t.domain for t in traces]),
+                 arrival_s=np.concatenate([t.arrival_s for t in traces]))
 
 
 def generate(
@@ -323,22 +402,27 @@ def generate(
     progress: Callable[[int], None] | None = None,
     chunk_tokens: int = 1 << 20,
 ) -> Trace:
-    """A synthetic trace (ELDR v1) with domain labels and arrival times.
+    """A synthetic trace (ELDR v1, in memory) with domain labels and arrival times.
 
     prompt_len: a number (the mean of a gamma(4) length distribution), a (lo, hi) pair
     (uniform, inclusive) or one integer per request. output_len: a number (every request
     decodes exactly that many tokens), a (lo, hi) pair or one integer per request.
-    `progress(n)` is called with the number of token rows just finished.
+    `progress(n)` is called with the number of token rows just finished. For request counts
+    whose tokens do not fit in memory, write_synth() streams the same draws to a v2 file.
+    (`chunk_tokens` is accepted for compatibility; the draws go by blocks of RNG_BLOCK requests.)
     """
     st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
                 regime_len, burst_prob, burst_rate, domain_weights, params)
     wl = st.wl
-    T = int(wl.req_offsets[-1])
-    tok_c = np.zeros(T, dtype=np.int32) if uniform else token_concepts(wl, st.params, st.rng_concept)
-    ids = _fill(st, tok_c, st.rng_tok, progress, chunk_tokens)
+    off = wl.req_offsets
+    ids = np.empty((int(off[-1]), st.shape["num_layers"], st.shape["top_k"]), dtype=st.dtype)
+    for i in range(st.num_blocks):
+        a, b = _block_span(st, i)
+        blk = _block_trace(st, i, progress)
+        ids[off[a] : off[b]] = blk.expert_ids
     return Trace(
         expert_ids=ids,
-        req_offsets=wl.req_offsets,
+        req_offsets=off,
         prefill_len=wl.prefill_len.astype(np.int32),
         meta=st.meta,
         domain=st.names[wl.domain],
@@ -364,33 +448,99 @@ def iter_generate(
     domain_weights: Sequence[float] | None = None,
     params: SynthParams | None = None,
 ) -> Iterator[Trace]:
-    """The same workload as generate() (same arguments and seed: identical domains, lengths
-    and arrival times) as a stream of traces of at most `chunk_requests` requests each, for
-    request counts whose tokens do not fit in memory. One model instance serves all chunks;
-    the routing draws differ from generate()'s, and depend on chunk_requests."""
+    """generate()'s trace (same arguments and seed: the same requests and routing) as a stream
+    of v1 traces of at most `chunk_requests` requests each. Memory: one chunk plus one block
+    of RNG_BLOCK requests."""
     if chunk_requests < 1:
         raise ValueError(f"chunk_requests must be >= 1, got {chunk_requests}")
     st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
                 regime_len, burst_prob, burst_rate, domain_weights, params)
+    R = len(st.wl.domain)
+    pending: list[Trace] = []
+    have = 0
+    ci = 0
+    first = 0
+    for i in range(st.num_blocks):
+        pending.append(_block_trace(st, i))
+        have += pending[-1].num_requests
+        while have >= chunk_requests or (i == st.num_blocks - 1 and have > 0):
+            joined = _concat(pending, st.meta)
+            n = min(chunk_requests, have)
+            meta = dict(st.meta)
+            meta["synth"] = {**st.meta["synth"], "chunk": ci, "first_request": first, "chunk_requests": chunk_requests}
+            chunk = joined.subset(np.arange(n))
+            chunk.meta = meta
+            yield chunk
+            ci += 1
+            first += n
+            have -= n
+            pending = [joined.subset(np.arange(n, joined.num_requests))] if have else []
+    assert first == R
+
+
+def write_synth(
+    path,
+    model: str = "gpt-oss-20b",
+    requests: int = 1000,
+    domains: int = 8,
+    uniform: bool = False,
+    seed: int = 0,
+    prompt_len=(128, 512),
+    output_len=256,
+    burstiness: float = 0.7,
+    rate: float = 4.0,
+    *,
+    keep_decode: int | None = 0,
+    regime_len: float = 64.0,
+    burst_prob: float = 0.3,
+    burst_rate: float = 3.0,
+    domain_weights: Sequence[float] | None = None,
+    params: SynthParams | None = None,
+    progress: Callable[[int], None] | None = None,
+    max_memory: int | None = None,
+):
+    """Stream generate()'s trace (same arguments, same seed, same routing) to a v2 file at
+    `path`: each request's prompt counts, and the decode routing of the first `keep_decode`
+    requests (None: all). Memory: the per-request arrays plus one block of RNG_BLOCK requests;
+    checked up front (eldr_sglang.memory), so a run too large is refused before it starts.
+    Returns the path."""
+    from eldr_sglang import memory
+
+    from .counts_file import CountsTraceWriter, prefill_counts
+
+    def check(wl: Workload, shape: dict) -> None:
+        R = len(wl.domain)
+        keep = R if keep_decode is None else max(0, min(int(keep_decode), R))
+        per_block = np.add.reduceat(wl.prefill_len + wl.decode_len * (np.arange(R) < keep), np.arange(0, R, RNG_BLOCK))
+        memory.require(memory.streaming_synth_bytes(R, int(per_block.max()), shape["num_layers"], shape["top_k"],
+                                                    shape["num_experts"], RNG_BLOCK),
+                       f"synth of {R} requests", max_memory)
+
+    st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
+                regime_len, burst_prob, burst_rate, domain_weights, params, check)
     wl = st.wl
-    w_dom = None if uniform else domain_mixtures(len(wl.domain_weights), st.params, st.rng_concept)
     R = len(wl.domain)
-    for ci, a in enumerate(range(0, R, chunk_requests)):
-        b = min(R, a + chunk_requests)
-        sub = wl.slice(a, b)
-        rng_c, rng_t = (np.random.default_rng(s) for s in np.random.SeedSequence([int(seed), 1, ci]).spawn(2))
-        T = int(sub.req_offsets[-1])
-        tok_c = np.zeros(T, dtype=np.int32) if uniform else token_concepts(sub, st.params, rng_c, w_dom)
-        meta = dict(st.meta)
-        meta["synth"] = {**st.meta["synth"], "chunk": ci, "first_request": a, "chunk_requests": chunk_requests}
-        yield Trace(
-            expert_ids=_fill(st, tok_c, rng_t, None, 1 << 20),
-            req_offsets=sub.req_offsets,
-            prefill_len=sub.prefill_len.astype(np.int32),
-            meta=meta,
-            domain=st.names[sub.domain],
-            arrival_s=sub.arrival_s.astype(np.float64),
-        )
+    keep = R if keep_decode is None else max(0, min(int(keep_decode), R))
+    L, k, E = st.shape["num_layers"], st.shape["top_k"], st.shape["num_experts"]
+    meta = {k_: v for k_, v in st.meta.items() if k_ not in ("num_layers", "num_experts", "top_k")}
+    meta["synth"] = {**meta["synth"], "keep_decode": keep}
+    with CountsTraceWriter(path, num_layers=L, num_experts=E, top_k=k, meta=meta) as w:
+        for i in range(st.num_blocks):
+            a, b = _block_span(st, i)
+            pre, dec = _block_ids(st, i, decode=keep > a, progress=progress)
+            pl, dl = wl.prefill_len[a:b], wl.decode_len[a:b]
+            p_off = np.zeros(b - a + 1, dtype=np.int64)
+            np.cumsum(pl, out=p_off[1:])
+            counts = prefill_counts(pre, p_off, pl, E)
+            del pre
+            decode = None
+            if dec is not None:
+                m = min(b, keep) - a
+                d_off = np.zeros(m + 1, dtype=np.int64)
+                np.cumsum(dl[:m], out=d_off[1:])
+                decode = (np.arange(m, dtype=np.int64), d_off, dec[: d_off[-1]])
+            w.write_chunk(counts, pl, dl, domain=st.names[wl.domain[a:b]], arrival_s=wl.arrival_s[a:b], decode=decode)
+    return path
 
 
 def workload_like(trace: Trace) -> dict:
