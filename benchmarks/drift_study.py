@@ -302,6 +302,39 @@ def git_state() -> dict:
     return {"head": run("rev-parse", "--short", "HEAD").strip(), "dirty": [ln[3:] for ln in dirty.splitlines() if ln.strip()]}
 
 
+def run_part2(s: dict, loads, lfs, tmp, seed: int, interval: int, cooldown: int, em, cfg) -> list[dict]:
+    """Part 2: the adaptive band (bounded loads at each factor in lfs) against the fixed tau and
+    shortest_queue, with static centroids, on the stationary and the drifting stream."""
+    rows = []
+    for stream in ("stationary A", "drift A->B"):
+        ev_idx = s["eval"][s["phase"] == 0] if stream == "stationary A" else s["eval"]
+        ph = s["phase"][s["phase"] == 0] if stream == "stationary A" else s["phase"]
+        for c in loads:
+            wl2 = make_workload(s["replay"], requests=ev_idx, arrival="closed", concurrency=c * K, seed=seed)
+            row = {"stream": stream, "load": c, "policies": {}}
+            for lab, lf in [("shortest_queue", None), (f"eldr@{TAU:g}", None)] + [(f"eldr@{TAU:g}+bl{f:g}", f) for f in lfs]:
+                pol = make(lab, s, tmp, seed, interval, cooldown, lf=lf)
+                res = simulate(s["replay"], wl2, pol, em, cfg)
+                row["policies"][lab] = _band_metrics(res, warmup=c * K, phases=None if stream == "stationary A" else ph)
+            rows.append(row)
+            log(f"  band {stream} load {c}: " + ", ".join(f"{k} {v['tpot_mean']:.3f}" for k, v in row["policies"].items()))
+    return rows
+
+
+def _band_metrics(res, warmup: int, phases=None) -> dict:
+    """TPOT mean/p50/p99 after the first `warmup` requests, locality, imbalance; with the
+    stream's phases also the late-B TPOT."""
+    tp = ((res.finish - res.first_token) / np.maximum(res.output_len - 1, 1) * 1e3)[warmup:]
+    reqs = np.bincount(res.worker, minlength=K).astype(float)
+    null = float(res.step_null_distinct.astype(np.float64).sum())
+    m = {"tpot_mean": float(tp.mean()), "tpot_p50": float(np.percentile(tp, 50)), "tpot_p99": float(np.percentile(tp, 99)),
+         "locality": float(res.step_distinct.astype(np.float64).sum() / null),
+         "imbalance": float(reqs.max() / reqs.mean())}
+    if phases is not None:
+        m["B_late_tpot_mean"] = phase_stats(res, phases, skip=warmup)["B late"]["tpot_mean"]
+    return m
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one seed, shorter phases, fewer loads (under ~3 min)")
@@ -348,27 +381,7 @@ def main(argv=None) -> int:
             if seed == seeds[0]:
                 curves = crv
             if seed == seeds[0]:  # part 2: adaptive band (bounded loads) vs fixed tau, static centroids
-                for stream in ("stationary A", "drift A->B"):
-                    ev_idx = s["eval"][s["phase"] == 0] if stream == "stationary A" else s["eval"]
-                    ph = s["phase"][s["phase"] == 0] if stream == "stationary A" else s["phase"]
-                    for c in loads:
-                        wl2 = make_workload(s["replay"], requests=ev_idx, arrival="closed", concurrency=c * K, seed=seed)
-                        row = {"stream": stream, "load": c, "policies": {}}
-                        for lab, lf in [("shortest_queue", None), (f"eldr@{TAU:g}", None)] + [(f"eldr@{TAU:g}+bl{f:g}", f) for f in lfs]:
-                            pol = make(lab, s, tmp, seed, interval, cooldown, lf=lf)
-                            res = simulate(s["replay"], wl2, pol, em, cfg)
-                            tp = ((res.finish - res.first_token) / np.maximum(res.output_len - 1, 1) * 1e3)[c * K:]
-                            reqs = np.bincount(res.worker, minlength=K).astype(float)
-                            null = float(res.step_null_distinct.astype(np.float64).sum())
-                            m = {"tpot_mean": float(tp.mean()), "tpot_p50": float(np.percentile(tp, 50)), "tpot_p99": float(np.percentile(tp, 99)),
-                                 "locality": float(res.step_distinct.astype(np.float64).sum() / null),
-                                 "imbalance": float(reqs.max() / reqs.mean())}
-                            if stream != "stationary A":
-                                bl = phase_stats(res, ph, skip=c * K)["B late"]
-                                m["B_late_tpot_mean"] = bl["tpot_mean"]
-                            row["policies"][lab] = m
-                        part2.append(row)
-                        log(f"  band {stream} load {c}: " + ", ".join(f"{k} {v['tpot_mean']:.3f}" for k, v in row["policies"].items()))
+                part2 = run_part2(s, loads, lfs, tmp, seed, interval, cooldown, em, cfg)
         real = SHARED / "gptoss20b.npz"
         if real.exists():
             s = setup_real(real, n_real, tmp)
