@@ -409,6 +409,8 @@ def from_config(path: str | os.PathLike) -> ModelProfile:
 def get_model(name: str | os.PathLike) -> ModelProfile:
     """A model by catalogue name, Hugging Face id or alias (case-insensitive), or by the path
     of a model directory or its config.json (read with `from_config`)."""
+    if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
+        raise ValueError(f"a model must be named by a non-empty string, got {name!r}")
     if _config_path(name) is not None:
         return from_config(name)
     n = _norm(str(name))
@@ -420,6 +422,8 @@ def get_model(name: str | os.PathLike) -> ModelProfile:
     for p in MODEL_PROFILES.values():
         if tail in (p.name, _norm(p.hf_id).rsplit("/", 1)[-1]):
             return p
+    if Path(name).expanduser().is_dir():
+        raise ValueError(f"{name}: a directory without a config.json; give a model directory or a catalogue name")
     raise ValueError(f"unknown model profile {str(name)!r}; known: {', '.join(MODEL_PROFILES)}, "
                      "a Hugging Face id of one of them, or a model directory with a config.json")
 

@@ -75,6 +75,13 @@ def test_a_bad_config_is_one_clear_error(tmp_path, cfg, msg):
         get_model(tmp_path)
 
 
+def test_a_directory_without_config_and_an_empty_name_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="without a config.json"):
+        get_model(tmp_path)
+    with pytest.raises(ValueError, match="non-empty string"):
+        get_model("")
+
+
 def test_an_unknown_name_lists_what_is_known():
     with pytest.raises(ValueError, match="unknown model profile 'llama-2-7b'.*deepseek-v3.*config.json"):
         model_shape("llama-2-7b")
