@@ -128,7 +128,8 @@ def reference(cpu):
         p = subprocess.run([sys.executable, "-m", "eldr_sglang", "collect", str(data), "--url", srv.url, "--out", str(trace),
                             "--num-hidden-layers", str(LAYERS), "--top-k", str(TOP_K), "--num-experts", str(EXPERTS),
                             "--model-name", "tiny-qwen3-moe", "--max-new-tokens", "4", "--ignore-eos", "--concurrency", "4",
-                            "--no-progress"], capture_output=True, text=True, timeout=600, cwd=REPO)
+                            "--no-progress", "--format", "v1"],  # v1: the checks below read every token's routing
+                           capture_output=True, text=True, timeout=600, cwd=REPO)
         assert p.returncode == 0, p.stderr[-3000:] + srv.tail()
     finally:
         cpu.stop([srv])

@@ -173,3 +173,16 @@ def test_streaming_synth_refuses_up_front_with_one_line(tmp_path, capsys):
     # the streaming estimate does not grow with the tokens of requests it does not hold
     small = memory.streaming_synth_bytes(100000, 400 * 1024, 58, 8, 256, 1024)
     assert small < 1 << 30 < memory.synth_bytes(100000, 600, 58, 8, 256)
+
+
+def test_counts_above_uint16_are_kept_exactly(tmp_path):
+    import scipy.sparse as sp
+
+    out = tmp_path / "big.npz"
+    with CountsTraceWriter(out, num_layers=1, num_experts=4, top_k=1, meta={"model": "toy"}) as w:
+        w.write_chunk(sp.csr_matrix(np.array([[70000, 0, 3, 0]])), [70003], [0])  # a 70k-token prompt
+        w.write_chunk(sp.csr_matrix(np.array([[1, 2, 0, 0]])), [3], [0])
+    with np.load(out) as z:
+        assert z["c0_count"].dtype == np.uint32 and z["c1_count"].dtype == np.uint16
+    with open_counts_trace(out) as t:
+        np.testing.assert_array_equal(t.counts().toarray(), [[70000, 0, 3, 0], [1, 2, 0, 0]])

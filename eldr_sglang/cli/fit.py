@@ -22,7 +22,7 @@ def register(subparsers) -> None:
             "router loads. Domain labels in the trace are used only to score the fit."
         ),
     )
-    p.add_argument("trace", help="ELDR trace (.npz, format version 1)")
+    p.add_argument("trace", help="ELDR trace (.npz): v1, or v2 (read from disk chunk by chunk)")
     p.add_argument("--workers", "-k", type=A.workers, required=True, help="number of decode workers K")
     p.add_argument("--out", "-o", required=True, help="centroid file to write (.eldr)")
     p.add_argument("--tau", type=A.tau, default=0.1, help="locality band width stored in the file (default 0.1)")

@@ -293,18 +293,22 @@ class CountsTrace:
     def decode_trace(self) -> Trace:
         """The kept decode routing as a v1 Trace of those requests with no prefill rows
         (prefill_len 0): what the simulator's decode side reads. Labels and arrivals follow."""
-        reqs, offs, ids = [], [0], []
-        base = 0
-        for req, off, chunk_ids in self.iter_decode():
-            reqs.append(req)
-            offs.append(off[1:] + base)
-            base += int(off[-1])
-            ids.append(chunk_ids)
-        if not reqs:
+        req = self.decode_requests()
+        if not len(req):
             raise TraceError(f"{self.path}: the trace keeps no decode routing (synthesize or collect with decode kept)")
-        req = np.concatenate(reqs)
+        off = np.zeros(len(req) + 1, dtype=np.int64)
+        np.cumsum(self.decode_len()[req], out=off[1:])
+        ids = None
+        at = 0
+        for _, chunk_off, chunk_ids in self.iter_decode():  # into one preallocated array: no 2x peak
+            if ids is None:
+                ids = np.empty((int(off[-1]),) + chunk_ids.shape[1:], dtype=chunk_ids.dtype)
+            ids[at : at + chunk_ids.shape[0]] = chunk_ids
+            at += chunk_ids.shape[0]
+        if at != off[-1]:
+            raise TraceError(f"{self.path}: the kept decode rows ({at}) do not match decode_len ({int(off[-1])})")
         pick = lambda a: None if a is None else a[req]  # noqa: E731
-        return Trace(expert_ids=np.concatenate(ids), req_offsets=np.concatenate([np.zeros(1, np.int64)] + offs[1:]),
+        return Trace(expert_ids=ids, req_offsets=off,
                      prefill_len=np.zeros(len(req), dtype=np.int32), meta=dict(self.meta, decode_of_requests=len(req)),
                      domain=pick(self.domain), subdomain=pick(self.subdomain), arrival_s=pick(self.arrival_s))
 
