@@ -28,7 +28,7 @@ import numpy as np
 
 from eldr_sglang import Router, write_centroids
 from eldr_sglang._core import ExpertProfile
-from eldr_sglang import reference as ref
+from eldr_sglang.testing import reference as ref
 
 SHAPES = {"mixtral-8x7b": (32, 8, 2), "gpt-oss-20b": (24, 32, 4), "deepseek-v3": (58, 256, 8)}
 

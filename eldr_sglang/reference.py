@@ -1,45 +1,7 @@
-"""Plain-numpy reference of the signature and the band rule.
+"""Deprecated alias: the numpy reference moved to `eldr_sglang.testing.reference` (tests only)."""
 
-Exists only so tests can check the Rust hot path against an obviously-correct version of
-the paper's formulas (arXiv:2607.00466; README, "The ELDR rule"); nothing in the product calls it.
-"""
+import warnings
 
-from __future__ import annotations
+from eldr_sglang.testing.reference import band_route, distances, signature  # noqa: F401
 
-import numpy as np
-
-
-def signature(counts: np.ndarray, layer_weights: np.ndarray, idf: np.ndarray) -> np.ndarray | None:
-    """s = normalize_L2(idf * concat_l(w_l * c[l])) over layers with w_l > 0; None if unusable."""
-    c = np.asarray(counts, dtype=np.float64)
-    if not np.all(np.isfinite(c)) or np.any(c < 0):
-        return None
-    w = np.asarray(layer_weights, dtype=np.float64)
-    x = (c * w[:, None] * np.asarray(idf, dtype=np.float64))[w > 0].ravel()
-    n = np.linalg.norm(x)
-    if n == 0:
-        return None
-    return (x / n).astype(np.float32)
-
-
-def distances(sig: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """d_k = 1 - cos(s, mu_k)."""
-    s = np.asarray(sig, dtype=np.float64)
-    m = np.asarray(centroids, dtype=np.float64)
-    return 1.0 - (m @ s) / (np.linalg.norm(m, axis=1) * np.linalg.norm(s))
-
-
-def band_route(sig, centroids, loads, healthy, tau: float):
-    """(worker, band, d): shortest queue within {k : d_k <= d* + tau}, ties to smaller d_k.
-
-    Without a usable signature: the healthy worker with the shortest queue (lowest index)."""
-    loads = np.asarray(loads)
-    healthy = np.asarray(healthy, dtype=bool)
-    if sig is None:
-        cand = np.flatnonzero(healthy)
-        return int(cand[np.argmin(loads[cand])]), None, None
-    d = distances(sig, centroids)
-    d_star = d[healthy].min()
-    band = [k for k in range(len(d)) if healthy[k] and d[k] <= d_star + tau]
-    worker = min(band, key=lambda k: (loads[k], d[k], k))
-    return worker, band, d
+warnings.warn("eldr_sglang.reference moved to eldr_sglang.testing.reference", DeprecationWarning, stacklevel=2)

@@ -26,7 +26,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from pd_cluster import free_port, get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import free_port, get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 N_TRACE = 120

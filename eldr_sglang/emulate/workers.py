@@ -60,7 +60,8 @@ from aiohttp import web
 
 from eldr_sglang.sglang_ext.payload import META_KEY, encode_counts
 from eldr_sglang.sim.cost_model import ExecutionModel
-from eldr_sglang.sim.profiles import MODEL_PROFILES, get_hardware, get_model
+from eldr_sglang.models import MODEL_PROFILES, get_model
+from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.sim.replay import TraceReplay, distinct_counter
 from eldr_sglang.traces import Trace
 
