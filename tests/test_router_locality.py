@@ -21,7 +21,7 @@ pytest.importorskip("prometheus_client")
 from eldr_sglang import _core  # noqa: E402
 from eldr_sglang.router.config import ConfigError, parse_config  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
-from pd_cluster import get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
 from test_router_faults import FAST, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05

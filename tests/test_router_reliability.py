@@ -20,7 +20,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from pd_cluster import get_json, make_trace_files, metric, post, start_cluster  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, make_trace_files, metric, post, start_cluster  # noqa: E402
 from test_router_faults import FAST, eldr_router, metrics, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05

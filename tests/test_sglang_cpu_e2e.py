@@ -193,9 +193,10 @@ def pd(cpu, centroids):
         router = cpu.start_router("router", [(ptap.url, boot)], [t.url for t in dtaps], [
             "--disagg-router", "eldr", "--eldr-centroids", str(centroids), "--no-eldr-drift",
             "--eldr-signature-timeout-secs", "120", "--request-timeout-secs", "600",
-            # /health and /v1/loads of a busy SGLang on two cores can take seconds, and the
-            # router's timeouts for them are min(interval, 5 s): short intervals eject healthy
-            # workers (seen with 1 s) and drop load reports (seen with 0.5 s)
+            # /health and /v1/loads of a busy SGLang on two cores can take seconds; the router
+            # used to time them out at min(interval, 5 s), which ejected healthy workers (seen
+            # with 1 s) and dropped load reports (seen with 0.5 s). They now have their own
+            # --worker-poll-timeout-secs (10 s); the long intervals are kept to poll less
             "--load-monitor-interval", "3", "--health-check-interval-secs", "5", "--log-level", "info"])
         wait_ready([router], 120)
         yield PD(prefill, boot, decodes, ptap, dtaps, router)
