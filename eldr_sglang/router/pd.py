@@ -32,14 +32,13 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.outlier import RetryBudget, WorkerPool
-from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload, to_layout
+from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload
 
 logger = logging.getLogger("eldr.router")
 
@@ -92,11 +91,25 @@ class RetryDecision:
 MAX_EVENT_BYTES = 1 << 20
 MAX_ERROR_BYTES = 64 << 10
 @dataclass
-class SignatureResult:
-    counts: np.ndarray | None
+class CountsResult:
+    """What the prefill's stream gave: its decoded counts (routed from in place), or why none."""
+
+    counts: object | None  # eldr_sglang._core.DecodedCounts
     reason: str  # 'ok' or why there is none
     wait_s: float
     data_bytes: int = 0
+
+
+_META_KEY_BYTES = f'"{META_KEY}"'.encode()
+
+
+def __getattr__(name: str):
+    if name == "SignatureResult":  # renamed: it carries raw counts, not the normalized signature
+        import warnings
+
+        warnings.warn("SignatureResult is now CountsResult", DeprecationWarning, stacklevel=2)
+        return CountsResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def validate_request(kind: str, body: object) -> dict:
@@ -186,6 +199,7 @@ class PDRouter:
             self.router = _core.Router(**kw)
         except _core.CentroidFileError as exc:
             raise ValueError(str(exc)) from None
+        self._decode_event = _core.decode_event
         self._generation = self.router.centroid_generation
         self._reload_failures = 0
         self._layout: tuple[int, int] | None = None
@@ -325,12 +339,13 @@ class PDRouter:
                 return i
         return cand[0]
 
-    def route(self, sig: SignatureResult | None, exclude: set[int] = frozenset()):
+    def route(self, sig: CountsResult | None, exclude: set[int] = frozenset()):
         t0 = time.perf_counter()
         if sig is None or sig.counts is None:
             d = self.router.route_signature(None, explain=True)
-        else:
-            d = self.router.route_dense(sig.counts, explain=True)
+        else:  # the signature is read straight from the packed counts, GIL released
+            keep = self.drift is not None and self.drift.wants_signature()
+            d = self.router.route_counts(sig.counts, explain=True, signature=keep)
         if d.worker in exclude:  # a retry: the least loaded routable worker not tried yet
             loads = self.router.loads()
             others = [k for k in self.decode.candidates() if k not in exclude]
@@ -352,25 +367,42 @@ class PDRouter:
         return d
 
     # ------------------------------------------------------------------ signature
-    def _signature_from(self, raw: object, t0: float) -> SignatureResult:
-        wait = time.perf_counter() - t0
+    def _counts_from_event(self, data: bytes, t0: float) -> CountsResult | None:
+        """The payload of one stream event, decoded in Rust from the event's bytes (no Python
+        JSON parse of the 16 KiB event). None: the event holds no payload after all."""
+        try:
+            found = self._decode_event(data, layout=self._layout)
+        except PayloadError as exc:
+            found = exc
+        return None if found is None else self._counts_result(found, t0)
+
+    def _signature_from(self, raw: object, t0: float) -> CountsResult:
+        """The payload as an already parsed JSON value (an event the Rust scan passed over)."""
         if isinstance(raw, list) and len(raw) >= 1:  # meta_info holds per-token values
             raw = raw[0]
         if isinstance(raw, dict) and "none" in raw and raw.get("v") == 1:
-            return SignatureResult(None, f"prefill_none:{safe(raw.get('none'), 60)}", wait)
-        if self._layout is None:
-            return SignatureResult(None, "no_centroids", wait)
+            return self._counts_result(str(raw.get("none")) if isinstance(raw.get("none"), str) else repr(raw.get("none")), t0)
         try:
-            dec = decode_payload(raw, layout=self._layout)
-            counts = to_layout(dec, *self._layout)
+            found = decode_payload(raw, layout=self._layout)
         except PayloadError as exc:
-            self.metrics.malformed.inc()
-            self._log.warning("malformed", "malformed signature payload: %s", safe(str(exc)))
-            return SignatureResult(None, "malformed", wait)
-        self.metrics.sig_bytes.observe(dec.data_bytes)
-        return SignatureResult(counts, "ok", wait, dec.data_bytes)
+            found = exc
+        return self._counts_result(found, t0)
 
-    async def _await_signature(self, presp: aiohttp.ClientResponse, t0: float) -> SignatureResult:
+    def _counts_result(self, found, t0: float) -> CountsResult:
+        """found: DecodedCounts, the prefill's reason for sending none (str), or PayloadError."""
+        wait = time.perf_counter() - t0
+        if isinstance(found, str):
+            return CountsResult(None, f"prefill_none:{safe(found, 60)}", wait)
+        if self._layout is None:
+            return CountsResult(None, "no_centroids", wait)
+        if isinstance(found, PayloadError):
+            self.metrics.malformed.inc()
+            self._log.warning("malformed", "malformed signature payload: %s", safe(str(found)))
+            return CountsResult(None, "malformed", wait)
+        self.metrics.sig_bytes.observe(found.data_bytes)
+        return CountsResult(found, "ok", wait, found.data_bytes)
+
+    async def _await_signature(self, presp: aiohttp.ClientResponse, t0: float) -> CountsResult:
         """Read prefill stream events until the signature; the rest is left for the drain.
         A line longer than the stream buffer or a JSON too deep to parse is a malformed
         signature (the fallback), not a failed request."""
@@ -379,10 +411,14 @@ class PDRouter:
             if line is None:  # a line over the bound: not read on, not parsed
                 self.metrics.malformed.inc()
                 self._log.warning("malformed", "prefill stream line over %d bytes: signature ignored", MAX_EVENT_BYTES)
-                return SignatureResult(None, "malformed", time.perf_counter() - t0)
+                return CountsResult(None, "malformed", time.perf_counter() - t0)
             data = _sse_events(line)
             if data is None:
                 continue
+            if _META_KEY_BYTES in data:  # the payload event: decoded in Rust from its bytes
+                got = self._counts_from_event(data, t0)
+                if got is not None:
+                    return got
             try:
                 event = json.loads(data)
             except ValueError:
@@ -390,7 +426,7 @@ class PDRouter:
             except RecursionError:  # nested too deep to be an event of ours: the signature is unusable
                 self.metrics.malformed.inc()
                 self._log.warning("malformed", "prefill stream event nested too deeply: signature ignored")
-                return SignatureResult(None, "malformed", time.perf_counter() - t0)
+                return CountsResult(None, "malformed", time.perf_counter() - t0)
             if not isinstance(event, dict):
                 continue
             last = event
@@ -519,7 +555,7 @@ class PDRouter:
                 try:
                     sig = await asyncio.wait_for(self._await_signature(presp, t0), min(self.cfg.signature_timeout_s, remaining))
                 except asyncio.TimeoutError:
-                    sig = SignatureResult(None, "timeout", time.perf_counter() - t0)
+                    sig = CountsResult(None, "timeout", time.perf_counter() - t0)
                 except aiohttp.ClientError as exc:
                     self.metrics.worker_errors.labels("prefill", str(p), "stream").inc()
                     raise Retryable(502, _err(f"prefill worker {p} stream failed: {exc.__class__.__name__}"),
@@ -537,7 +573,7 @@ class PDRouter:
                 finally:
                     self._prefill_of.pop(id(drain), None)
             else:
-                decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
+                decision = self.route(CountsResult(None, "prefill_no_signature", 0.0) if no_sig else None)
                 drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p, deadline))
                 resp = await self._decode_racing_prefill(request, kind, p, boot, dbody, decision, client_stream, drain, deadline)
             ok = True
