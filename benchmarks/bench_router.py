@@ -13,6 +13,12 @@ straight into the signature) against the path it replaced (json.loads of the eve
 numpy decode into a dense [L, E] array, `route_dense`; the numpy decode here skips the old
 decoder's validation, so the old path's figure is if anything low).
 
+The locality balancer is timed beside ELDR on the same counts and centroid file (K from
+--locality-workers, with --inflight requests already counted per worker): building the
+request's profile from the dense counts, its route, and acquire+release of its lease, each
+with the profile over the file's selected layers (what the router service does) and over all
+layers (what the simulator's study used). ELDR's side: route_dense and a plain lease.
+
     python benchmarks/bench_router.py [--tokens 2048] [--calls 3000] [--json out.json]
 """
 
@@ -28,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from eldr_sglang import Router, _core, write_centroids
-from eldr_sglang import reference as ref
+from eldr_sglang._core import ExpertProfile
 from eldr_sglang.sglang_ext.payload import META_KEY, encode_counts
+from eldr_sglang.testing import reference as ref
 
 SHAPES = {"mixtral-8x7b": (32, 8, 2), "gpt-oss-20b": (24, 32, 4), "deepseek-v3": (58, 256, 8)}
 
@@ -122,6 +129,73 @@ def bench_shape(name, K, tokens, calls, rng, tmp):
     return rows
 
 
+def bench_locality(name, K, tokens, calls, inflight, rng, tmp):
+    """Locality vs ELDR per request at one shape: (profile build, route, acquire+release) µs."""
+    L, E, k = SHAPES[name]
+    w = middle_mask(L)
+    idf = rng.uniform(0.05, 3.0, (L, E)).astype(np.float32)
+    D = int((w > 0).sum()) * E
+    path = Path(tmp) / f"loc-{name}-{K}.eldr"
+    write_centroids(str(path), rng.random((K, D)).astype(np.float32) ** 3, w, idf, tau=0.1)
+    eldr = Router("eldr", centroids=str(path), load_factor=0.05)
+    sel = Router("locality", centroids=str(path), load_factor=0.05)
+    full = Router("locality", num_workers=K, load_factor=0.05)
+
+    def full_profile(c):
+        nz = np.flatnonzero(c)
+        return ExpertProfile(L, E, nz.astype(np.int64), c.ravel()[nz].astype(np.float64), tokens)
+
+    # the state a busy router is in: `inflight` requests of other prompts on every worker
+    held = []
+    for i in range(inflight * K):
+        c = prompt_counts(rng, L, E, k, tokens)
+        held += [sel.acquire(i % K, 0, profile=sel.profile_dense(c, tokens)),
+                 full.acquire(i % K, 0, profile=full_profile(c)), eldr.acquire(i % K, 0)]
+    counts = prompt_counts(rng, L, E, k, tokens).astype(np.float32)  # float32, as the router decodes it
+    p_sel, p_full = sel.profile_dense(counts, tokens), full_profile(counts)
+    med = lambda t: float(np.median(t))  # noqa: E731
+    p99 = lambda t: float(np.percentile(t, 99))  # noqa: E731
+    t = {
+        "eldr_route": timed(lambda: eldr.route_dense(counts), calls),
+        "eldr_lease": timed(lambda: eldr.acquire(3 % K, 0).release(), calls),
+        "sel_profile": timed(lambda: sel.profile_dense(counts, tokens), calls),
+        "sel_route": timed(lambda: sel.route_profile(p_sel), calls),
+        "sel_lease": timed(lambda: sel.acquire(3 % K, 0, profile=p_sel).release(), calls),
+        "all_route": timed(lambda: full.route_profile(p_full), calls),
+        "all_lease": timed(lambda: full.acquire(3 % K, 0, profile=p_full).release(), calls),
+    }
+    for lease in held:
+        lease.release()
+    row = {"shape": name, "K": K, "tokens": tokens, "inflight_per_worker": inflight,
+           "selected_layers": int((w > 0).sum()), "layers": L, "nnz_selected": p_sel.nnz, "nnz_all": p_full.nnz}
+    for key, v in t.items():
+        row[f"{key}_p50_us"], row[f"{key}_p99_us"] = med(v), p99(v)
+    eldr_total = row["eldr_route_p50_us"] + row["eldr_lease_p50_us"]
+    row["locality_selected_total_p50_us"] = row["sel_profile_p50_us"] + row["sel_route_p50_us"] + row["sel_lease_p50_us"]
+    row["locality_all_total_p50_us"] = row["all_route_p50_us"] + row["all_lease_p50_us"]  # profile built in numpy: not counted
+    row["selected_vs_eldr"] = row["locality_selected_total_p50_us"] / eldr_total
+    row["all_vs_eldr"] = row["locality_all_total_p50_us"] / eldr_total
+    return row
+
+
+def print_locality(rows):
+    print("\nlocality balancer vs eldr per request, µs p50 (p99); Python call included")
+    hdr = (f"{'shape':<13}{'K':>3}{'layers':>8}{'nnz':>7}{'eldr route':>15}{'eldr lease':>13}{'profile':>15}"
+           f"{'loc route':>15}{'loc acq+rel':>15}{'total vs eldr':>15}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        def c(key):
+            return f"{r[key + '_p50_us']:.1f} ({r[key + '_p99_us']:.0f})"
+        print(f"{r['shape']:<13}{r['K']:>3}{str(r['selected_layers']) + '/' + str(r['layers']):>8}{r['nnz_selected']:>7}"
+              f"{c('eldr_route'):>15}{c('eldr_lease'):>13}{c('sel_profile'):>15}{c('sel_route'):>15}{c('sel_lease'):>15}"
+              f"{r['selected_vs_eldr']:>14.1f}x")
+        print(f"{'  all layers':<13}{'':>3}{str(r['layers']) + '/' + str(r['layers']):>8}{r['nnz_all']:>7}{'':>15}{'':>13}"
+              f"{'(numpy)':>15}{c('all_route'):>15}{c('all_lease'):>15}{r['all_vs_eldr']:>14.1f}x")
+    print("total = profile + route + acquire+release of locality over route + lease of eldr; "
+          "'all layers' = the profile the simulator used (built in numpy, not timed)")
+
+
 def bench_lease(calls):
     router = Router("shortest_queue", num_workers=8)
 
@@ -138,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=3000, help="timed Rust calls per cell")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--workers", default="4,8,16", help="comma list of K")
+    ap.add_argument("--locality-workers", default="8", help="comma list of K for the locality rows ('' : none)")
+    ap.add_argument("--inflight", type=int, default=4, help="requests already in flight per worker in the locality rows")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -148,6 +224,8 @@ def main(argv=None) -> int:
                 ap.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
             for K in map(int, args.workers.split(",")):
                 rows.extend(bench_shape(name, K, args.tokens, args.calls, rng, tmp))
+        loc_rows = [bench_locality(name, K, args.tokens, args.calls, args.inflight, rng, tmp)
+                    for name in args.shapes.split(",") for K in map(int, filter(None, args.locality_workers.split(",")))]
     lease = bench_lease(args.calls * 10)
     hdr = f"{'shape':<14}{'K':>3}{'D':>7}{'input':>8}{'nnz':>7}{'rust p50':>10}{'rust p99':>10}{'routes/s':>11}{'numpy p50':>11}{'numpy p99':>11}{'speedup':>9}"
     print(f"route latency, µs (prompt of {args.tokens} tokens; Python call included)")
@@ -160,6 +238,8 @@ def main(argv=None) -> int:
         )
     print(f"\nlease acquire+release from Python: p50 {lease['python_acquire_release_p50_us']:.2f} µs, "
           f"p99 {lease['python_acquire_release_p99_us']:.2f} µs (Rust-only figure: cargo bench -p eldr-core)")
+    if loc_rows:
+        print_locality(loc_rows)
     print("(wire rows: 'numpy' = the path the Rust wire decode replaced: json.loads + numpy decode + route_dense)")
     target = next((r for r in rows if r["shape"] == "deepseek-v3" and r["K"] == 8 and r["input"] == "sparse"), None)
     if target:
@@ -176,8 +256,8 @@ def main(argv=None) -> int:
     if args.json:
         import os
 
-        load = os.getloadavg()
-        Path(args.json).write_text(json.dumps({"tokens": args.tokens, "load_average": load, "routes": rows, "lease": lease}, indent=2))
+        Path(args.json).write_text(json.dumps({"tokens": args.tokens, "load_average": os.getloadavg(), "routes": rows,
+                                               "lease": lease, "locality": loc_rows}, indent=2))
     return 0
 
 

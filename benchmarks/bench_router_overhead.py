@@ -31,11 +31,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from pd_cluster import start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import start_cluster, start_router  # noqa: E402
 
 
 async def _direct(s: aiohttp.ClientSession, prefill: str, bport: int, decode: str, body: dict) -> None:
@@ -137,7 +136,7 @@ def main(argv=None) -> int:
     if not 0 <= args.rate <= 5000 or not 0 < args.requests <= 100000:
         ap.error("--rate must lie in [0, 5000] and --requests in (0, 100000]")
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     with tempfile.TemporaryDirectory() as tmp:

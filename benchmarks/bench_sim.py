@@ -31,7 +31,7 @@ from eldr_sglang.sim.policies import eldr_signatures, make_policy  # noqa: E402
 from eldr_sglang.sim.profiles import get_hardware, get_model  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
 from eldr_sglang.sim.workload import make_workload  # noqa: E402
-from eldr_sglang.synth import generate  # noqa: E402
+from eldr_sglang.traces.synth import generate  # noqa: E402
 
 TARGET_S = 60.0
 

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eldr_sglang.synth import generate  # noqa: E402
+from eldr_sglang.traces.synth import generate  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""Calibrate the synthetic routing generator (eldr_sglang.synth) to the real GPT-OSS-20B trace.
+"""Calibrate the synthetic routing generator (eldr_sglang.traces.synth) to the real GPT-OSS-20B trace.
 
     python benchmarks/calibrate_synth.py [--trace ../shared/traces/gptoss20b.npz] [--quick]
 
@@ -32,7 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eldr_sglang import synth, trace_stats as ts  # noqa: E402
+from eldr_sglang.traces import synth, stats as ts  # noqa: E402
 from eldr_sglang.traces import Trace, load_trace  # noqa: E402
 
 FIT_SEEDS = (11, 12, 13, 14, 15, 16, 17, 18)

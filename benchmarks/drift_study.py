@@ -2,7 +2,7 @@
 
     python benchmarks/drift_study.py [--quick] [--json] [--out benchmarks/results]
 
-Workload: a synthetic GPT-OSS-20B-shaped trace (eldr_sglang.synth, calibrated defaults, one
+Workload: a synthetic GPT-OSS-20B-shaped trace (eldr_sglang.traces.synth, calibrated defaults, one
 routing model throughout). Phase A draws its requests from domains 0-3, phase B from domains
 4-7 (bursts of one domain stay bursts). The centroids are fitted on a separate calibration
 set from phase A's domains only. Requests are replayed in order by closed-loop clients on K=8
@@ -298,7 +298,7 @@ def git_state() -> dict:
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
-    dirty = run("status", "--porcelain", "--", "eldr_sglang/synth.py", "eldr_sglang/offline", "eldr_sglang/sim", "eldr_sglang/drift")
+    dirty = run("status", "--porcelain", "--", "eldr_sglang/traces/synth.py", "eldr_sglang/offline", "eldr_sglang/sim", "eldr_sglang/drift")
     return {"head": run("rev-parse", "--short", "HEAD").strip(), "dirty": [ln[3:] for ln in dirty.splitlines() if ln.strip()]}
 
 

@@ -41,11 +41,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from pd_cluster import Proc, free_port, get_json, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import Proc, free_port, get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 REQUEST_TIMEOUT = 15.0
 ROUTER_FLAGS = ["--first-byte-timeout-secs", "5", "--stall-timeout-secs", "5", "--request-timeout-secs", str(REQUEST_TIMEOUT),
@@ -68,7 +67,7 @@ RESTORE_FILE_AT = 7 / 8
 
 def build_files(workdir: Path):
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     trace = generate(model="gpt-oss-20b", requests=TRACE_REQUESTS, seed=21, prompt_len=(16, 48), output_len=12)

@@ -40,7 +40,7 @@ FORMAT = "eldr-moe-calibration/1"
 
 @dataclass(frozen=True)
 class Shape:
-    model: str  # profile name in eldr_sglang.sim.profiles (what the cost model looks up)
+    model: str  # name in the model catalogue eldr_sglang.models (what the cost model looks up)
     hidden: int
     inter: int  # per-rank intermediate size of one expert
     experts: int
@@ -48,7 +48,7 @@ class Shape:
     note: str = ""
 
 
-# From the public configs (see eldr_sglang/sim/profiles.py for the sources).
+# From the public configs (see eldr_sglang/models.py for the sources).
 SHAPES = (
     Shape("deepseek-v2-lite", 2048, 1408, 64, 6),
     Shape("qwen3-30b-a3b", 2048, 768, 128, 8),

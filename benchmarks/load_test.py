@@ -29,11 +29,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from pd_cluster import get_json, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, start_cluster, start_router  # noqa: E402
 
 
 def _cpu_s(pid: int) -> float:
@@ -117,7 +116,7 @@ def main(argv=None) -> int:
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests and --rate must be positive")
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     with tempfile.TemporaryDirectory(prefix="eldr-load-") as tmp:

@@ -43,7 +43,7 @@ TRACE=${TRACE:-}
 if [ -z "$TRACE" ] && [ -f ../shared/traces/gptoss20b.npz ]; then TRACE=../shared/traces/gptoss20b.npz; fi
 if [ -z "$TRACE" ]; then
   TRACE=$WORK/synth.npz
-  $PY -c "from eldr_sglang.synth import generate; from eldr_sglang.traces import save_trace; save_trace(generate(model='gpt-oss-20b', requests=800, seed=0), '$TRACE')"
+  $PY -c "from eldr_sglang.traces.synth import generate; from eldr_sglang.traces import save_trace; save_trace(generate(model='gpt-oss-20b', requests=800, seed=0), '$TRACE')"
 fi
 echo "trace: $TRACE"
 # Centroids: fit on the first 60% of the trace, serve all of it (held-out tail included).

@@ -43,7 +43,7 @@ def log(*a):
 
 
 def _synth(model: str, uniform: bool = False):
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
 
     return generate(model=model, requests=SYN_REQUESTS, domains=8, uniform=uniform, seed=0, prompt_len=(64, 256),
                     output_len=FIXED_OUTPUT_LEN)
@@ -230,8 +230,18 @@ def headline(res: dict) -> list[str]:
 
 
 def render(res: dict) -> str:
-    m = res["meta"]
-    L = ["# TPOT study under the strict protocol (simulated)", "",
+    L = _preamble(res["meta"])
+    chosen, default = _default_section(res)
+    L += default + _headline_section(res) + _summary_section(res)
+    for name, w in res["workloads"].items():
+        L += _workload_section(name, w)
+    L += _losses_section(res, chosen)
+    return "\n".join(L) + "\n"
+
+
+def _preamble(m: dict) -> list[str]:
+    """What was simulated, under which cost models and protocol, and what was cut."""
+    return ["# TPOT study under the strict protocol (simulated)", "",
          "**Everything here is simulated**: a discrete-event PD cluster whose decode steps are timed by a roofline "
          "model (docs/simulator.md). No GPU measured any of it. The cost model's structure is uncertain, so every "
          "number is shown under three execution models (the *sensitivity band*):", "",
@@ -258,8 +268,12 @@ def render(res: dict) -> str:
          "recorded output "
          "lengths on the synthetic traces (they record one length). "
          f"Runtime of what ran: {m['runtime_s']:.0f} s.", ""] + ([f"Provenance: {m['note']}", ""] if m.get("note") else [])
+
+
+def _default_section(res: dict) -> tuple[str, list[str]]:
+    """The rule that picks the router's default, its scores and the pick."""
     chosen, score = choose_default(res)
-    L += ["## The router's default", "",
+    L = ["## The router's default", "",
           "Rule (fixed before reading the numbers): over every run of every skewed workload, in every cost-model variant, the "
           "candidate that loses to the best load balancer (on p50 or p99 TPOT) in the fewest runs; ties by median p50.", "",
           "| candidate | runs losing on p50 or p99 | median p50 vs best LB | median p99 vs best LB |", "|---|---|---|---|"]
@@ -267,12 +281,20 @@ def render(res: dict) -> str:
         L.append(f"| {lab} | {loses} of {n} | {_pct(p50)} | {_pct(p99)} |")
     L += ["", f"Supported default: **{chosen}**. The router's default is `eldr_sglang.defaults` "
           f"(`{default_policy_label()}` at the commit that wrote this file).", ""]
-    L += ["## Headline (the README's table)", "",
+    return chosen, L
+
+
+def _headline_section(res: dict) -> list[str]:
+    L = ["## Headline (the README's table)", "",
           "Median over runs (splits x cells) of the change against the best load balancer of each run, under the default "
           "cost model; in brackets, the range of that median over the cost-model variants, taken over the cells every variant ran "
           "(p50 range / p99 range).", ""]
     L += headline(res) + [""]
-    L += ["## Summary", "",
+    return L
+
+
+def _summary_section(res: dict) -> list[str]:
+    L = ["## Summary", "",
           "Per workload, policy and cost-model variant: change against the best load balancer, median over runs (splits x cells) "
           "and range; runs losing on p50 / p99.", "",
           "| workload | policy | variant | TPOT p50 | TPOT p99 | mean ITL | throughput | loses p50 / p99 |", "|---|---|---|---|---|---|---|---|"]
@@ -283,36 +305,44 @@ def render(res: dict) -> str:
                 L.append(f"| {name} | {lab} | {v} | {_sp(s['tpot_p50'])} | {_sp(s['tpot_p99'])} | {_sp(s['itl_mean'])} | "
                          f"{_sp(s['throughput'])} | {s['loses_p50']} / {s['loses_p99']} of {s['runs']} |")
     L.append("")
-    for name, w in res["workloads"].items():
-        em = w["models"][next(iter(w["models"]))]
-        L += [f"## {name}", "", f"{w['note']}; {em['model']} on {em['tp']}x{em['hardware']} (ep {em['ep']}) per decode worker"
-              + (f", context {w['context_len']} tokens" if w.get("context_len") else "") + f"; {w['trace_requests']} trace requests, "
-              f"{w['splits']} split(s); {w['paper_check']}. Runtime {w['runtime_s']:.0f} s.", "",
-              "Median over splits (range when more than one) of the change against the best load balancer; absolute TPOT p50 "
-              "of the best load balancer for scale; locality = distinct experts per step over random mixing (1 = none).", "",
-              "| variant | cell | best LB p50 ms | eldr p50 / p99 | eldr/0.05 p50 / p99 / ITL / thr | locality/0.05 p50 / p99 / ITL / thr | perfect_overlap p50 | clairvoyant p50 | locality SQ / eldr/0.05 / locality/0.05 |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        for v in w["models"]:
-            for c in w["cells"]:
-                rs = [r for r in w["records"] if r["variant"] == v and r["cell"] == c]
-                if not rs:
-                    continue
+    return L
 
-                def med(lab, key):
-                    vals = [versus_best(r["policies"], lab)[key] for r in rs if lab in r["policies"]]
-                    if not vals:
-                        return "-"
-                    s = f"{_pct(float(np.median(vals)))}"
-                    return s + (f" [{_pct(min(vals))}..{_pct(max(vals))}]" if len(vals) > 1 and key == "tpot_p50" else "")
 
-                best = float(np.median([min(r["policies"][b]["tpot_ms"]["p50"] for b in LOAD_BALANCERS) for r in rs]))
-                loc = [float(np.mean([r["policies"][p]["expert_locality"] for r in rs])) for p in ("shortest_queue", "eldr/0.05", "locality/0.05")]
-                L.append(f"| {v} | {c} | {best:.2f} | {med('eldr', 'tpot_p50')} / {med('eldr', 'tpot_p99')} | "
-                         f"{med('eldr/0.05', 'tpot_p50')} / {med('eldr/0.05', 'tpot_p99')} / {med('eldr/0.05', 'itl_mean')} / {med('eldr/0.05', 'throughput')} | "
-                         f"{med('locality/0.05', 'tpot_p50')} / {med('locality/0.05', 'tpot_p99')} / {med('locality/0.05', 'itl_mean')} / {med('locality/0.05', 'throughput')} | "
-                         f"{med('perfect_overlap', 'tpot_p50')} | {med('clairvoyant/0.05', 'tpot_p50')} | {loc[0]:.3f} / {loc[1]:.3f} / {loc[2]:.3f} |")
-        L.append("")
-    L += [f"## Every run where the supported default ({chosen}) loses to a load balancer", "",
+def _workload_section(name: str, w: dict) -> list[str]:
+    """One workload's table: every cost-model variant and cell."""
+    em = w["models"][next(iter(w["models"]))]
+    L = [f"## {name}", "", f"{w['note']}; {em['model']} on {em['tp']}x{em['hardware']} (ep {em['ep']}) per decode worker"
+          + (f", context {w['context_len']} tokens" if w.get("context_len") else "") + f"; {w['trace_requests']} trace requests, "
+          f"{w['splits']} split(s); {w['paper_check']}. Runtime {w['runtime_s']:.0f} s.", "",
+          "Median over splits (range when more than one) of the change against the best load balancer; absolute TPOT p50 "
+          "of the best load balancer for scale; locality = distinct experts per step over random mixing (1 = none).", "",
+          "| variant | cell | best LB p50 ms | eldr p50 / p99 | eldr/0.05 p50 / p99 / ITL / thr | locality/0.05 p50 / p99 / ITL / thr | perfect_overlap p50 | clairvoyant p50 | locality SQ / eldr/0.05 / locality/0.05 |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for v in w["models"]:
+        for c in w["cells"]:
+            rs = [r for r in w["records"] if r["variant"] == v and r["cell"] == c]
+            if not rs:
+                continue
+
+            def med(lab, key):
+                vals = [versus_best(r["policies"], lab)[key] for r in rs if lab in r["policies"]]
+                if not vals:
+                    return "-"
+                s = f"{_pct(float(np.median(vals)))}"
+                return s + (f" [{_pct(min(vals))}..{_pct(max(vals))}]" if len(vals) > 1 and key == "tpot_p50" else "")
+
+            best = float(np.median([min(r["policies"][b]["tpot_ms"]["p50"] for b in LOAD_BALANCERS) for r in rs]))
+            loc = [float(np.mean([r["policies"][p]["expert_locality"] for r in rs])) for p in ("shortest_queue", "eldr/0.05", "locality/0.05")]
+            L.append(f"| {v} | {c} | {best:.2f} | {med('eldr', 'tpot_p50')} / {med('eldr', 'tpot_p99')} | "
+                     f"{med('eldr/0.05', 'tpot_p50')} / {med('eldr/0.05', 'tpot_p99')} / {med('eldr/0.05', 'itl_mean')} / {med('eldr/0.05', 'throughput')} | "
+                     f"{med('locality/0.05', 'tpot_p50')} / {med('locality/0.05', 'tpot_p99')} / {med('locality/0.05', 'itl_mean')} / {med('locality/0.05', 'throughput')} | "
+                     f"{med('perfect_overlap', 'tpot_p50')} | {med('clairvoyant/0.05', 'tpot_p50')} | {loc[0]:.3f} / {loc[1]:.3f} / {loc[2]:.3f} |")
+    L.append("")
+    return L
+
+
+def _losses_section(res: dict, chosen: str) -> list[str]:
+    L = [f"## Every run where the supported default ({chosen}) loses to a load balancer", "",
           "| workload | variant | split | cell | p50 vs best LB | p99 vs best LB | mean ITL | throughput |", "|---|---|---|---|---|---|---|---|"]
     n_lose = 0
     for name, w in res["workloads"].items():
@@ -324,7 +354,7 @@ def render(res: dict) -> str:
                          f"{_pct(d['itl_mean'])} | {_pct(d['throughput'])} |")
     total = sum(len(w["records"]) for w in res["workloads"].values())
     L += ["", f"{n_lose} of {total} runs (uniform control included)."]
-    return "\n".join(L) + "\n"
+    return L
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Legacy workloads (fit on one part, evaluate on the other, requests replayed in t
 domain bursts stay bursts):
 - gptoss20b-real: ../shared/traces/gptoss20b.npz (GPT-OSS-20B on H100): a seeded random half
   of the requests is the calibration set, the other half is evaluated;
-- deepseek-v3-synth, qwen3-30b-a3b-synth: eldr_sglang.synth domain-skewed traces (H200);
+- deepseek-v3-synth, qwen3-30b-a3b-synth: eldr_sglang.traces.synth domain-skewed traces (H200);
   the first third is the calibration set, the rest is evaluated;
 - deepseek-v3-uniform: the uniform control (same shapes, experts drawn uniformly).
 
@@ -51,7 +51,7 @@ from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
 from eldr_sglang.sim.report import LOAD_BALANCERS, pct_change, write_json  # noqa: E402
 from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison  # noqa: E402
 from eldr_sglang.sim.workload import make_workload  # noqa: E402
-from eldr_sglang.synth import generate  # noqa: E402
+from eldr_sglang.traces.synth import generate  # noqa: E402
 from eldr_sglang.traces import load_trace  # noqa: E402
 
 SHARED = Path(os.environ.get("ELDR_SHARED_TRACES", ROOT.parent / "shared" / "traces"))

@@ -11,7 +11,7 @@ ValueError names the argument. Routing, acquire and release release the GIL.
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -171,6 +171,15 @@ class ExpertProfile:
     def __init__(self, num_layers: int, num_experts: int, index: npt.NDArray[np.int64], counts: npt.NDArray[np.float64], tokens: int) -> None: ...
     @property
     def experts_per_layer(self) -> float: ...
+    @property
+    def layer_ids(self) -> list[int]:
+        """MoE layers (rows of the prefill counts) the profile spans."""
+    @property
+    def nnz(self) -> int:
+        """Nonzero (layer, expert) cells: the work of one acquire, release or route per worker."""
+    @property
+    def generation(self) -> int:
+        """Centroid generation its layer selection came from (0: built by hand)."""
 
 class Lease:
     """One in-flight request on one worker; released exactly once."""
@@ -223,6 +232,13 @@ class Router:
     def route_signature(self, signature: npt.NDArray[np.float32] | None, explain: bool = False) -> int | Decision: ...
     def route_fallback(self, reason: str, explain: bool = False) -> int | Decision:
         """Route a request known to have no usable signature (reason as in NoSignature)."""
+    def profile_dense(self, counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
+        """Profile from raw dense [L, E] prefill counts over the centroid file's selected layers;
+        NoSignature on bad counts, ValueError without a centroid file."""
+    def profile_sparse(self, index: npt.NDArray[Any], counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
+        """profile_dense from sparse (l*E+e, count) pairs."""
+    def expert_distinct(self) -> list[float] | None:
+        """Locality balancer: expected distinct experts per layer per step in flight per worker; None otherwise."""
     def route_profile(self, profile: ExpertProfile, explain: bool = False) -> int | Decision:
         """Route by the request's expert profile (policy "locality"; others route as with no signature)."""
     def acquire(self, worker: int, tokens: int = 0, profile: ExpertProfile | None = None) -> Lease:

@@ -121,6 +121,15 @@ def synth_bytes(requests: int, mean_tokens: float, layers: int, top_k: int, num_
     return tokens * (layers * top_k * (1 if num_experts <= 256 else 2) + 4 + 8 + 8)
 
 
+def streaming_synth_bytes(requests: int, block_tokens: int, layers: int, top_k: int, num_experts: int,
+                          block_requests: int) -> float:
+    """synth to a v2 file holds about 160 bytes per request (the workload's arrays and the
+    written per-request columns), and for one block of requests its tokens' ids, concepts and
+    draw indices, and the block's dense count rows while counting."""
+    return requests * 160 + block_tokens * (layers * top_k * (1 if num_experts <= 256 else 2) + 4 + 8 + 8 + 8) \
+        + block_requests * layers * num_experts * 4
+
+
 def fit_bytes(shape: TraceShape, num_experts: int, selected_layers: int, profile_sample: int, chunk_tokens: int) -> float:
     """fit holds the trace's ids, the final dense signatures [R, S*E] float32, the decode
     profiles of up to `profile_sample` requests [n, L, E] float32, and while counting a chunk
@@ -129,6 +138,35 @@ def fit_bytes(shape: TraceShape, num_experts: int, selected_layers: int, profile
     prof = min(shape.requests, profile_sample) * shape.layers * num_experts * 4
     keys = min(shape.tokens, chunk_tokens) * shape.layers * shape.top_k * 8 * 2
     return shape.ids_bytes + sig + prof + keys
+
+
+@dataclass(frozen=True)
+class CountsShape:
+    requests: int  # R
+    layers: int  # L
+    experts: int  # E
+    nnz: int  # stored (request, layer, expert) counts
+    decode_requests: int  # requests that keep decode routing
+
+
+def counts_shape(meta: dict | None) -> CountsShape | None:
+    """Sizes of a trace v2 from its meta_json (the chunk table); None for v1 or bad meta."""
+    try:
+        if meta is None or meta.get("version") != 2:
+            return None
+        return CountsShape(int(meta["num_requests"]), int(meta["num_layers"]), int(meta["num_experts"]),
+                           sum(int(c["nnz"]) for c in meta["chunks"]), int(meta.get("decode_requests", 0)))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def counts_fit_bytes(shape: CountsShape, selected_layers: int, profile_sample: int) -> float:
+    """fit of a trace v2 holds the sparse signatures of the selected layers (about their share
+    of the stored counts, 8 bytes each: value and column), and the decode profiles of up to
+    `profile_sample` requests that kept decode routing [n, L, E] float32."""
+    sig = shape.nnz * selected_layers / max(1, shape.layers) * 8 + shape.requests * 8
+    prof = min(shape.decode_requests, profile_sample) * shape.layers * shape.experts * 4
+    return sig + prof
 
 
 def simulate_bytes(shape: TraceShape, signature_dim: int, simulated_requests: int) -> float:

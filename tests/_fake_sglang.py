@@ -15,7 +15,6 @@ server drops every further connection without answering (a crashed server).
 
 from __future__ import annotations
 
-import base64
 import json
 import sys
 import threading
@@ -25,6 +24,8 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+
+from eldr_sglang.testing.payloads import encode_routed_experts
 
 HIDDEN, DENSE, TOPK, EXPERTS = 6, 2, 2, 8
 
@@ -43,8 +44,10 @@ def routing_for(text: str, completion_tokens: int, hidden=HIDDEN, dense=DENSE, k
 
 class FakeSGLang:
     def __init__(self, return_experts: bool = True, die_after: int | None = None, hidden: int = HIDDEN,
-                 delay_s: float = 0.0):
+                 delay_s: float = 0.0, signature: bool = False):
         self.return_experts = return_experts
+        self.signature = signature  # answer with meta_info.eldr_signature, as a patched prefill does
+        self.bodies = []  # every request body received
         self.die_after = die_after
         self.hidden = hidden
         self.delay_s = delay_s  # answer this much later (manual Ctrl-C checks)
@@ -95,10 +98,22 @@ class FakeSGLang:
                 if fake.delay_s:
                     time.sleep(fake.delay_s)
                 P = len(text.split())
-                b64 = base64.b64encode(routing_for(text, max_new, hidden=fake.hidden).tobytes()).decode()
+                b64 = encode_routed_experts(routing_for(text, max_new, hidden=fake.hidden))
+                with fake.lock:
+                    fake.bodies.append(body)
+                sig = None
+                if fake.signature:
+                    from eldr_sglang.sglang_ext.payload import encode_counts
+
+                    ids = routing_for(text, max_new, hidden=fake.hidden)[:P, DENSE:, :]
+                    counts = np.zeros((fake.hidden - DENSE, EXPERTS), dtype=np.int64)
+                    np.add.at(counts, (np.arange(fake.hidden - DENSE)[None, :, None], ids), 1)
+                    sig = encode_counts(counts, list(range(DENSE, fake.hidden)), P)
                 if self.path == "/generate":
                     meta = {"id": f"rid{count}", "prompt_tokens": P, "completion_tokens": max_new,
                             "finish_reason": {"type": "length", "length": max_new}, "cached_tokens": 0}
+                    if sig is not None:
+                        meta["eldr_signature"] = sig
                     if body.get("return_routed_experts") and fake.return_experts:
                         meta["routed_experts"] = b64
                     return self._send(200, {"text": "x " * max_new, "output_ids": list(range(max_new)),
@@ -110,6 +125,8 @@ class FakeSGLang:
                                   "total_tokens": P + max_new}}
                 if body.get("return_routed_experts") and fake.return_experts:
                     resp["sglext"] = {"routed_experts": b64}
+                if sig is not None:
+                    resp.setdefault("sglext", {})["eldr_signature"] = sig
                 return self._send(200, resp)
 
         class Server(ThreadingHTTPServer):

@@ -13,6 +13,7 @@ from eldr_sglang.cli import main as eldr
 BASE = {
     "synth": ["synth", "--model", "gpt-oss-20b", "--requests", "10", "--out", "x.npz"],
     "collect": ["collect", "--from-file", "r.json", "--model", "gpt-oss-20b", "--out", "x.npz"],
+    "convert": ["convert", "t.npz", "--out", "x.npz"],
     "fit": ["fit", "t.npz", "--workers", "2", "--out", "c.eldr"],
     "inspect": ["inspect", "c.eldr"],
     "route-demo": ["route-demo"],
@@ -88,6 +89,9 @@ CASES = [
     ("fit", "--max-memory", ["0", "-1G", "nan"]),
     ("simulate", "--max-memory", ["0", "inf"]),
     ("demo", "--max-memory", ["0", "x"]),
+    ("synth", "--keep-decode", ["-1", HUGE_INT, "some"]),
+    ("convert", "--keep-decode", ["-1", HUGE_INT]),
+    ("convert", "--chunk-requests", ["0", HUGE_INT]),
 ]
 
 

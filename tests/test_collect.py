@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import numpy as np
 import pytest
 
 from eldr_sglang.cli import main
-from eldr_sglang.collect import CollectConfig, checkpoint_path, collect, load_prompts, read_checkpoint
-from eldr_sglang.sglang_io import ModelSpec
+import functools
+
+from eldr_sglang.traces.collect import CollectConfig, checkpoint_path, load_prompts, read_checkpoint
+from eldr_sglang.traces.collect import collect as collect_any
+
+# Most tests check every id of a v1 trace; the v2 tests at the end use collect_any.
+collect = functools.partial(collect_any, fmt="v1")
+from eldr_sglang.traces.sglang_responses import ModelSpec
+from eldr_sglang.testing.payloads import encode_routed_experts
 from eldr_sglang.traces import load_trace
 
 from _fake_sglang import FakeSGLang, routing_for
@@ -192,7 +200,7 @@ def test_cli_collect_and_convert(tmp_path, capsys):
     path, recs = _dataset(tmp_path, n=5)
     out = tmp_path / "cli.npz"
     with FakeSGLang() as srv:
-        rc = main(["collect", str(path), "--url", srv.url, "--out", str(out), "--num-hidden-layers", "6",
+        rc = main(["collect", str(path), "--url", srv.url, "--out", str(out), "--format", "v1", "--num-hidden-layers", "6",
                    "--top-k", "2", "--num-experts", "8", "--first-k-dense-replace", "2",
                    "--max-new-tokens", str(MAX_NEW), "--no-progress", "--concurrency", "3"])
     assert rc == 0
@@ -204,8 +212,7 @@ def test_cli_collect_and_convert(tmp_path, capsys):
     # --from-file converts saved /generate responses
     resp = tmp_path / "resp.jsonl"
     resp.write_text(json.dumps({"meta_info": {"prompt_tokens": 2, "completion_tokens": 3,
-                                              "routed_experts": __import__("eldr_sglang.sglang_io", fromlist=["x"])
-                                              .encode_routed_experts(routing_for("a b", 3))}}) + "\n")
+                                              "routed_experts": encode_routed_experts(routing_for("a b", 3))}}) + "\n")
     rc = main(["collect", "--from-file", str(resp), "--out", str(tmp_path / "conv.npz"), "--num-hidden-layers", "6",
                "--top-k", "2", "--num-experts", "8"])
     assert rc == 0
@@ -221,9 +228,86 @@ def test_repeated_prompt_is_sent_once(tmp_path):
     _check_trace(load_trace(out), recs)
 
 
-def test_corrupt_checkpoint_line_is_named(tmp_path):
+def test_damaged_checkpoint_lines_are_skipped_and_named(tmp_path, capsys):
+    from eldr_sglang.traces.collect import _checkpoint_line
+
+    path, recs = _dataset(tmp_path, n=4)
+    out = tmp_path / "trace.npz"
+    with FakeSGLang() as srv:  # a complete checkpoint of all four prompts
+        collect(load_prompts(path), _cfg(srv.url), out, progress=False, keep_checkpoint=True)
+    ckpt = checkpoint_path(out)
+    lines = ckpt.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 4 and all(line[8:9] == b" " and line.endswith(b"\n") for line in lines)  # crc32, space, JSON
+    assert _checkpoint_line({"key": "k", "response": {}}) == b"%08x " % zlib.crc32(b'{"key":"k","response":{}}') + b'{"key":"k","response":{}}\n'
+    flipped = bytearray(lines[1])
+    flipped[len(flipped) // 2] ^= 0x01  # one bit flipped by a crash: the checksum catches it
+    ckpt.write_bytes(lines[0] + bytes(flipped) + b"\x00" * 64 + b"\n" + b"not json\n" + lines[2] + lines[3][:20])
+    out.unlink()
+    with FakeSGLang() as srv2:
+        res = collect(load_prompts(path), _cfg(srv2.url), out, progress=False)
+        assert sum(srv2.received.values()) == 2  # the flipped record and the torn one, sent again
+    err = capsys.readouterr().err
+    assert "skipped 3 damaged checkpoint line(s) (line 2, 4, 6)" in err
+    assert res.reused == 2
+    _check_trace(load_trace(out), recs)
+
+
+def test_a_second_run_on_the_same_checkpoint_is_refused(tmp_path):
+    from eldr_sglang.traces.collect import _CheckpointWriter
+
     path, _ = _dataset(tmp_path, n=2)
     out = tmp_path / "trace.npz"
-    checkpoint_path(out).write_text('{"key": "a", "response": {}}\nnot json\n{"key": "b", "response": {}}\n')
-    with pytest.raises(ValueError, match=r"partial.jsonl:2: corrupt checkpoint line"):
-        collect(load_prompts(path), _cfg("http://127.0.0.1:9"), out, progress=False)
+    with _CheckpointWriter(checkpoint_path(out)):
+        with pytest.raises(ValueError, match="in use by another eldr collect run"):
+            collect(load_prompts(path), _cfg("http://127.0.0.1:9"), out, progress=False)
+
+def test_collect_writes_v2_counts_and_the_decode_routing_asked_for(tmp_path, capsys):
+    from eldr_sglang.traces.counts_file import open_counts_trace
+
+    path, recs = _dataset(tmp_path, n=9)
+    v1, v2 = tmp_path / "v1.npz", tmp_path / "v2.npz"
+    with FakeSGLang() as srv:
+        collect(load_prompts(path), _cfg(srv.url), v1, progress=False)
+        res = collect_any(load_prompts(path), _cfg(srv.url), v2, progress=False, keep_decode=4)
+    assert res.trace is None and res.requests == 9
+    t1 = load_trace(v1)
+    with open_counts_trace(v2) as t2:
+        C = t2.counts().toarray()
+        for r in range(9):  # the prompt counts of every request, by numpy from the v1 ids
+            ids = t1.prefill_ids(r).astype(np.int64)
+            want = np.bincount((np.arange(t1.num_layers)[None, :, None] * t1.num_experts + ids).ravel(),
+                               minlength=t1.num_layers * t1.num_experts)
+            np.testing.assert_array_equal(C[r], want)
+        np.testing.assert_array_equal(t2.decode_len(), t1.decode_len())
+        np.testing.assert_array_equal(t2.decode_requests(), np.arange(4))
+        np.testing.assert_array_equal(t2.decode_trace().expert_ids, np.concatenate([t1.decode_ids(r) for r in range(4)]))
+        np.testing.assert_array_equal(t2.domain, t1.domain)
+        assert t2.counts_exact.all()
+
+
+def test_collect_counts_only_reads_the_signature_payload(tmp_path):
+    from eldr_sglang.traces.counts_file import open_counts_trace
+
+    path, recs = _dataset(tmp_path, n=5)
+    v1, v2 = tmp_path / "v1.npz", tmp_path / "v2.npz"
+    with FakeSGLang() as srv:
+        collect(load_prompts(path), _cfg(srv.url), v1, progress=False)
+    with FakeSGLang(signature=True) as srv:
+        cfg = _cfg(srv.url)
+        cfg.routed_experts = False
+        collect_any(load_prompts(path), cfg, v2, progress=False, keep_decode=0)
+        assert not any(b.get("return_routed_experts") for b in srv.bodies)
+    t1 = load_trace(v1)
+    with open_counts_trace(v2) as t2:
+        for r in range(5):
+            ids = t1.prefill_ids(r).astype(np.int64)
+            want = np.bincount((np.arange(t1.num_layers)[None, :, None] * t1.num_experts + ids).ravel(),
+                               minlength=t1.num_layers * t1.num_experts)
+            np.testing.assert_array_equal(t2.counts([r]).toarray()[0], want)
+        assert t2.decode_requests().size == 0 and t2.counts_exact.all()
+    with FakeSGLang() as srv:  # an unpatched server sends no payload: a clear error, nothing written
+        cfg = _cfg(srv.url)
+        cfg.routed_experts = False
+        with pytest.raises(ValueError, match="no routed_experts"):
+            collect_any(load_prompts(path), cfg, tmp_path / "x.npz", progress=False, keep_decode=0)
+    assert not (tmp_path / "x.npz").exists()

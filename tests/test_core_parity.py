@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from eldr_sglang import NoSignature, Router, SignatureSpec, count_topk, write_centroids
-from eldr_sglang import reference as ref
+from eldr_sglang.testing import reference as ref
 
 
 def rel_close(a, b, rtol=1e-6):

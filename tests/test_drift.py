@@ -449,7 +449,7 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
     path = str(drift_setup["dir"] / "router.eldr")
     shutil.copyfile(drift_setup["path"], path)
     cfg = RouterConfig(prefill=[PrefillWorker("http://127.0.0.1:9", None, "127.0.0.1")],
-                       decode=[f"http://127.0.0.1:{10 + k}" for k in range(K)], centroids=path, bind="early",
+                       decode=[f"http://127.0.0.1:{10 + k}" for k in range(K)], centroids=path, bind="early", policy="eldr",
                        health_check_interval_s=0, load_monitor_interval_s=0, reload_interval_ms=20,
                        admin_token="drift-test-admin-token-0123")
     auth = {"Authorization": "Bearer drift-test-admin-token-0123"}  # /eldr/refit is a control endpoint

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 
 N_TRACE = 120
@@ -25,7 +25,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
 
     d = tmp_path_factory.mktemp("drift-e2e")

@@ -18,7 +18,7 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from eldr_sglang import _core  # noqa: E402
-from pd_cluster import Proc, free_port, get_json, make_trace_files, metric, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import Proc, free_port, get_json, make_trace_files, metric, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 

@@ -19,7 +19,8 @@ pytest.importorskip("prometheus_client")
 
 from eldr_sglang import _core  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
-from pd_cluster import get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.reference import band_route  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 SIG_TIMEOUT = 0.5
@@ -56,13 +57,14 @@ def router(cluster, trace_files, workdir):
 
 
 def reference(cpath, trace, r: int, loads=None):
-    """What the band rule says for trace request r: (expected worker, band, distances)."""
+    """What the band rule (the numpy reference) says for trace request r: (worker, band, distances, tau).
+
+    The signature comes from the centroid file's own spec (Rust), so only the rule is checked here."""
     cs = _core.CentroidSet.open(str(cpath))
     sig = cs.spec().from_topk(np.ascontiguousarray(TraceReplay(trace).prefill_ids(r)))
-    d = 1.0 - cs.centroids().astype(np.float64) @ sig.astype(np.float64)
-    band = [k for k in range(len(d)) if d[k] <= d.min() + cs.tau]
-    loads = loads or [0] * len(d)
-    worker = min(band, key=lambda k: (loads[k], d[k]))
+    centroids = cs.centroids()
+    loads = loads or [0] * len(centroids)
+    worker, band, d = band_route(sig, centroids, loads, [True] * len(centroids), cs.tau)
     return worker, band, d, cs.tau
 
 

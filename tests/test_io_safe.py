@@ -27,7 +27,7 @@ def small(tmp_path_factory):
     d = tmp_path_factory.mktemp("io")
     t, c = d / "t.npz", d / "c.eldr"
     assert eldr(["synth", "--model", "gpt-oss-20b", "--requests", "80", "--prompt-len", "16,32", "--output-len", "4",
-                 "--out", str(t), "--no-progress"]) == 0
+                 "--out", str(t), "--no-progress", "--format", "v1"]) == 0  # v1: simulate and refit replay tokens
     assert eldr(["fit", str(t), "--workers", "2", "--out", str(c), "--restarts", "1", "--max-iter", "5", "-q"]) == 0
     return t, c
 

@@ -30,7 +30,7 @@ def _refused(capsys, argv, what):
 
 def test_synth_beyond_memory_is_refused_before_generating(tmp_path, capsys):
     out = tmp_path / "t.npz"
-    err = _refused(capsys, ["synth", "--model", "deepseek-v3", "--requests", "100000000", "--out", str(out)],
+    err = _refused(capsys, ["synth", "--model", "deepseek-v3", "--requests", "100000000", "--out", str(out), "--format", "v1"],
                    "synth of 100000000 requests")
     assert "TiB" in err and not out.exists()
     _refused(capsys, ["synth", "--model", "gpt-oss-20b", "--requests", "1000", "--out", str(out), "--max-memory", "16M"],

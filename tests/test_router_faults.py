@@ -26,7 +26,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from pd_cluster import free_port, get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import free_port, get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 N_TRACE = 120
@@ -241,7 +241,8 @@ def test_bad_v1_loads_answers_never_stop_load_polling(cluster, workdir, faults):
     the poller drops each, counts it, and keeps reporting decode 1's real load."""
     urls = {"prefill": cluster["prefill"][:1], "decode": cluster["decode"][:2]}
     router, base = start_router(urls, workdir, ["--disagg-router", "round_robin", "--load-monitor-interval", "0.1",
-                                                "--health-check-interval-secs", "0", "--eldr-load-report-ttl-ms", "60000"])
+                                                "--health-check-interval-secs", "0", "--eldr-load-report-ttl-ms", "60000",
+                                                "--worker-poll-timeout-secs", "0.3"])
     try:
         for mode in ("loads:inf", "loads:1e30", "loads:negative", "loads:nonjson", "loads:shape", "loads:hang"):
             faults(cluster["decode"][0], mode)

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from _sglang_cpu import STARTUP_TIMEOUT, harness_or_skip  # noqa: E402
-from pd_cluster import post  # noqa: E402
+from eldr_sglang.testing.pd_cluster import post  # noqa: E402
 
 HIDDEN, TOP_K, EXPERTS, MOE_LAYERS = 3, 4, 16, [1, 2]  # model.DEEPSEEK_V3: first_k_dense_replace 1
 

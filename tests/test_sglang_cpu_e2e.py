@@ -33,7 +33,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from _sglang_cpu import STARTUP_TIMEOUT, harness_or_skip  # noqa: E402
-from pd_cluster import get_json, metric, post  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, metric, post  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import _sglang_cpu
-from pd_cluster import post
+from eldr_sglang.testing.pd_cluster import post
 
 DRIVER_SYMBOLS = """cuInit cuDriverGetVersion cuDeviceGetCount cuDeviceGet cuDeviceGetAttribute cuCtxGetDevice
 cuCtxSetCurrent cuDevicePrimaryCtxRetain cuDevicePrimaryCtxRelease_v2 cuGetProcAddress cuGetProcAddress_v2
@@ -132,3 +132,42 @@ def test_model_builder_cli_refuses_an_unknown_arch(tmp_path):
     p = subprocess.run([sys.executable, "-m", "eldr_sglang.testing.sglang_cpu.model", str(tmp_path / "m"), "--arch", "gpt2"],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=120)
     assert p.returncode == 2 and "invalid choice" in p.stderr
+
+
+def test_servers_die_when_the_test_process_is_sigkilled(tmp_path):
+    """A SIGKILLed pytest cannot run its finalizers; the servers it started must not outlive it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, sys, time\n"
+         "from pathlib import Path\n"
+         "from eldr_sglang.testing.sglang_cpu.cluster import Server\n"
+         f"s = Server('sleeper', ['-c', 'import time; time.sleep(600)'], 'http://127.0.0.1:1', Path({str(tmp_path / 'log')!r}), dict(os.environ))\n"
+         "print(s.proc.pid, flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # it runs
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a zombie reparented to init is reaped quickly; /proc state Z also counts as dead
+        try:
+            if open(f"/proc/{child}/stat").read().split(")")[1].split()[0] == "Z":
+                break
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"server process {child} outlived its SIGKILLed parent")

@@ -8,16 +8,16 @@ import json
 import numpy as np
 import pytest
 
-from eldr_sglang.sglang_io import (
+from eldr_sglang.traces.sglang_responses import (
     ModelSpec,
     RoutedExpertsError,
     decode_routed_experts,
-    encode_routed_experts,
     read_bench_serving_output,
     read_responses_jsonl,
     read_sglang,
     response_routing,
 )
+from eldr_sglang.testing.payloads import encode_routed_experts
 from eldr_sglang.traces import load_trace, save_trace
 
 from _fake_sglang import routing_for

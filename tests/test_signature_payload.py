@@ -132,7 +132,7 @@ def _encodings(rng):
 
 
 def test_rust_decoder_matches_the_numpy_reference_for_every_encoding():
-    from eldr_sglang import reference
+    from eldr_sglang.testing import reference
 
     encs = set()
     for p, c in _encodings(np.random.default_rng(3)):

@@ -111,7 +111,7 @@ def test_simulate_missing_trace_is_one_line_error(tmp_path, capsys):
 
 def test_demo_small(tmp_path, capsys):
     pytest.importorskip("eldr_sglang.offline.fit")
-    pytest.importorskip("eldr_sglang.synth")
+    pytest.importorskip("eldr_sglang.traces.synth")
     out = tmp_path / "demo"
     rc = _run(["demo", "--out", str(out), "--model", "gpt-oss-20b", "--hardware", "h100", "--workers", "2",
                "--requests", "90", "--output-len", "12", "--concurrency", "4,8", "--no-progress"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr_sglang import trace_stats as ts
+from eldr_sglang.traces import stats as ts
 from eldr_sglang.traces import Trace
 
 

@@ -16,6 +16,7 @@ import sys
 COMMANDS = [
     "eldr_sglang.cli.synth",
     "eldr_sglang.cli.collect",
+    "eldr_sglang.cli.convert",
     "eldr_sglang.cli.fit",
     "eldr_sglang.cli.inspect",
     "eldr_sglang.cli.route_demo",
@@ -23,6 +24,7 @@ COMMANDS = [
     "eldr_sglang.cli.demo",
     "eldr_sglang.cli.patch",
     "eldr_sglang.cli.refit",
+    "eldr_sglang.cli.drift_check",
 ]
 
 

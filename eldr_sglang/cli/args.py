@@ -99,6 +99,21 @@ def policies(text: str) -> str:
     return text
 
 
+def model(text: str) -> str:
+    """A model of the catalogue (name, Hugging Face id or alias) or a model directory / its
+    config.json; returned as given, looked up again where it is used."""
+    from eldr_sglang.models import get_model
+
+    try:
+        get_model(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+MODEL_HELP = "a catalogue name ({}), a Hugging Face id, or a model directory with a config.json"
+
+
 def size(text: str) -> int:
     """A memory size such as 512M or 8G."""
     from eldr_sglang.memory import parse_size

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from eldr_sglang.synth import MODEL_SHAPES
+from eldr_sglang.models import MODEL_SHAPES
 from eldr_sglang.cli import args as A
 
 
@@ -46,7 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--url", default="http://127.0.0.1:30000", help="SGLang server (default http://127.0.0.1:30000)")
     p.add_argument("--out", required=True, help="output trace (.npz), written atomically")
     m = p.add_argument_group("model (a preset, or the three numbers)")
-    m.add_argument("--model", choices=sorted(MODEL_SHAPES), help="model preset (layer layout, top-k, experts)")
+    m.add_argument("--model", type=A.model,
+                   help="model preset (layer layout, top-k, experts): " + A.MODEL_HELP.format(", ".join(MODEL_SHAPES)))
     m.add_argument("--num-hidden-layers", type=A.integer(1, A.MAX_LAYERS), help="hidden layers in SGLang's routed_experts")
     m.add_argument("--top-k", type=A.integer(1, 1024), help="experts per token (num_experts_per_tok)")
     m.add_argument("--num-experts", type=A.integer(1, A.MAX_EXPERTS), help="routed experts per MoE layer")
@@ -67,11 +68,19 @@ def register(subparsers) -> None:
     p.add_argument("--allow-failures", action="store_true", help="write the trace without failed prompts")
     p.add_argument("--keep-checkpoint", action="store_true", help="keep OUT.partial.jsonl after success")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--format", choices=["v2", "v1"], default="v2",
+                   help="v2 (default): prompt counts per request, decode routing of --keep-decode prompts; "
+                        "v1: every token's routing")
+    p.add_argument("--keep-decode", type=lambda t: None if t.strip().lower() == "all" else A.integer(0, A.MAX_REQUESTS)(t),
+                   default=None, metavar="N|all", help="(v2) keep the decode routing of the first N prompts (default all)")
+    p.add_argument("--counts-only", action="store_true",
+                   help="(v2) do not ask for return_routed_experts: take each prompt's counts from the eldr_signature "
+                        "payload a patched prefill streams (SGLang with --enable-eldr-signature); no decode routing")
     p.set_defaults(func=run)
 
 
 def _spec(args):
-    from eldr_sglang.sglang_io import ModelSpec
+    from eldr_sglang.traces.sglang_responses import ModelSpec
 
     if args.model:
         if any(v is not None for v in (args.num_hidden_layers, args.top_k, args.num_experts)):
@@ -93,8 +102,8 @@ def _spec(args):
 
 
 def run(args) -> int:
-    from eldr_sglang.collect import CollectConfig, collect, load_prompts
-    from eldr_sglang.sglang_io import read_sglang
+    from eldr_sglang.traces.collect import CollectConfig, collect, load_prompts
+    from eldr_sglang.traces.sglang_responses import read_sglang
     from eldr_sglang.traces import save_trace
 
     from eldr_sglang.io_safe import check_output
@@ -123,10 +132,12 @@ def run(args) -> int:
     cfg = CollectConfig(url=args.url, spec=spec, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         ignore_eos=args.ignore_eos, concurrency=args.concurrency, timeout_s=args.timeout,
                         retries=args.retries, served_model=args.served_model, api_key=api_key,
-                        extra_body=args.extra_body)
+                        extra_body=args.extra_body, routed_experts=not args.counts_only)
+    if args.counts_only and args.format != "v2":
+        raise ValueError("--counts-only writes a trace v2 (there is no per-token routing to write as v1)")
     res = collect(prompts, cfg, args.out, progress=not args.no_progress, allow_failures=args.allow_failures,
-                  keep_checkpoint=args.keep_checkpoint)
-    t = res.trace
-    print(f"wrote {args.out}: {t.num_requests} requests ({res.reused} from the checkpoint, {res.sent} sent, "
-          f"{len(res.failed)} failed), {t.expert_ids.shape[0]} tokens, {t.num_layers} MoE layers")
+                  keep_checkpoint=args.keep_checkpoint, fmt=args.format,
+                  keep_decode=0 if args.counts_only else args.keep_decode)
+    print(f"wrote {args.out} (trace {args.format}): {res.requests} requests ({res.reused} from the checkpoint, "
+          f"{res.sent} sent, {len(res.failed)} failed), {res.tokens} tokens")
     return 0

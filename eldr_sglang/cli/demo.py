@@ -1,6 +1,6 @@
 """`eldr demo`: the whole ELDR story on an embedded default, in about a minute on 2 cores.
 
-1. Generate a synthetic, domain-skewed DeepSeek-V3 routing workload (eldr_sglang.synth).
+1. Generate a synthetic, domain-skewed DeepSeek-V3 routing workload (eldr_sglang.traces.synth).
 2. Fit the centroids (balanced K-means over prefill signatures) on its first part.
 3. Simulate the PD cluster on the later part with every policy and a small load sweep.
 4. Print the comparison table and write a plot and JSON to the output directory.
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     K = args.workers
     loads = list(args.concurrency)  # parsed and checked by argparse
     from eldr_sglang import memory
-    from eldr_sglang.synth import model_shape
+    from eldr_sglang.models import model_shape
 
     shape = model_shape(args.model)
     memory.require(memory.synth_bytes(args.requests, (64 + 256) / 2 + args.output_len, shape["num_layers"], shape["top_k"],
@@ -72,18 +72,43 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.cost_model import ExecutionModel
+    from eldr_sglang.sim.profiles import get_hardware
+    from eldr_sglang.sim.report import format_table
+    from eldr_sglang.sim.runner import paper_check
+
+    trace, fit, cpath, n_fit, eval_idx = _generate_and_fit(args, out, K, say, show)
+    model = get_model(trace.model)
+    em = ExecutionModel(model, get_hardware(args.hardware))
+    sim = _simulate_loads(args, trace, str(cpath), eval_idx, em, K, loads, say, show)
+    say("[4/4] writing results")
+    print()
+    print(f"ELDR demo: synthetic {'uniform' if args.uniform else 'domain-skewed'} {model.name}, fit on {n_fit} requests, "
+          f"evaluated on {len(eval_idx)} others; {K} decode workers, {em.tp}x{em.hardware.name} each")
+    print(paper_check(em))
+    print()
+    print(format_table(sim["main_pol"], title=f"closed loop, concurrency {sim['main_load']} "
+                                              f"({sim['main_load'] / K:.0f} per decode worker)"))
+    if sim["tau_rows"]:
+        _print_tau_sweep(args.tau, sim["main_load"], sim["main_pol"], sim["tau_rows"])
+    meta = {
+        "tau_sweep": {n: m["tpot_ms"] for n, m in sim["tau_rows"].items()},
+        "model": em.describe(), "workers": K, "fit_requests": n_fit, "eval_requests": int(len(eval_idx)),
+        "concurrency": sim["main_load"], "tau": args.tau, "uniform": args.uniform, "seed": args.seed,
+        "fit_report": getattr(fit, "report", None) if isinstance(getattr(fit, "report", None), (dict, str)) else None,
+        "paper_check": paper_check(em),
+    }
+    return _write_results(out, cpath, meta, sim, title=f"{model.name}, K={K}")
+
+
+def _generate_and_fit(args, out: Path, K: int, say, show: bool):
+    """Steps 1-2: the synthetic trace, and centroids fitted on its first --fit-fraction.
+    Returns (trace, fit, centroid path, fit requests, held-out request indices)."""
     import numpy as np
 
-    from eldr_sglang.io_safe import write_text
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.sim.cluster import ClusterConfig
-    from eldr_sglang.sim.cost_model import ExecutionModel
-    from eldr_sglang.sim.profiles import get_hardware, get_model
-    from eldr_sglang.sim.replay import TraceReplay
-    from eldr_sglang.sim.report import format_table, json_summary, markdown_table, plot_runs, plot_sweep, write_json
-    from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison
-    from eldr_sglang.sim.workload import make_workload
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
 
     say(f"[1/4] generating a synthetic {'uniform' if args.uniform else 'domain-skewed'} {args.model} workload: "
         f"{args.requests} requests, {args.output_len} output tokens each")
@@ -99,9 +124,17 @@ def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
     cpath = out / "centroids.eldr"
     fit = fit_trace(trace, workers=K, tau=args.tau, layers="middle", seed=args.seed, requests=fit_idx, progress=show)
     fit.write(str(cpath))
+    return trace, fit, cpath, n_fit, eval_idx
 
-    model = get_model(trace.model)
-    em = ExecutionModel(model, get_hardware(args.hardware))
+
+def _simulate_loads(args, trace, cpath: str, eval_idx, em, K: int, loads: list, say, show: bool) -> dict:
+    """Step 3: every policy at every closed-loop load, and the tau sweep at the middle load."""
+    from eldr_sglang.sim.cluster import ClusterConfig
+    from eldr_sglang.sim.policies import eldr_signatures
+    from eldr_sglang.sim.replay import TraceReplay
+    from eldr_sglang.sim.runner import parse_policies, run_comparison
+    from eldr_sglang.workload import replay_workload
+
     replay = TraceReplay(trace)
     bounded = f",eldr/{args.eldr_load_factor:g}" if args.eldr_load_factor >= 0 else ""
     specs = parse_policies(f"random,round_robin,shortest_queue,power_of_two,eldr{bounded},oracle", args.tau)
@@ -110,14 +143,12 @@ def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
         f"loads {loads}, {len(specs)} policies")
     sweep: dict[str, list] = {s.label: [] for s in specs}
     runs = []
-    from eldr_sglang.sim.policies import eldr_signatures
-
-    sigs = eldr_signatures(replay, str(cpath))
+    sigs = eldr_signatures(replay, cpath)
     main_load = loads[len(loads) // 2] if len(loads) > 1 else loads[0]
     main_pol, main_res = None, None
     for c in loads:
-        wl = make_workload(replay, requests=eval_idx, arrival="closed", concurrency=c, seed=args.seed)
-        pol, res = run_comparison(replay, wl, specs, em, cfg, centroids=str(cpath), seed=args.seed,
+        wl = replay_workload(replay, requests=eval_idx, arrival="closed", concurrency=c, seed=args.seed)
+        pol, res = run_comparison(replay, wl, specs, em, cfg, centroids=cpath, seed=args.seed,
                                   progress=show, keep_results=(c == main_load), signatures=sigs)
         say(f"      concurrency {c}: " + ", ".join(f"{n} {m['tpot_ms']['p50']:.2f}" for n, m in pol.items()) + " ms TPOT p50")
         for n, m in pol.items():
@@ -126,45 +157,42 @@ def _run(args, out: Path, K: int, loads: list, say, show: bool) -> list:
         if c == main_load:
             main_pol, main_res = pol, res
 
-    taus = list(args.taus)
     tau_rows = {}
-    if taus:
-        wl = make_workload(replay, requests=eval_idx, arrival="closed", concurrency=main_load, seed=args.seed)
-        tspecs = parse_policies(",".join(f"eldr@{x:g}" for x in taus))
-        tau_rows, _ = run_comparison(replay, wl, tspecs, em, cfg, centroids=str(cpath), seed=args.seed,
+    if list(args.taus):
+        wl = replay_workload(replay, requests=eval_idx, arrival="closed", concurrency=main_load, seed=args.seed)
+        tspecs = parse_policies(",".join(f"eldr@{x:g}" for x in args.taus))
+        tau_rows, _ = run_comparison(replay, wl, tspecs, em, cfg, centroids=cpath, seed=args.seed,
                                      progress=show, signatures=sigs)
-    say("[4/4] writing results")
+    return {"sweep": sweep, "runs": runs, "main_load": main_load, "main_pol": main_pol, "main_res": main_res,
+            "tau_rows": tau_rows}
+
+
+def _print_tau_sweep(tau: float, main_load: int, main_pol: dict, tau_rows: dict) -> None:
+    sq = main_pol["shortest_queue"]["tpot_ms"]
     print()
-    print(f"ELDR demo: synthetic {'uniform' if args.uniform else 'domain-skewed'} {model.name}, fit on {n_fit} requests, "
-          f"evaluated on {len(eval_idx)} others; {K} decode workers, {em.tp}x{em.hardware.name} each")
-    print(paper_check(em))
-    print()
-    print(format_table(main_pol, title=f"closed loop, concurrency {main_load} ({main_load / K:.0f} per decode worker)"))
-    if tau_rows:
-        sq = main_pol["shortest_queue"]["tpot_ms"]
-        print()
-        print(f"tau sweep at concurrency {main_load} (small tau: more locality, less balance):")
-        for n, m in {"eldr@" + f"{args.tau:g}": main_pol["eldr"], **tau_rows}.items():
-            t = m["tpot_ms"]
-            print(f"  {n:10s} TPOT p50 {t['p50']:6.2f} ms ({(t['p50'] / sq['p50'] - 1) * 100:+5.1f}% vs shortest_queue), "
-                  f"p99 {t['p99']:6.2f} ms ({(t['p99'] / sq['p99'] - 1) * 100:+5.1f}%), "
-                  f"experts/layer/step {m['unique_experts_per_layer_step']:6.1f}, imbalance {m['load_imbalance']:.2f}")
-    meta = {
-        "tau_sweep": {n: m["tpot_ms"] for n, m in tau_rows.items()},
-        "model": em.describe(), "workers": K, "fit_requests": n_fit, "eval_requests": int(len(eval_idx)),
-        "concurrency": main_load, "tau": args.tau, "uniform": args.uniform, "seed": args.seed,
-        "fit_report": getattr(fit, "report", None) if isinstance(getattr(fit, "report", None), (dict, str)) else None,
-        "paper_check": paper_check(em),
-    }
+    print(f"tau sweep at concurrency {main_load} (small tau: more locality, less balance):")
+    for n, m in {"eldr@" + f"{tau:g}": main_pol["eldr"], **tau_rows}.items():
+        t = m["tpot_ms"]
+        print(f"  {n:10s} TPOT p50 {t['p50']:6.2f} ms ({(t['p50'] / sq['p50'] - 1) * 100:+5.1f}% vs shortest_queue), "
+              f"p99 {t['p99']:6.2f} ms ({(t['p99'] / sq['p99'] - 1) * 100:+5.1f}%), "
+              f"experts/layer/step {m['unique_experts_per_layer_step']:6.1f}, imbalance {m['load_imbalance']:.2f}")
+
+
+def _write_results(out: Path, cpath: Path, meta: dict, sim: dict, title: str) -> list:
+    """results.json, results.md and the two plots (skipped without matplotlib); returns the paths."""
+    from eldr_sglang.io_safe import write_text
+    from eldr_sglang.sim.report import json_summary, markdown_table, plot_runs, plot_sweep, write_json
+
+    main_pol, main_res = sim["main_pol"], sim["main_res"]
     obj = json_summary(main_pol, meta)
-    obj["sweep"] = runs
+    obj["sweep"] = sim["runs"]
     write_json(obj, out / "results.json")
     write_text(out / "results.md", markdown_table(main_pol) + "\n")
     wrote = [out / "results.json", out / "results.md", cpath]
     try:
-        plot_sweep(sweep, out / "tpot_vs_load.png", xlabel="concurrency (clients)", title=f"{model.name}, K={K}")
+        plot_sweep(sim["sweep"], out / "tpot_vs_load.png", xlabel="concurrency (clients)", title=title)
         plot_runs(main_pol, {n: r.step_distinct for n, r in main_res.items()}, out / "policies.png",
-                  title=f"{model.name}, K={K}, concurrency {main_load}")
+                  title=f"{title}, concurrency {sim['main_load']}")
         wrote += [out / "tpot_vs_load.png", out / "policies.png"]
     except RuntimeError as exc:  # matplotlib missing
         print(f"note: {exc}", file=sys.stderr)

@@ -52,27 +52,32 @@ def _check_memory(args) -> None:
     from eldr_sglang.offline.layers import middle_band, parse_layers
 
     shape, meta = memory.trace_shape(args.trace), memory.trace_meta(args.trace)
-    if shape is None or meta is None:
-        return  # unreadable or invalid: load_trace says why
-    E = int(meta["num_experts"])
+    counts = memory.counts_shape(meta)
+    if (shape is None and counts is None) or meta is None:
+        return  # unreadable or invalid: open_trace says why
+    E, L = int(meta["num_experts"]), int(meta["num_layers"])
     spec = args.layers.strip().lower()
     if spec == "middle":
-        selected = int(np.count_nonzero(middle_band(shape.layers)))
+        selected = int(np.count_nonzero(middle_band(L)))
     elif spec == "all":
-        selected = shape.layers
+        selected = L
     else:  # auto picks at least one layer; a bad list is reported by the fit itself
         try:
-            selected = 1 if spec == "auto" else int(np.count_nonzero(parse_layers(args.layers, shape.layers)))
+            selected = 1 if spec == "auto" else int(np.count_nonzero(parse_layers(args.layers, L)))
         except ValueError:
             selected = 1
-    memory.require(memory.fit_bytes(shape, E, selected, PROFILE_SAMPLE, DEFAULT_CHUNK_TOKENS),
-                   f"fit of {shape.requests} requests x {selected} layers x {E} experts", args.max_memory)
+    if counts is not None:
+        need, requests = memory.counts_fit_bytes(counts, selected, PROFILE_SAMPLE), counts.requests
+    else:
+        need, requests = memory.fit_bytes(shape, E, selected, PROFILE_SAMPLE, DEFAULT_CHUNK_TOKENS), shape.requests
+    memory.require(need, f"fit of {requests} requests x {selected} layers x {E} experts", args.max_memory)
 
 
 def run(args) -> int:
     from eldr_sglang.offline.fit import fit_trace
     from eldr_sglang.offline.report import format_report
-    from eldr_sglang.traces import load_trace
+    from eldr_sglang.traces import open_trace
+    from eldr_sglang.traces.counts_file import CountsTrace
 
     from eldr_sglang import io_safe
 
@@ -91,21 +96,24 @@ def run(args) -> int:
         if len(names) != args.workers or any(not n for n in names):
             raise CliError(f"--worker-names needs {args.workers} non-empty names, got {args.worker_names!r}")
     _check_memory(args)
-    trace = load_trace(args.trace)
-    res = fit_trace(
-        trace,
-        workers=args.workers,
-        tau=args.tau,
-        layers=args.layers,
-        seed=args.seed,
-        progress=not args.quiet,
-        n_init=args.restarts,
-        max_iter=args.max_iter,
-        rtol=args.tol,
-        idf_plus_one=not args.no_idf_plus_one,
-        worker_names=names,
-        source_path=args.trace,
-    )
+    trace = open_trace(args.trace)  # v1 in memory, or v2 read chunk by chunk
+    with contextlib.ExitStack() as cleanup:
+        if isinstance(trace, CountsTrace):
+            cleanup.callback(trace.close)
+        res = fit_trace(
+            trace,
+            workers=args.workers,
+            tau=args.tau,
+            layers=args.layers,
+            seed=args.seed,
+            progress=not args.quiet,
+            n_init=args.restarts,
+            max_iter=args.max_iter,
+            rtol=args.tol,
+            idf_plus_one=not args.no_idf_plus_one,
+            worker_names=names,
+            source_path=args.trace,
+        )
     report = dict(res.report)
     report["out"] = str(out)
     # Stage the JSON first and commit it after the centroid file: a failure leaves neither new.

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from eldr_sglang.cli import args as A
+from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES
 
 DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr"
 COST_MODELS = ("default", "paper-fixed", "paper-fixed+overhead", "band")
@@ -47,6 +48,9 @@ def register(sub) -> None:
     p.add_argument("--tp", type=A.integer(0, 1024), default=0, help="GPUs per worker (default: fewest that hold the weights)")
     p.add_argument("--workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="decode workers K (default: the centroid file's, else 8)")
     p.add_argument("--prefill-workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="prefill workers (default: K)")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=DEFAULT_PREFILL_POLICY,
+                   help="prefill placement (default round_robin, as the router service's --prefill-policy; "
+                        "earliest_free: the worker that frees up first, the simulator's rule before)")
     p.add_argument("--max-running", type=A.integer(1, 1_000_000), default=256, help="max running requests per decode worker")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=A.listed(A.integer(1, 10_000_000)), help="closed loop: concurrent clients (a comma list sweeps load)")
@@ -68,7 +72,8 @@ def register(sub) -> None:
 
 
 def list_profiles() -> str:
-    from eldr_sglang.sim.profiles import HARDWARE_PROFILES, MODEL_PROFILES
+    from eldr_sglang.models import MODEL_PROFILES
+    from eldr_sglang.sim.profiles import HARDWARE_PROFILES
 
     lines = ["models:"]
     for m in MODEL_PROFILES.values():
@@ -108,13 +113,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.trace:
         raise ValueError("--trace is required (or --list-profiles)")
 
+    from eldr_sglang.models import get_model
     from eldr_sglang.sim.cluster import ClusterConfig
-    from eldr_sglang.sim.cost_model import ExecutionModel
-    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.sim.profiles import get_hardware
     from eldr_sglang.sim.replay import TraceReplay
-    from eldr_sglang.sim.report import format_table, format_workers, json_summary, plot_runs, plot_sweep, write_json
-    from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison
-    from eldr_sglang.sim.workload import make_workload
+    from eldr_sglang.sim.runner import paper_check, parse_policies
     from eldr_sglang.traces import load_trace
 
     from eldr_sglang.io_safe import check_outputs
@@ -134,6 +137,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--cost-model band needs --protocol strict")
     em = next(iter(models.values()))
     specs = parse_policies(args.policies or DEFAULT_POLICIES, args.tau, args.eldr_load_factor)
+    K = _decode_workers(args)
+    if any(s.policy == "eldr" for s in specs) and not args.centroids:
+        raise ValueError("policy eldr needs --centroids (make one with `eldr fit`)")
+    cfg = ClusterConfig(num_decode=K, num_prefill=args.prefill_workers, max_running=args.max_running,
+                        prefill_policy=args.prefill_policy)
+    points = _load_points(args, trace, K)
+    print(f"model {model.name} on {K} decode workers x tp={em.tp} {hw.name}; trace {args.trace}: "
+          f"{trace.num_requests} requests, {trace.num_layers} MoE layers x {trace.num_experts} experts, top-{trace.top_k}")
+    print(paper_check(em))
+    sweep, runs, last_policies, last_distinct = _sweep(args, TraceReplay(trace), points, specs, em, cfg)
+    meta = {
+        "trace": str(args.trace), "model": em.describe(), "workers": K, "centroids": args.centroids,
+        "paper_check": paper_check(em), "seed": args.seed,
+    }
+    _write_outputs(args, meta, sweep, runs, last_policies, last_distinct, title=f"{model.name}, K={K}")
+    return 0
+
+
+def _decode_workers(args) -> int:
+    """K: --workers, which must agree with the centroid file's worker count; else that count, else 8."""
     K = args.workers
     if args.centroids:
         from eldr_sglang._core import CentroidSet
@@ -142,33 +165,37 @@ def run(args: argparse.Namespace) -> int:
         if K and K != cs.num_workers:
             raise ValueError(f"--workers {K} but the centroid file has {cs.num_workers} workers")
         K = cs.num_workers
-    K = K or 8
-    if any(s.policy == "eldr" for s in specs) and not args.centroids:
-        raise ValueError("policy eldr needs --centroids (make one with `eldr fit`)")
-    cfg = ClusterConfig(num_decode=K, num_prefill=args.prefill_workers, max_running=args.max_running)
-    replay = TraceReplay(trace)
+    return K or 8
 
+
+def _load_points(args, trace, K: int) -> list[tuple[str, float | None]]:
+    """The (arrival, concurrency or rate) points to run: the given sweep, else trace arrivals,
+    else a closed loop at 16 clients per worker."""
     conc = list(args.concurrency or [])  # parsed and checked by argparse
     rates = list(args.rate or [])
     if conc:
-        points = [("closed", c) for c in conc]
-    elif rates:
-        points = [(args.arrival or "poisson", r) for r in rates]
-    elif args.arrival == "trace" or trace.arrival_s is not None:
-        points = [("trace", None)]
-    else:
-        points = [("closed", 16 * K)]
-        print(f"no load given: closed loop at concurrency {16 * K}", file=sys.stderr)
+        return [("closed", c) for c in conc]
+    if rates:
+        return [(args.arrival or "poisson", r) for r in rates]
+    if args.arrival == "trace" or trace.arrival_s is not None:
+        return [("trace", None)]
+    print(f"no load given: closed loop at concurrency {16 * K}", file=sys.stderr)
+    return [("closed", 16 * K)]
 
-    print(f"model {model.name} on {K} decode workers x tp={em.tp} {hw.name}; trace {args.trace}: "
-          f"{trace.num_requests} requests, {trace.num_layers} MoE layers x {trace.num_experts} experts, top-{trace.top_k}")
-    print(paper_check(em))
+
+def _sweep(args, replay, points, specs, em, cfg):
+    """Every policy at every load point, each table printed as it is done; returns (per-policy
+    sweep, per-point runs, the last point's policy metrics and per-step distinct experts)."""
+    from eldr_sglang.sim.report import format_table, format_workers
+    from eldr_sglang.sim.runner import run_comparison
+    from eldr_sglang.workload import replay_workload
+
     sweep: dict[str, list] = {s.label: [] for s in specs}
     runs = []
-    last_distinct = {}
-    last_policies = {}
+    last_distinct: dict = {}
+    last_policies: dict = {}
     for arrival, value in points:
-        wl = make_workload(
+        wl = replay_workload(
             replay, requests=args.requests or None, order=args.order, output_len=args.output_len or None,
             arrival=arrival, concurrency=value if arrival == "closed" else None,
             rate=value if arrival in ("poisson", "bursty") else (value if arrival == "trace" else None), seed=args.seed,
@@ -189,10 +216,13 @@ def run(args: argparse.Namespace) -> int:
         runs.append({"load": {"arrival": arrival, "value": value}, "workload": wl.describe(), "policies": pol})
         last_distinct = {n: r.step_distinct for n, r in res.items()}
         last_policies = pol
-    meta = {
-        "trace": str(args.trace), "model": em.describe(), "workers": K, "centroids": args.centroids,
-        "paper_check": paper_check(em), "seed": args.seed,
-    }
+    return sweep, runs, last_policies, last_distinct
+
+
+def _write_outputs(args, meta, sweep, runs, last_policies, last_distinct, title: str) -> None:
+    """--json (the last point's summary, plus the sweep when there are several) and --plot."""
+    from eldr_sglang.sim.report import json_summary, plot_runs, plot_sweep, write_json
+
     if args.json:
         obj = json_summary(last_policies, meta)
         if len(runs) > 1:
@@ -200,13 +230,12 @@ def run(args: argparse.Namespace) -> int:
         write_json(obj, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        if len(points) > 1:
-            xl = "concurrency (clients)" if conc else "request rate (req/s)"
-            plot_sweep(sweep, args.plot, xlabel=xl, title=f"{model.name}, K={K}")
+        if len(runs) > 1:
+            xl = "concurrency (clients)" if args.concurrency else "request rate (req/s)"
+            plot_sweep(sweep, args.plot, xlabel=xl, title=title)
         else:
-            plot_runs(last_policies, last_distinct, args.plot, title=f"{model.name}, K={K}")
+            plot_runs(last_policies, last_distinct, args.plot, title=title)
         print(f"wrote {args.plot}")
-    return 0
 
 
 def _models(args, model, hw) -> dict:

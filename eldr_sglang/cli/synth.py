@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
-from eldr_sglang.synth import MODEL_SHAPES
+from eldr_sglang.models import MODEL_SHAPES, model_shape
 from eldr_sglang.cli import args as A
 
 
@@ -25,14 +27,22 @@ def _length(text: str):
     raise argparse.ArgumentTypeError(f"expected N or LO,HI, got {text!r}")
 
 
+KEEP_DECODE_DEFAULT = 10000
+
+
+def _keep(text: str):
+    """'all' -> None (every request), else a request count."""
+    return None if str(text).strip().lower() == "all" else A.integer(0, A.MAX_REQUESTS)(text)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "synth",
         help="generate a synthetic MoE routing trace",
-        description="Generate a synthetic domain-skewed MoE routing trace (ELDR trace v1), calibrated "
+        description="Generate a synthetic domain-skewed MoE routing trace (ELDR trace v2, or v1), calibrated "
                     "to real GPT-OSS-20B routing statistics; --uniform gives the no-locality control.",
     )
-    p.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES), help="model shape")
+    p.add_argument("--model", required=True, type=A.model, help="model shape: " + A.MODEL_HELP.format(", ".join(MODEL_SHAPES)))
     p.add_argument("--requests", type=A.integer(1, A.MAX_REQUESTS), required=True, help="number of requests")
     p.add_argument("--domains", type=A.integer(1, 4096), default=8, help="number of domains (default 8)")
     p.add_argument("--uniform", action="store_true", help="uniform routing: no domain locality (control)")
@@ -44,6 +54,12 @@ def register(subparsers) -> None:
     p.add_argument("--burstiness", type=A.real(0.0, 1.0), default=0.7,
                    help="probability a request belongs to its regime's dominant domain (default 0.7)")
     p.add_argument("--rate", type=A.real(0.0, 1e9, lo_open=True), default=4.0, help="mean arrival rate, requests/s (default 4)")
+    p.add_argument("--format", choices=["v2", "v1"], default="v2",
+                   help="v2 (default): per-request prompt counts streamed to disk in bounded memory, decode "
+                        "routing of --keep-decode requests; v1: every token's routing, held in memory")
+    p.add_argument("--keep-decode", type=_keep, default=KEEP_DECODE_DEFAULT, metavar="N|all",
+                   help=f"(v2) keep the decode routing of the first N requests, or 'all' (default {KEEP_DECODE_DEFAULT}: "
+                        "enough for a simulator study; the fit needs none)")
     p.add_argument("--out", required=True, help="output trace (.npz), written atomically")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     A.add_max_memory(p)
@@ -51,31 +67,49 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from eldr_sglang.synth import generate
-    from eldr_sglang.traces import save_trace
-
-    from eldr_sglang.io_safe import check_output
-
-    if args.requests < 1:
-        raise ValueError("--requests must be >= 1")
     from eldr_sglang import memory
+    from eldr_sglang.io_safe import check_output
+    from eldr_sglang.progress import progress
 
     check_output(args.out, what="--out", create_parent=True)  # before the generation, not after
-    shape = MODEL_SHAPES[args.model]
+    shape = model_shape(args.model)
+    gen = dict(model=args.model, requests=args.requests, domains=args.domains, uniform=args.uniform, seed=args.seed,
+               prompt_len=args.prompt_len, output_len=args.output_len, burstiness=args.burstiness, rate=args.rate)
+    t0 = time.time()
+    show = not args.no_progress and args.requests >= 2000
+    if args.format == "v2":
+        from eldr_sglang.traces.counts_file import open_counts_trace
+        from eldr_sglang.traces.synth import write_synth
+
+        with contextlib.ExitStack() as stack:
+            bars = []
+
+            def update(n: int) -> None:  # the bar starts with the first tokens, after the memory check
+                if not bars:
+                    bars.append(stack.enter_context(progress(desc="synth", unit="tok", unit_scale=True)))
+                bars[0].update(n)
+
+            write_synth(args.out, keep_decode=args.keep_decode, progress=update if show else None,
+                        max_memory=args.max_memory, **gen)
+        with open_counts_trace(args.out) as t:
+            kept = t.meta["decode_requests"]
+            print(f"wrote {args.out} (trace v2): {args.model} {'uniform' if args.uniform else f'{args.domains} domains'}, "
+                  f"{t.num_requests} requests, {int(t.prefill_len.sum())} prompt tokens counted, decode routing of "
+                  f"{kept} requests, {t.num_layers}x{t.num_experts} top-{t.top_k} "
+                  f"({os.path.getsize(args.out) / 2**20:.0f} MiB) in {time.time() - t0:.1f}s")
+        return 0
+    from eldr_sglang.traces import save_trace
+    from eldr_sglang.traces.synth import generate
+
     mean = lambda v: (v[0] + v[1]) / 2 if isinstance(v, tuple) else float(v)  # noqa: E731
     memory.require(memory.synth_bytes(args.requests, mean(args.prompt_len) + mean(args.output_len), shape["num_layers"],
                                       shape["top_k"], shape["num_experts"]),
                    f"synth of {args.requests} requests", args.max_memory)
-    t0 = time.time()
-    from eldr_sglang.progress import progress
-
-    with progress(desc="synth", unit="tok", unit_scale=True, enabled=not args.no_progress and args.requests >= 2000) as bar:
-        trace = generate(model=args.model, requests=args.requests, domains=args.domains, uniform=args.uniform,
-                         seed=args.seed, prompt_len=args.prompt_len, output_len=args.output_len,
-                         burstiness=args.burstiness, rate=args.rate, progress=bar.update)
+    with progress(desc="synth", unit="tok", unit_scale=True, enabled=show) as bar:
+        trace = generate(progress=bar.update, **gen)
     save_trace(trace, args.out)
     T = trace.expert_ids.shape[0]
-    print(f"wrote {args.out}: {args.model} {'uniform' if args.uniform else f'{args.domains} domains'}, "
+    print(f"wrote {args.out} (trace v1): {args.model} {'uniform' if args.uniform else f'{args.domains} domains'}, "
           f"{trace.num_requests} requests, {T} tokens, {trace.num_layers}x{trace.num_experts} top-{trace.top_k} "
           f"({trace.expert_ids.nbytes / 2**20:.0f} MiB of ids) in {time.time() - t0:.1f}s")
     return 0

@@ -1,6 +1,6 @@
 """Drift in the simulator: a workload whose domain mix shifts, and adaptive ELDR.
 
-- `drifting_trace(...)` builds a synthetic trace (eldr_sglang.synth.generate, one routing
+- `drifting_trace(...)` builds a synthetic trace (eldr_sglang.traces.synth.generate, one routing
   model for all phases) whose requests come in phases, each phase drawing its requests from
   its own set of domains (domain labels are used here only to *compose* the workload; the
   policies never see them). A separate calibration set comes from the first phase's domains.
@@ -37,7 +37,7 @@ def drifting_trace(
     """phases: [(domains of the phase, requests), ...]. Returns (trace, calib_idx, phase_of):
     trace requests are the calibration set (`calibration` requests from phase 0's domains)
     followed by the phases in order; `phase_of[r]` is -1 for calibration requests."""
-    from eldr_sglang.synth import generate
+    from eldr_sglang.traces.synth import generate
 
     if not phases:
         raise ValueError("give at least one phase")

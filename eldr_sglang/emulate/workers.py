@@ -36,6 +36,7 @@ the ways real workers fail short of refusing connections; /health keeps answerin
   slow:F          decode: every step takes F times as long
   loads:inf | loads:1e30 | loads:negative | loads:nonjson | loads:shape | loads:hang
                   a bad /v1/loads answer (Infinity, 10^30, -5, HTML, a list, no answer)
+  status_delay:S  /health and /v1/loads answer after S seconds (a busy CPU SGLang)
 
 A bootstrap room is transferred once: a second decode that asks for a room already being
 or already transferred gets 409, as the KV can only move once. An aborted transfer (the
@@ -59,7 +60,8 @@ from aiohttp import web
 
 from eldr_sglang.sglang_ext.payload import META_KEY, encode_counts
 from eldr_sglang.sim.cost_model import ExecutionModel
-from eldr_sglang.sim.profiles import MODEL_PROFILES, get_hardware, get_model
+from eldr_sglang.models import MODEL_PROFILES, get_model
+from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.sim.replay import TraceReplay, distinct_counter
 from eldr_sglang.traces import Trace
 
@@ -169,12 +171,21 @@ class Faults:
         self.mode = "none"
         self.loads = None
         self.slow = 1.0
+        self.status_delay = 0.0
         if spec:
             self.set(spec)
 
     def set(self, spec: str) -> None:
         if spec == "none":
-            self.mode, self.loads, self.slow = "none", None, 1.0
+            self.mode, self.loads, self.slow, self.status_delay = "none", None, 1.0, 0.0
+        elif spec.startswith("status_delay:"):
+            try:
+                d = float(spec[13:])
+            except ValueError:
+                d = float("nan")
+            if not (0 <= d <= 3600):
+                raise ValueError(f"fault {spec!r}: status_delay:S needs 0 <= S <= 3600 seconds")
+            self.status_delay = d
         elif spec in LOADS_FAULTS:
             self.loads = spec
         elif spec.startswith("slow:"):
@@ -188,10 +199,11 @@ class Faults:
         elif spec in FAULTS:
             self.mode = spec
         else:
-            raise ValueError(f"unknown fault {spec!r}: one of {', '.join(FAULTS)}, slow:F, {', '.join(LOADS_FAULTS)}")
+            raise ValueError(f"unknown fault {spec!r}: one of {', '.join(FAULTS)}, slow:F, status_delay:S, "
+                             f"{', '.join(LOADS_FAULTS)}")
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "loads": self.loads, "slow": self.slow}
+        return {"mode": self.mode, "loads": self.loads, "slow": self.slow, "status_delay": self.status_delay}
 
 
 async def _forever() -> None:
@@ -200,6 +212,8 @@ async def _forever() -> None:
 
 def _common_routes(app: web.Application, worker) -> None:
     async def health(_):
+        if worker.faults.status_delay:
+            await asyncio.sleep(worker.faults.status_delay)
         return web.Response(text="ok")
 
     async def fault(request: web.Request):
@@ -212,6 +226,8 @@ def _common_routes(app: web.Application, worker) -> None:
         return web.json_response(worker.faults.describe())
 
     async def loads(request: web.Request):
+        if worker.faults.status_delay:
+            await asyncio.sleep(worker.faults.status_delay)
         lf = worker.faults.loads
         if lf is None:
             return await worker.loads(request)

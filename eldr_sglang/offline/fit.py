@@ -23,17 +23,11 @@ import scipy.sparse as sp
 from eldr_sglang.offline import report as rpt
 from eldr_sglang.offline.balanced_kmeans import KMeansResult, balanced_sizes, spherical_kmeans
 from eldr_sglang.offline.layers import parse_layers, select_layers_auto
-from eldr_sglang.offline.signatures import (
-    DEFAULT_CHUNK_TOKENS,
-    compute_idf,
-    compute_signatures,
-    decode_profiles,
-    document_frequency,
-    make_spec,
-    raw_signatures,
-)
+from eldr_sglang.offline.signatures import DEFAULT_CHUNK_TOKENS, compute_idf, make_spec
+from eldr_sglang.offline.sources import prefill_source
 from eldr_sglang.progress import status_line
 from eldr_sglang.traces import Trace
+from eldr_sglang.traces.counts_file import CountsTrace
 
 # Densify the signature matrix for K-means when it is at least this dense and fits in this
 # many bytes (dense BLAS beats sparse products there).
@@ -80,17 +74,9 @@ class FitResult:
         )
 
 
-def trace_digest(trace: Trace) -> str:
-    """sha256 of the trace's routing content (ids, offsets, prefill lengths, shape meta)."""
-    h = hashlib.sha256()
-    h.update(json.dumps([trace.num_layers, trace.num_experts, trace.top_k, str(trace.expert_ids.dtype)]).encode())
-    for a in (trace.req_offsets.astype(np.int64), trace.prefill_len.astype(np.int32)):
-        h.update(np.ascontiguousarray(a).tobytes())
-    ids = trace.expert_ids
-    step = 1 << 20
-    for s in range(0, ids.shape[0], step):
-        h.update(np.ascontiguousarray(ids[s : s + step]).tobytes())
-    return h.hexdigest()
+def trace_digest(trace) -> str:
+    """sha256 of the trace's routing content (see sources.TokenSource/CountsSource.digest)."""
+    return prefill_source(trace).digest()
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -102,8 +88,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def _check_inputs(trace: Trace, workers, tau, requests):
-    if not isinstance(trace, Trace):
-        raise TypeError("fit_trace needs an eldr_sglang.traces.Trace")
+    if not isinstance(trace, (Trace, CountsTrace)):
+        raise TypeError("fit_trace needs an eldr_sglang.traces.Trace (v1) or CountsTrace (v2)")
     trace.validate()  # TraceError (a ValueError) names layer/expert/top-k mismatch, out-of-range ids, empty trace
     try:
         K = int(workers)
@@ -137,7 +123,7 @@ def _check_inputs(trace: Trace, workers, tau, requests):
 
 
 def fit_trace(
-    trace: Trace,
+    trace: Trace | CountsTrace,
     workers: int,
     tau: float = 0.1,
     layers="middle",
@@ -156,6 +142,10 @@ def fit_trace(
 ) -> FitResult:
     """Fit K balanced centroids to the prefill signatures of the calibration requests.
 
+    trace: a v1 Trace, or a v2 CountsTrace (read chunk by chunk from disk; layer selection
+    "auto" and the decode statistics of the report then use the requests that kept decode
+    routing).
+
     layers: "middle", "all", "auto" (greedy Spearman selection, held-out rho reported),
     a list string like "4-12,15" / "6:0.5,7", or a weight array [L].
     requests: optional index array (or boolean mask) of the calibration subset; the
@@ -171,14 +161,14 @@ def fit_trace(
     L, E = trace.num_layers, trace.num_experts
     say = (lambda m: print(f"eldr fit: {m}", file=sys.stderr)) if progress else (lambda m: None)
 
-    # 1. one streaming pass: count-proportional rows over all layers -> df, IDF
-    raw, valid = raw_signatures(trace, req, chunk_tokens, progress)
+    # 1. one streaming pass over the prompt counts -> df, IDF
+    src = prefill_source(trace, chunk_tokens)
+    valid, df = src.prefill_pass(req, progress)
     n_valid = int(valid.sum())
     if n_valid == 0:
         raise ValueError("no calibration request has a usable signature (no prefill tokens)")
     if K > n_valid:
         raise ValueError(f"K > N: {K} workers but only {n_valid} calibration requests with a usable signature")
-    df = document_frequency(raw[valid], L, E)
     idf = compute_idf(df, n_valid, plus_one=idf_plus_one)
     t_after_raw = time.perf_counter()
 
@@ -187,12 +177,15 @@ def fit_trace(
     mode = layers if isinstance(layers, str) else "weights"
     if isinstance(layers, str) and layers.strip().lower() == "auto":
         mode = "auto"
-        cand = np.flatnonzero(valid & (trace.decode_len()[req] > 0))
+        cand = np.flatnonzero(valid & src.has_decode(req))
         if len(cand) > PROFILE_SAMPLE:
             cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
-        profiles, _ = decode_profiles(trace, req[cand], chunk_tokens)
+        if len(cand) < 3:
+            raise ValueError("--layers auto needs decode routing of at least 3 calibration requests; "
+                             "this trace keeps too little (use --layers middle, or keep decode routing)")
+        profiles = src.decode_profiles(req[cand])
         say("selecting layers (greedy Spearman)")
-        auto = select_layers_auto(raw[cand], idf.astype(np.float64), profiles, rng)
+        auto = select_layers_auto(src.raw_rows(req, cand), idf.astype(np.float64), profiles, rng)
         weights = auto.weights
     else:
         weights = parse_layers(layers, L)
@@ -200,7 +193,13 @@ def fit_trace(
 
     # 3. final signatures through the Rust normalizer (the router's exact path)
     spec = make_spec(weights, idf)
-    S, valid2 = compute_signatures(trace, spec, req, chunk_tokens, progress, desc="signatures")
+    # The density of the signatures is known before they are made: with IDF > 0 a signature
+    # entry is non-zero exactly where its count is, so df over the selected layers counts
+    # them. A matrix that K-means will densify is then built dense, never as CSR first.
+    n_cells = max(1, n_valid * spec.dim)
+    predicted = float(df[weights > 0].sum()) / n_cells
+    dense = predicted >= DENSE_MIN_DENSITY and len(req) * spec.dim * 4 <= DENSE_MAX_BYTES
+    S, valid2 = src.signatures(spec, req, progress, dense=dense)
     valid = valid & valid2
     n_valid = int(valid.sum())
     if K > n_valid:
@@ -208,10 +207,15 @@ def fit_trace(
             f"K > N: {K} workers but only {n_valid} calibration requests have a signature on the selected layers"
         )
     t_sig = time.perf_counter() - t0
-    X = S[valid]
-    density = X.nnz / max(1, X.shape[0] * X.shape[1])
-    if density >= DENSE_MIN_DENSITY and X.shape[0] * X.shape[1] * 4 <= DENSE_MAX_BYTES:
+    X = S if valid.all() else S[valid]  # no copy in the usual case: every request has a signature
+    nnz = int(np.count_nonzero(X)) if dense else X.nnz
+    density = nnz / max(1, X.shape[0] * X.shape[1])
+    if not dense and density >= DENSE_MIN_DENSITY and X.shape[0] * X.shape[1] * 4 <= DENSE_MAX_BYTES:
         X = X.toarray()
+    if keep_signatures:
+        S = sp.csr_matrix(S) if dense else S
+    else:
+        S = None  # X holds the fitted rows; the full matrix is not needed again
 
     # 4. balanced spherical K-means
     with status_line(desc="eldr fit", enabled=progress) as line:
@@ -269,16 +273,15 @@ def fit_trace(
     say("scoring")
     rep["cosine"] = rpt.cosine_stats(X, km.assignment, km.centroids)
     # Spearman rho of the final signature, on a sample of fitted requests with decode tokens
-    has_dec = trace.decode_len()[fitted] > 0
-    cand = np.flatnonzero(has_dec)
+    cand = np.flatnonzero(src.has_decode(fitted))
     if len(cand) > PROFILE_SAMPLE:
         cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
     if len(cand) >= 3:
-        prof, _ = decode_profiles(trace, fitted[cand], chunk_tokens)
-        rep["signature_rho"] = rpt.signature_rho(S[valid][cand], prof, rng)
+        prof = src.decode_profiles(fitted[cand])
+        rep["signature_rho"] = rpt.signature_rho(X[cand], prof, rng)
     else:
         rep["signature_rho"] = {"spearman_rho": float("nan"), "n_pairs": 0}
-    rep["decode_locality"] = rpt.decode_locality(trace, fitted, km.assignment, rng)
+    rep["decode_locality"] = src.decode_locality(fitted, km.assignment, rng)
     if trace.domain is not None:
         rep["domain_purity"] = rpt.domain_purity(np.asarray(trace.domain)[fitted], km.assignment, rng)
     rep["baseline"] = rpt.baseline_stats(X, km.centroids, tau)
@@ -292,7 +295,7 @@ def fit_trace(
     provenance = {
         "tool": "eldr fit",
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "trace_sha256": trace_digest(trace),
+        "trace_sha256": src.digest(),
         "trace_model": trace.model,
         "trace_shape": {"num_layers": L, "num_experts": E, "top_k": trace.top_k},
         "params": {
@@ -328,13 +331,18 @@ def fit_trace(
         tau=tau,
         worker_names=names,
         provenance=provenance,
-        signatures=S if keep_signatures else None,
+        signatures=S,
         valid=valid,
     )
 
 
 def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:
-    from eldr_sglang.traces import load_trace
+    """Fit a trace file of either version (a v2 file is read chunk by chunk)."""
+    from eldr_sglang.traces import open_trace
 
-    trace = load_trace(path)  # TraceError names what is wrong with the file
-    return fit_trace(trace, source_path=str(path), **kw)
+    trace = open_trace(path)  # TraceError names what is wrong with the file
+    try:
+        return fit_trace(trace, source_path=str(path), **kw)
+    finally:
+        if isinstance(trace, CountsTrace):
+            trace.close()

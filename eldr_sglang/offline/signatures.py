@@ -19,7 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from eldr_sglang.progress import progress as progress_bar
-from eldr_sglang.traces import Trace
+from eldr_sglang.traces.format import Trace, span_rows
 
 DEFAULT_CHUNK_TOKENS = 1 << 18
 
@@ -32,18 +32,6 @@ def _core():
             "the Rust extension eldr_sglang._core is not built; run `maturin develop --release`"
         ) from exc
     return _core
-
-
-def _gather_rows(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(starts[j], starts[j]+lens[j]) without a Python loop."""
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offs = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offs[1:])
-    rows = np.arange(total, dtype=np.int64)
-    rows += np.repeat(starts.astype(np.int64) - offs[:-1], lens)
-    return rows
 
 
 def iter_chunks(
@@ -84,7 +72,7 @@ def iter_chunks(
             offsets = off[rj[0] : rj[-1] + 2] - lo
             yield rj, trace.expert_ids[lo:hi], offsets, (lj if part == "prefill" else None)
         else:
-            rows = _gather_rows(starts[j:e], lj)
+            rows = span_rows(starts[j:e], lj)
             offsets = np.zeros(e - j + 1, dtype=np.int64)
             np.cumsum(lj, out=offsets[1:])
             yield rj, trace.expert_ids[rows], offsets, None

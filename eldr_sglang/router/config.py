@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+# The default decode policy and bounded-load factor are the ones the protocol study supports
+# (eldr_sglang.defaults: locality/0.05; benchmarks/results/tpot_study_protocol.md). The load
+# cost of locality at DeepSeek-V3 shape is in benchmarks/results/bench_router_locality.md.
+from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
 
-# Bounded loads on by default: the simulated TPOT study (benchmarks/results/tpot_study*.md)
-# shows the paper's rule losing up to +48% median TPOT when one domain bursts, and F = 0.05
-# beating every load balancer on median TPOT in every skewed configuration.
-DEFAULT_LOAD_FACTOR = 0.05
 
 
 def _load_factor(text: str) -> float | None:
@@ -36,7 +36,10 @@ DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
 DAY_S = 86400.0
 
-DECODE_POLICIES = ("eldr", "random", "round_robin", "shortest_queue", "power_of_two")
+DECODE_POLICIES = ("eldr", "locality", "random", "round_robin", "shortest_queue", "power_of_two")
+# Policies that route on the prefill's expert counts: they bind late, need the centroid file
+# (eldr: its centroids; locality: its layer selection) and count fallbacks.
+COUNTS_POLICIES = ("eldr", "locality")
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
 
 
@@ -55,7 +58,7 @@ class PrefillWorker:
 class RouterConfig:
     prefill: list[PrefillWorker]
     decode: list[str]
-    policy: str = "eldr"
+    policy: str = DEFAULT_POLICY
     prefill_policy: str = "round_robin"
     centroids: str | None = None
     tau: float | None = None
@@ -70,6 +73,7 @@ class RouterConfig:
     health_check_interval_s: float = 10.0
     health_failure_threshold: int = 3
     load_monitor_interval_s: float = 1.0
+    poll_timeout_s: float = 10.0  # one /health or /v1/loads call; not tied to the intervals
     load_report_ttl_ms: int = 2000
     reload_interval_ms: int = 250
     max_payload_size: int = DEFAULT_MAX_PAYLOAD
@@ -94,7 +98,7 @@ class RouterConfig:
 
     @property
     def late_binding(self) -> bool:
-        return self.bind == "late" or (self.bind == "auto" and self.policy == "eldr")
+        return self.bind == "late" or (self.bind == "auto" and self.policy in COUNTS_POLICIES)
 
 
 def _url(u: str, flag: str) -> str:
@@ -120,21 +124,23 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL", help="decode worker URL; repeat per worker")
     pol = ap.add_argument_group("Routing")
     pol.add_argument(
-        "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default="eldr",
-        help="decode routing policy (default eldr)",
+        "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default=DEFAULT_POLICY,
+        help=f"decode routing policy (default {DEFAULT_POLICY}: the locality-aware balancer, least marginal expected "
+        "expert cost under the load cap; eldr: the paper's band rule; both need --eldr-centroids)",
     )
     pol.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
-    pol.add_argument("--eldr-centroids", metavar="PATH", help="centroid file from `eldr fit` (required for eldr)")
+    pol.add_argument("--eldr-centroids", metavar="PATH",
+                     help="centroid file from `eldr fit` (required for eldr and locality; locality uses its layer selection)")
     pol.add_argument("--eldr-tau", type=float, default=None, help="band width tau (default: the file's)")
     pol.add_argument(
         "--eldr-load-factor", type=_load_factor, default=DEFAULT_LOAD_FACTOR, metavar="F|none",
-        help="ELDR with bounded loads: a worker is a candidate only while its load is below "
+        help="bounded loads for eldr and locality: a worker is a candidate only while its load is below "
         f"ceil((1+F)*(total+1)/workers) (default {DEFAULT_LOAD_FACTOR}; 'none' = the paper's rule, "
         "which piles single-domain bursts onto one worker: see benchmarks/results/tpot_study*.md)",
     )
     pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",
-        help="pick the decode worker after prefill (late) or with the prefill (early); auto: late for eldr",
+        help="pick the decode worker after prefill (late) or with the prefill (early); auto: late for eldr and locality",
     )
     pol.add_argument(
         "--eldr-signature-timeout-secs", type=float, default=30.0,
@@ -157,14 +163,20 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         "--load-monitor-interval", type=float, default=1.0,
         help="seconds between polls of the decode workers' /v1/loads (0: off)",
     )
+    req.add_argument(
+        "--worker-poll-timeout-secs", type=float, default=10.0,
+        help="how long one /health or /v1/loads call may take (default 10; a busy CPU SGLang can take seconds). "
+        "Each worker is polled on its own, so a slow one never delays the others' polls",
+    )
     req.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD,
                      help=f"largest client request body in bytes (default {DEFAULT_MAX_PAYLOAD}); larger gets 413")
     up = ap.add_argument_group("Upstream timeouts, retries and outlier ejection")
     up.add_argument("--upstream-connect-timeout-secs", type=float, default=5.0, help="TCP connect to a worker (default 5)")
     up.add_argument(
         "--first-byte-timeout-secs", type=float, default=60.0,
-        help="a worker's first byte: prefill response headers, a decode stream's first chunk (default 60); "
-        "a non-streamed decode answer is bounded by --request-timeout-secs only",
+        help="a worker's first byte: prefill response headers, a decode stream's first chunk, and for a "
+        "non-streamed decode answer the decode taking the prefill's KV (default 60); a decode that misses it is "
+        "charged and the request moves to another one",
     )
     up.add_argument("--stall-timeout-secs", type=float, default=60.0,
                     help="longest silence between two chunks of a worker's stream (default 60)")
@@ -219,6 +231,9 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         raise ConfigError("at least one --prefill and one --decode worker are needed")
     if a.policy == "eldr" and not a.eldr_centroids:
         raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
+    if a.policy == "locality" and not a.eldr_centroids:
+        raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
+                          "the balancer tracks experts on the layers it selected)")
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -239,6 +254,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         health_check_interval_s=a.health_check_interval_secs,
         health_failure_threshold=a.health_failure_threshold,
         load_monitor_interval_s=a.load_monitor_interval,
+        poll_timeout_s=a.worker_poll_timeout_secs,
         load_report_ttl_ms=a.eldr_load_report_ttl_ms,
         reload_interval_ms=a.eldr_reload_interval_ms,
         max_payload_size=a.max_payload_size,
@@ -274,6 +290,7 @@ _NUMERIC_FLAGS = {
     "--health-check-interval-secs": ("health_check_interval_s", 1e-3, DAY_S, False, True),
     "--health-failure-threshold": ("health_failure_threshold", 1, 1_000_000, True, False),
     "--load-monitor-interval": ("load_monitor_interval_s", 1e-3, DAY_S, False, True),
+    "--worker-poll-timeout-secs": ("poll_timeout_s", 1e-3, DAY_S, False, False),
     "--max-payload-size": ("max_payload_size", 1, 1 << 31, True, False),
     "--prometheus-port": ("prometheus_port", 1, 65535, True, False),
     "--upstream-connect-timeout-secs": ("connect_timeout_s", 1e-3, DAY_S, False, False),

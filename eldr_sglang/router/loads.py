@@ -89,9 +89,10 @@ class _Dropped(Exception):
 
 async def poll_loads(pd, interval: float) -> None:
     """Every `interval` seconds, read each decode worker's /v1/loads and report it. Each
-    worker is polled on its own with a timeout; an answer that cannot be used is counted
+    worker is polled in its own loop with --worker-poll-timeout-secs (a slow worker delays
+    only its own next poll, never the others'); an answer that cannot be used is counted
     (eldr_router_load_reports_dropped) and logged (rate-limited), and never stops the loop."""
-    timeout = aiohttp.ClientTimeout(total=max(0.05, min(interval, 5.0)))
+    timeout = aiohttp.ClientTimeout(total=pd.cfg.poll_timeout_s)
     dropped_log = RateLimitedLog(logger)
 
     async def one(i: int, url: str) -> None:
@@ -113,9 +114,15 @@ async def poll_loads(pd, interval: float) -> None:
         if cause != "connect":  # a worker that is down is the health check's news
             dropped_log.warning(("loads", i, cause), "decode %d /v1/loads answer dropped (%s): %s", i, cause, safe(msg))
 
-    while True:
-        await asyncio.gather(*(one(i, u) for i, u in enumerate(pd.cfg.decode)), return_exceptions=True)
-        await asyncio.sleep(interval)
+    async def loop(i: int, url: str) -> None:
+        while True:
+            try:
+                await one(i, url)
+            except Exception as exc:  # never let one worker's loop die
+                dropped_log.warning(("loads-loop", i), "decode %d /v1/loads poll failed: %s", i, safe(str(exc)))
+            await asyncio.sleep(interval)
+
+    await asyncio.gather(*(loop(i, u) for i, u in enumerate(pd.cfg.decode)))
 
 
 async def probe_prefill_signature(pd, i: int) -> None:
@@ -140,36 +147,43 @@ async def probe_prefill_signature(pd, i: int) -> None:
 async def check_health(pd, interval: float, threshold: int) -> None:
     """Mark workers unhealthy after `threshold` failed /health calls in a row, healthy on success.
     A passing health check does not end an outlier ejection (see router.outlier): a hung
-    worker's /health may answer."""
-    timeout = aiohttp.ClientTimeout(total=max(0.1, min(interval, 5.0)))
+    worker's /health may answer. Each worker is checked in its own loop, each call bounded by
+    --worker-poll-timeout-secs (not by the interval: a busy CPU SGLang answers in seconds)."""
+    timeout = aiohttp.ClientTimeout(total=pd.cfg.poll_timeout_s)
     fails = {("prefill", i): 0 for i in range(len(pd.cfg.prefill))}
     fails.update({("decode", i): 0 for i in range(len(pd.cfg.decode))})
-    while True:
-        async def one(role: str, i: int, url: str) -> None:
-            try:
-                async with pd.session.get(f"{url}/health", timeout=timeout) as r:
-                    ok = r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                ok = False
-            key = (role, i)
-            fails[key] = 0 if ok else fails[key] + 1
-            if role == "prefill" and ok and (fails.get(("probe", i)) or pd.prefill_signs[i] is None):
-                await probe_prefill_signature(pd, i)
-                fails[("probe", i)] = 0
-            if role == "prefill" and not ok:
-                fails[("probe", i)] = 1  # re-probe when it comes back (it may have been restarted)
-            if ok:
-                pd.set_healthy(role, i, True)
-            elif fails[key] >= threshold:
-                pd.set_healthy(role, i, False)
-            # in between: unchanged (a refused request may have marked it down already)
 
-        await asyncio.gather(
-            *(one("prefill", i, w.url) for i, w in enumerate(pd.cfg.prefill)),
-            *(one("decode", i, u) for i, u in enumerate(pd.cfg.decode)),
-            return_exceptions=True,
-        )
-        await asyncio.sleep(interval)
+    async def one(role: str, i: int, url: str) -> None:
+        try:
+            async with pd.session.get(f"{url}/health", timeout=timeout) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        key = (role, i)
+        fails[key] = 0 if ok else fails[key] + 1
+        if role == "prefill" and ok and (fails.get(("probe", i)) or pd.prefill_signs[i] is None):
+            await probe_prefill_signature(pd, i)
+            fails[("probe", i)] = 0
+        if role == "prefill" and not ok:
+            fails[("probe", i)] = 1  # re-probe when it comes back (it may have been restarted)
+        if ok:
+            pd.set_healthy(role, i, True)
+        elif fails[key] >= threshold:
+            pd.set_healthy(role, i, False)
+        # in between: unchanged (a refused request may have marked it down already)
+
+    async def loop(role: str, i: int, url: str) -> None:
+        while True:
+            try:
+                await one(role, i, url)
+            except Exception as exc:  # never let one worker's loop die
+                logger.error("%s %d health check failed: %s", role, i, safe(str(exc)))
+            await asyncio.sleep(interval)
+
+    await asyncio.gather(
+        *(loop("prefill", i, w.url) for i, w in enumerate(pd.cfg.prefill)),
+        *(loop("decode", i, u) for i, u in enumerate(pd.cfg.decode)),
+    )
 
 
 async def reload_centroids(pd, interval: float) -> None:

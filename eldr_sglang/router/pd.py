@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.outlier import RetryBudget, WorkerPool
@@ -98,6 +98,8 @@ class CountsResult:
     reason: str  # 'ok' or why there is none
     wait_s: float
     data_bytes: int = 0
+    tokens: int = 0  # prompt tokens behind the counts (the locality balancer's denominator)
+    profile: object | None = None  # _core.ExpertProfile, built once by PDRouter._locality_route
 
 
 _META_KEY_BYTES = f'"{META_KEY}"'.encode()
@@ -154,6 +156,53 @@ def validate_request(kind: str, body: object) -> dict:
     return body
 
 
+# Client bodies above this are parsed in the body-parse process: json.loads holds the GIL for
+# its whole run, so a thread would not free the event loop (an 8 MiB list of token ids took
+# 0.7-0.9 s here, in a thread or not). Below it a parse takes a few ms.
+LARGE_BODY_BYTES = 256 << 10
+_ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "stream")
+
+
+@dataclass
+class RawBody:
+    """A large client body, parsed and validated in the body-parse process: its JSON text,
+    re-encoded there without the fields the router sets, and its stream flag. The router
+    sends it on without parsing or encoding it again (`with_fields` splices the fields in)."""
+
+    text: bytes  # a compact JSON object
+    stream: bool
+
+    def get(self, key: str, default=None):
+        return self.stream if key == "stream" else default
+
+    def with_fields(self, fields: dict) -> bytes:
+        extra = json.dumps(fields, separators=(",", ":")).encode()
+        return extra if self.text == b"{}" else self.text[:-1] + b"," + extra[1:]
+
+
+def parse_large_body(kind: str, raw: bytes) -> tuple:
+    """In the body-parse process: ("ok", stream, text) or ("bad", status, message)."""
+    try:
+        body = validate_request(kind, json.loads(raw))
+    except BadRequest as exc:
+        return ("bad", exc.status, str(exc))
+    except (ValueError, UnicodeDecodeError):
+        return ("bad", 400, "the request body is not valid JSON")
+    except RecursionError:
+        return ("bad", 400, "the request body is nested too deeply")
+    stream = bool(body.get("stream", False))
+    for k in _ROUTER_FIELDS:
+        body.pop(k, None)
+    return ("ok", stream, json.dumps(body, separators=(",", ":")).encode())
+
+
+def leg_body(body: "dict | RawBody", fields: dict) -> "dict | bytes":
+    """The body of one upstream leg: the client's, with the router's fields set."""
+    if isinstance(body, RawBody):
+        return body.with_fields({"stream": body.stream, **fields})
+    return {**body, **fields}
+
+
 def find_signature(event: dict) -> object | None:
     """The signature payload in one stream event, wherever the endpoint puts it."""
     meta = event.get("meta_info")
@@ -183,6 +232,8 @@ class PDRouter:
         # reload_interval_ms=0: the Rust route path never touches the file (its own
         # rate-limited check would stat and read it on the event loop); the service checks
         # the file in a worker thread instead (reload_centroids).
+        if cfg.policy == "locality" and not cfg.centroids:
+            raise ValueError("policy locality needs a centroid file (its layer selection): give --eldr-centroids")
         kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
                   reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
         if cfg.centroids:
@@ -212,6 +263,7 @@ class PDRouter:
         self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
+        self._parse_pool = None  # the body-parse process (large client bodies), spawned on first use
         self._reload_busy_since: float | None = None
         self.drift = None  # eldr_sglang.drift.router_hook.DriftHook, set by the app when enabled
         self.metrics = RouterMetrics(self.state)
@@ -256,6 +308,7 @@ class PDRouter:
             "centroid_file": {"path": self.cfg.centroids, "ok": reload_error is None} if self.cfg.centroids else None,
             "tau": float(self.router.tau),
             "load_factor": self.router.load_factor,
+            "decode_expert_distinct": self.router.expert_distinct(),  # locality only, else None
         }
 
     def set_healthy(self, role: str, i: int, ok: bool) -> None:
@@ -318,6 +371,8 @@ class PDRouter:
             await self.session.close()
         if self._reload_pool is not None:
             self._reload_pool.shutdown(wait=False, cancel_futures=True)
+        if self._parse_pool is not None:
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ choices
     def pick_prefill(self, exclude: set[int] = frozenset()) -> int | None:
@@ -341,7 +396,9 @@ class PDRouter:
 
     def route(self, sig: CountsResult | None, exclude: set[int] = frozenset()):
         t0 = time.perf_counter()
-        if sig is None or sig.counts is None:
+        if self.cfg.policy == "locality":
+            d = self._locality_route(sig)
+        elif sig is None or sig.counts is None:
             d = self.router.route_signature(None, explain=True)
         else:  # the signature is read straight from the packed counts, GIL released
             keep = self.drift is not None and self.drift.wants_signature()
@@ -359,12 +416,46 @@ class PDRouter:
             self.metrics.band_size.observe(len(d.band))
             self.metrics.d_star.observe(d.d_star)
             self.metrics.d_chosen.observe(d.distances[d.worker])
-        elif self.cfg.policy == "eldr" and reason != "retry":
+        elif self.cfg.policy in COUNTS_POLICIES and reason not in ("retry", "profile"):
             why = sig.reason if (sig is not None and sig.counts is None) else reason
             self.metrics.fallbacks.labels(why).inc()
         if self.drift is not None and reason != "retry":  # O(K) monitor update; never raises
             self.drift.on_route(d, None if sig is None else sig.counts)
         return d
+
+    # ------------------------------------------------------------------ locality balancer
+    def _locality_route(self, sig: CountsResult | None):
+        """The locality balancer's decision. The request's expert profile (over the centroid
+        file's selected layers) is built once and kept on `sig`, so a failover acquires the
+        same profile on its next worker; counts it cannot use fall back to shortest queue
+        with the same reasons as a signature."""
+        if sig is None or sig.counts is None:
+            return self.router.route_signature(None, explain=True)
+        if sig.profile is None:
+            try:
+                dense = sig.counts.to_layout(*self._layout)  # decoded wire counts -> [L, E]
+                sig.profile = self.router.profile_dense(dense, max(int(sig.tokens), 1))
+            except PayloadError:  # the centroid layout changed under a reload
+                sig.reason, sig.counts = "shape", None
+                return self.router.route_fallback(sig.reason, True)
+            except _core_errors().NoSignature as exc:
+                sig.reason = getattr(exc, "reason", "malformed")
+                sig.counts = None
+                return self.router.route_fallback(sig.reason, True)
+        return self.router.route_profile(sig.profile, explain=True)
+
+    def _lease(self, w: int, profile):
+        """A queue slot on decode worker w, counting the request's experts there too when
+        the locality balancer routed it. A profile from before a centroid reload changed the
+        layer selection no longer fits the balancer: the request is then counted in the queue
+        only (and said so), never failed."""
+        if profile is None:
+            return self.router.acquire(w, 0)
+        try:
+            return self.router.acquire(w, 0, profile=profile)
+        except ValueError as exc:
+            self._log.warning("stale-profile", "expert profile not counted: %s", safe(str(exc)))
+            return self.router.acquire(w, 0)
 
     # ------------------------------------------------------------------ signature
     def _counts_from_event(self, data: bytes, t0: float) -> CountsResult | None:
@@ -400,7 +491,7 @@ class PDRouter:
             self._log.warning("malformed", "malformed signature payload: %s", safe(str(found)))
             return CountsResult(None, "malformed", wait)
         self.metrics.sig_bytes.observe(found.data_bytes)
-        return CountsResult(found, "ok", wait, found.data_bytes)
+        return CountsResult(found, "ok", wait, found.data_bytes, tokens=found.num_tokens)
 
     async def _await_signature(self, presp: aiohttp.ClientResponse, t0: float) -> CountsResult:
         """Read prefill stream events until the signature; the rest is left for the drain.
@@ -449,7 +540,8 @@ class PDRouter:
         kind = ENDPOINTS[request.path]
         status = 500
         try:
-            body = validate_request(kind, await self._read_body(request))
+            parsed = await self._read_body(request, kind)
+            body = parsed if isinstance(parsed, RawBody) else validate_request(kind, parsed)
             resp = await self._serve(request, kind, body)
             status = resp.status
             return resp
@@ -473,8 +565,9 @@ class PDRouter:
         finally:
             self.metrics.requests.labels(kind, str(status)).inc()
 
-    async def _read_body(self, request: web.Request) -> object:
-        """The client's JSON body, read within the body timeout and the size limit."""
+    async def _read_body(self, request: web.Request, kind: str) -> object:
+        """The client's JSON body, read within the body timeout and the size limit. A large
+        one is parsed and validated off the event loop (a RawBody comes back)."""
         try:
             raw = await asyncio.wait_for(request.read(), self.cfg.client_body_timeout_s)
         except asyncio.TimeoutError:
@@ -482,12 +575,35 @@ class PDRouter:
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(f"the request body is larger than {self.cfg.max_payload_size} bytes "
                              "(the router's --max-payload-size)", 413) from None
+        if len(raw) > LARGE_BODY_BYTES:
+            return await self._parse_large(kind, raw)
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
         except RecursionError:
             raise BadRequest("the request body is nested too deeply") from None
+
+    async def _parse_large(self, kind: str, raw: bytes) -> RawBody:
+        """Parse and validate a large body in the body-parse process (one, spawned on first
+        use: it bounds the memory big bodies take, and queues them), within the body timeout."""
+        import concurrent.futures as cf
+        import multiprocessing
+
+        if self._parse_pool is None:
+            self._parse_pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        fut = asyncio.get_running_loop().run_in_executor(self._parse_pool, parse_large_body, kind, raw)
+        try:
+            out = await asyncio.wait_for(fut, self.cfg.client_body_timeout_s)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body was not parsed within {self.cfg.client_body_timeout_s:g} s "
+                             "(the router is busy with large bodies)", 503) from None
+        except cf.process.BrokenProcessPool:  # the parser died (out of memory?): a fresh one next time
+            self._parse_pool = None
+            raise BadRequest("the request body could not be parsed (the parser process failed)", 503) from None
+        if out[0] == "bad":
+            raise BadRequest(out[2], out[1])
+        return RawBody(out[2], out[1])
 
     def _bootstrap(self, p: int) -> dict:
         w = self.cfg.prefill[p]
@@ -533,14 +649,12 @@ class PDRouter:
     async def _serve_with_prefill(self, request, kind, body, p, client_stream, deadline) -> web.StreamResponse:
         self.metrics.prefill_routes.labels(str(p)).inc()
         boot = self._bootstrap(p)
-        dbody = {**body, **boot}
-        pbody = {**body, **boot}
         late = self.cfg.late_binding
         no_sig = late and self.prefill_signs[p] is False
         if no_sig:
             late = False  # this prefill never streams a signature: do not wait for one
-        if late:
-            pbody["stream"] = True
+        dbody = leg_body(body, boot)
+        pbody = leg_body(body, {**boot, "stream": True} if late else boot)
         purl = f"{self.cfg.prefill[p].url}{request.path}"
         self.prefill.dispatched(p)
         presp: aiohttp.ClientResponse | None = None
@@ -596,7 +710,7 @@ class PDRouter:
             if presp is not None:
                 presp.release()
 
-    async def _open(self, role: str, i: int, url: str, body: dict, first_byte_s: float | None, deadline: float):
+    async def _open(self, role: str, i: int, url: str, body: dict | bytes, first_byte_s: float | None, deadline: float):
         """POST to a worker; the response once its headers are in. Raises Retryable for
         connect errors, timeouts and 5xx (nothing reached the client yet), UpstreamError for
         other statuses (the client's own fault: passed on)."""
@@ -605,7 +719,8 @@ class PDRouter:
         limit = budget if first_byte_s is None else min(first_byte_s, budget)
         phase = "total" if first_byte_s is None or budget <= first_byte_s else "first_byte"
         try:
-            resp = await asyncio.wait_for(self.session.post(url, json=body), max(limit, 0.0))
+            send = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+            resp = await asyncio.wait_for(self.session.post(url, **send), max(limit, 0.0))
         except asyncio.TimeoutError:
             self.metrics.timeouts.labels(role, str(i), phase).inc()
             self.metrics.worker_errors.labels(role, str(i), "timeout").inc()
@@ -717,7 +832,8 @@ class PDRouter:
                 self.retry_budget.retrying += 1
             tried.add(decision.worker)
             try:
-                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain)
+                return await self._decode(request, kind, p, boot, dbody, decision, client_stream, deadline, drain=drain,
+                                          profile=sig.profile if sig is not None else None)
             except Retryable as exc:
                 if exc.role == "prefill":  # the KV is gone: start over from a prefill
                     raise
@@ -757,7 +873,7 @@ class PDRouter:
         self.decode.failure(w, cause)
 
     async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, deadline, state=None,
-                      drain: asyncio.Future | None = None) -> web.StreamResponse:
+                      drain: asyncio.Future | None = None, profile=None) -> web.StreamResponse:
         w = decision.worker
         headers = {}
         if self.cfg.explain_headers:
@@ -772,15 +888,18 @@ class PDRouter:
         durl = f"{self.cfg.decode[w]}{request.path}"
         loop = asyncio.get_running_loop()
         t_start = loop.time()
-        # a non-streamed answer comes whole at the end: only the total deadline bounds it
+        # a non-streamed answer comes whole at the end: no byte bounds it (see _open_watched)
         first_byte_s = self.cfg.first_byte_timeout_s if client_stream else None
         pool = self.decode
         pool.dispatched(w)
         verdict = False
         try:
-            with self.router.acquire(w, 0):
+            with self._lease(w, profile):
                 try:
-                    dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
+                    if client_stream:
+                        dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
+                    else:
+                        dresp = await self._open_watched(w, durl, dbody, deadline, drain)
                 except Retryable as exc:
                     await self._blame(w, exc.cause, drain)
                     verdict = True
@@ -849,6 +968,29 @@ class PDRouter:
             if not verdict:
                 pool.abandoned(w)
             pool.finished(w)
+
+    async def _open_watched(self, w: int, durl: str, dbody: dict, deadline: float, drain: asyncio.Future | None):
+        """Open a non-streamed decode answer. It comes whole at the end, so no first byte can
+        bound it; the KV can: a decode at work takes the prefill's KV, which ends the prefill's
+        stream, within the first-byte timeout. One that has not by then is treated like a
+        stream with no first byte (a Retryable: charged, and the request moves to another
+        decode with the KV still parked). Once the KV is taken, the request deadline bounds it."""
+        loop = asyncio.get_running_loop()
+        opening = asyncio.ensure_future(self._open("decode", w, durl, dbody, None, deadline))
+        try:
+            if drain is not None and not drain.done():
+                limit = max(0.0, min(self.cfg.first_byte_timeout_s, deadline - loop.time()))
+                done, _ = await asyncio.wait({opening, drain}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    self.metrics.timeouts.labels("decode", str(w), "first_byte").inc()
+                    self.metrics.worker_errors.labels("decode", str(w), "timeout").inc()
+                    raise Retryable(504, _err(f"decode worker {w} took no KV in {limit:.3g} s"), "application/json",
+                                    "decode", "first_byte_timeout")
+            return await opening
+        finally:
+            if not opening.done():
+                opening.cancel()
+                await asyncio.gather(opening, return_exceptions=True)
 
     async def _chunk(self, resp: aiohttp.ClientResponse, w: int, limit: float, phase: str) -> bytes:
         """The next chunk of a decode stream within `limit` seconds (b'' at its end)."""

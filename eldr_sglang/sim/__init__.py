@@ -1,11 +1,15 @@
-"""PD decode simulator (Vidur-style: workload, scheduler and execution-time model apart).
+"""PD decode simulator (Vidur-style: workload, schedulers and execution-time model apart).
 
-- profiles.py   model and hardware constants from public specs (MODEL_PROFILES, HARDWARE_PROFILES)
+The model catalogue is eldr_sglang.models and the workload eldr_sglang.workload (shared with
+the synthetic traces); profiles.py and workload.py here keep their old names importable.
+
+- profiles.py   hardware constants from public specs (HARDWARE_PROFILES)
 - cost_model.py execution-time model (ExecutionModel: decode_step_time, prefill_time)
 - replay.py     trace replay: prefill signatures, decode-token routing per request (TraceReplay)
-- workload.py   arrivals: trace, Poisson, bursty, closed loop (make_workload)
 - policies.py   the Rust Router's policies, plus a label oracle for reference (make_policy)
-- cluster.py    discrete-event PD cluster (simulate)
+- prefill.py    the prefill scheduler: placement as the router service does it (PrefillScheduler)
+- decode.py     each decode worker's batching scheduler (Replica) and step timing (DecodeStep)
+- cluster.py    the discrete-event loop that moves requests between them (simulate)
 - metrics.py    TPOT/TTFT/ITL/throughput/experts per step (compute_metrics)
 - report.py     table, JSON and plots
 - runner.py     several policies over one workload (run_comparison)

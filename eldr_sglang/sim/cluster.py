@@ -1,8 +1,13 @@
-"""Discrete-event simulation of a PD-disaggregated cluster (the scheduler part).
+"""Discrete-event simulation of a PD-disaggregated cluster: the event loop.
+
+The parts are kept apart as in Vidur: the prefill scheduler (prefill.py), the decode
+replicas' schedulers and step timing (decode.py), the execution-time model (cost_model.py)
+and the workload (workload.py); this module only moves requests between them in time.
 
 - Requests arrive (open loop) or are sent by closed-loop clients (workload.py).
 - P prefill workers, FIFO, each prefill timed by the execution model's compute roofline;
-  a request goes to the prefill worker that frees up first.
+  `ClusterConfig.prefill_policy` places a request as the router service would (round
+  robin by default; `earliest_free` is the worker that frees up first).
 - Late binding: when prefill completes, the routing policy (the Rust Router) picks the
   decode worker from the request's prefill signature; the router's in-flight count is
   acquired then and released when the request's last token is out. The KV cache then
@@ -19,14 +24,17 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from eldr_sglang.sim.cost_model import ExecutionModel, ExpertCache
-from eldr_sglang.sim.replay import TraceReplay, distinct_counter, touched_mask
-from eldr_sglang.sim.workload import Workload
+from eldr_sglang.sim.decode import DecodeStep, Replica, Requests
+from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PrefillScheduler
+from eldr_sglang.sim.replay import TraceReplay
+from eldr_sglang.workload import Workload
 
 _ARRIVE, _PREFILL_DONE, _STEP_END, _WAKE = 0, 1, 2, 3
 
@@ -40,6 +48,8 @@ class ClusterConfig:
     # Bound, not a policy: every MoE layer of every step touches only top_k experts (as if all
     # of a batch's tokens chose the same experts). No routing can do better.
     perfect_overlap: bool = False
+    prefill_policy: str = DEFAULT_PREFILL_POLICY  # see sim/prefill.py: round_robin, random, shortest_queue, earliest_free
+    prefill_seed: int = 0  # for prefill_policy="random"
 
 
 @dataclass
@@ -67,26 +77,6 @@ class SimResult:
     offload_misses: int = 0
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
-
-
-class _Worker:
-    __slots__ = ("req", "pos", "need", "ds", "dl", "ctx", "pending", "busy", "kv", "reserved", "leases", "cache", "wake_at", "reserve")
-
-    def __init__(self):
-        self.req = np.zeros(0, np.int64)
-        self.pos = np.zeros(0, np.int64)
-        self.need = np.zeros(0, np.int64)
-        self.ds = np.zeros(0, np.int64)
-        self.dl = np.zeros(0, np.int64)
-        self.ctx = np.zeros(0, np.int64)
-        self.reserve = np.zeros(0, np.int64)
-        self.pending: list = []  # heap of (ready_time, seq, sim request)
-        self.busy = False
-        self.kv = 0  # KV tokens read by the next step
-        self.reserved = 0
-        self.leases: dict = {}
-        self.cache = None
-        self.wake_at = float("inf")
 
 
 def routing_marginals(replay: TraceReplay) -> np.ndarray:
@@ -122,6 +112,162 @@ def random_mix_distinct(replay: TraceReplay, batch: np.ndarray) -> np.ndarray:
     return vals[inv].astype(np.float32)
 
 
+def _check(replay: TraceReplay, workload: Workload, model: ExecutionModel, cfg: ClusterConfig) -> int:
+    """The decode workers' KV capacity, after checking that the run can be simulated at all."""
+    if int(cfg.num_decode) < 1 or int(cfg.num_prefill) < 0 or cfg.max_running < 1:
+        raise ValueError("need at least one prefill worker, one decode worker and max_running >= 1")
+    m = model.model
+    if replay.num_layers != m.num_moe_layers or replay.num_experts != m.num_experts:
+        raise ValueError(
+            f"the trace has {replay.num_layers} MoE layers x {replay.num_experts} experts but model "
+            f"profile {m.name} has {m.num_moe_layers} x {m.num_experts}; pass the matching --model"
+        )
+    kv_cap = int(cfg.kv_capacity_tokens) or model.kv_capacity_tokens()
+    biggest = int((workload.prompt_len + workload.output_len).max())
+    if biggest > kv_cap:
+        raise ValueError(f"a request needs {biggest} KV tokens but a decode worker holds only {kv_cap}")
+    return kv_cap
+
+
+class _Steps:
+    """The log of every decode step (worker, start, length, batch, mean distinct experts)."""
+
+    def __init__(self, num_layers: int):
+        self.worker: list[int] = []
+        self.start: list[float] = []
+        self.dt: list[float] = []
+        self.batch: list[int] = []
+        self.distinct: list[float] = []
+        self.layer_sum = np.zeros(num_layers, np.float64)
+
+    def add(self, wi: int, now: float, dt: float, batch: int, d: np.ndarray) -> None:
+        np.add(self.layer_sum, d, out=self.layer_sum)
+        self.worker.append(wi)
+        self.start.append(now)
+        self.dt.append(dt)
+        self.batch.append(batch)
+        self.distinct.append(float(d.mean()))
+
+
+class _Run:
+    """One simulation: the event heap and the handlers of its four kinds of event."""
+
+    def __init__(self, replay, workload, policy, model, cfg, kv_cap, bar):
+        self.workload, self.policy, self.model, self.bar = workload, policy, model, bar
+        N, K = workload.num_requests, int(cfg.num_decode)
+        self.N, self.K = N, K
+        t_idx = workload.trace_idx
+        self.rq = Requests(workload.prompt_len, workload.output_len, replay.dec_start[t_idx], replay.dec_len[t_idx])
+        cache = model.offload_cache_experts
+        self.replicas = [Replica(self.rq, kv_cap, cfg.max_running,
+                                 ExpertCache(replay.num_layers, replay.num_experts, cache) if cache > 0 else None)
+                         for _ in range(K)]
+        self.prefill = PrefillScheduler(int(cfg.num_prefill) or K, model.prefill_time, cfg.prefill_policy,
+                                        cfg.prefill_seed)
+        self.step = DecodeStep(replay, model, cfg.perfect_overlap)
+        self.steps = _Steps(replay.num_layers)
+        self.transfer_cache: dict[int, float] = {}
+        self.arrival = np.full(N, np.nan)
+        self.prefill_done = np.full(N, np.nan)
+        self.finish = np.full(N, np.nan)
+        self.assigned = np.full(N, -1, np.int64)
+        self.completions = np.zeros(N, np.int64)
+        self.heap: list = []
+        self.seq = itertools.count()  # ties in time break in the order events were made
+        self.done_count = 0
+        self.bar_pending = 0
+        if workload.arrival == "closed":  # each client sends its first request at time 0
+            self.next_issue = min(workload.concurrency, N)
+            first = [(0.0, next(self.seq), _ARRIVE, i) for i in range(self.next_issue)]
+        else:
+            self.next_issue = N
+            first = [(float(workload.arrival_s[i]), next(self.seq), _ARRIVE, i) for i in range(N)]
+        self.heap = first
+        heapq.heapify(self.heap)
+
+    def push(self, t: float, kind: int, a: int) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, a))
+
+    def run(self) -> None:
+        handlers = {_ARRIVE: self.on_arrive, _PREFILL_DONE: self.on_prefill_done, _STEP_END: self.on_step_end,
+                    _WAKE: self.on_wake}
+        while self.heap:
+            now, _, kind, a = heapq.heappop(self.heap)
+            handlers[kind](a, now)
+
+    def finish_request(self, w: Replica, r: int, now: float) -> None:
+        self.finish[r] = now
+        self.completions[r] += 1
+        w.leases.pop(r).release()
+        self.done_count += 1
+        self.bar_pending += 1
+        if self.next_issue < self.N and self.workload.arrival == "closed":  # the client sends its next one
+            self.push(now, _ARRIVE, self.next_issue)
+            self.next_issue += 1
+
+    def try_start(self, wi: int, now: float) -> None:
+        """Between steps: admit what is ready, then start the next step or sleep until a
+        request's KV arrives."""
+        w = self.replicas[wi]
+        for r in w.admit(now):
+            self.finish_request(w, r, now)
+        if len(w.req) == 0:
+            w.busy = False
+            ready = w.wake_time(now)
+            if ready is not None:
+                self.push(ready, _WAKE, wi)
+            return
+        dt, d = self.step.time(w)
+        self.steps.add(wi, now, dt, len(w.req), d)
+        w.busy = True
+        self.push(now + dt, _STEP_END, wi)
+
+    def on_arrive(self, r: int, now: float) -> None:
+        self.arrival[r] = now
+        _, done = self.prefill.place(now, int(self.rq.prompt[r]))
+        self.push(done, _PREFILL_DONE, r)
+
+    def on_prefill_done(self, r: int, now: float) -> None:
+        """Late binding: the policy picks the decode worker now, from the prefill signature."""
+        self.prefill_done[r] = now
+        wi = self.policy.route(int(self.workload.trace_idx[r]))
+        if not 0 <= wi < self.K:
+            raise RuntimeError(f"policy {self.policy.name} returned worker {wi} outside 0..{self.K - 1}")
+        self.assigned[r] = wi
+        w = self.replicas[wi]
+        prompt = self.rq.prompt
+        w.leases[r] = self.policy.acquire(wi, int(prompt[r] + self.rq.out[r]))  # right after route: the same request
+        n = int(prompt[r])
+        tt = self.transfer_cache.get(n)
+        if tt is None:
+            tt = self.transfer_cache[n] = self.model.kv_transfer_time(n)
+        ready = now + tt
+        w.enqueue(ready, next(self.seq), r)
+        if not w.busy:
+            if ready <= now:
+                self.try_start(wi, now)
+            elif ready < w.wake_at:
+                w.wake_at = ready
+                self.push(ready, _WAKE, wi)
+
+    def on_step_end(self, wi: int, now: float) -> None:
+        w = self.replicas[wi]
+        finished = w.end_step()
+        for r in finished:
+            self.finish_request(w, r, now)
+        if finished and self.bar is not None and self.bar_pending >= 64:
+            self.bar.update(self.bar_pending)
+            self.bar_pending = 0
+        self.try_start(wi, now)
+
+    def on_wake(self, wi: int, now: float) -> None:
+        w = self.replicas[wi]
+        if now >= w.wake_at:
+            w.wake_at = float("inf")
+        if not w.busy:
+            self.try_start(wi, now)
+
+
 def simulate(
     replay: TraceReplay,
     workload: Workload,
@@ -134,255 +280,40 @@ def simulate(
 ) -> SimResult:
     """Run one policy over one workload. Deterministic for fixed inputs and router seed."""
     cfg = config or ClusterConfig()
-    K = int(cfg.num_decode)
-    P = int(cfg.num_prefill) or K
-    if K < 1 or P < 1 or cfg.max_running < 1:
-        raise ValueError("need at least one prefill worker, one decode worker and max_running >= 1")
-    m = model.model
-    if replay.num_layers != m.num_moe_layers or replay.num_experts != m.num_experts:
-        raise ValueError(
-            f"the trace has {replay.num_layers} MoE layers x {replay.num_experts} experts but model "
-            f"profile {m.name} has {m.num_moe_layers} x {m.num_experts}; pass the matching --model"
-        )
-    kv_cap = int(cfg.kv_capacity_tokens) or model.kv_capacity_tokens()
-    N = workload.num_requests
-    t_idx = workload.trace_idx
-    prompt = workload.prompt_len
-    out = workload.output_len
-    biggest = int((prompt + out).max())
-    if biggest > kv_cap:
-        raise ValueError(f"a request needs {biggest} KV tokens but a decode worker holds only {kv_cap}")
-
-    E = replay.num_experts
-    L = replay.num_layers
-    ids_all = replay.expert_ids
-    dec_start = replay.dec_start[t_idx]
-    dec_len = replay.dec_len[t_idx]
-    count = distinct_counter()
-    offload = model.offload_cache_experts > 0
-    ep = model.ep
-    step_time = model.decode_step_time
-    perfect = np.full(L, replay.top_k, np.int64) if cfg.perfect_overlap else None
-
-    workers = [_Worker() for _ in range(K)]
-    if offload:
-        for w in workers:
-            w.cache = ExpertCache(L, E, model.offload_cache_experts)
-    prefill_free = [0.0] * P
-    peak_reserved = [0] * K
-    prefill_cache: dict[int, float] = {}
-    transfer_cache: dict[int, float] = {}
-
-    arrival = np.full(N, np.nan)
-    prefill_done = np.full(N, np.nan)
-    first_token = np.full(N, np.nan)
-    finish = np.full(N, np.nan)
-    assigned = np.full(N, -1, np.int64)
-    completions = np.zeros(N, np.int64)
-
-    s_worker: list[int] = []
-    s_start: list[float] = []
-    s_dt: list[float] = []
-    s_batch: list[int] = []
-    s_distinct: list[float] = []
-    layer_sum = np.zeros(L, np.float64)
-    misses_total = 0
-
-    heap: list = []
-    seq = 0
-    if workload.arrival == "closed":
-        n0 = min(workload.concurrency, N)
-        for i in range(n0):
-            heap.append((0.0, seq, _ARRIVE, i))
-            seq += 1
-        next_issue = n0
-    else:
-        for i in range(N):
-            heap.append((float(workload.arrival_s[i]), seq, _ARRIVE, i))
-            seq += 1
-        next_issue = N
-    heapq.heapify(heap)
-
+    kv_cap = _check(replay, workload, model, cfg)
     bar = None
     if progress:
         from eldr_sglang.progress import progress as progress_bar
 
-        bar = progress_bar(N, desc=progress_desc or policy.name, unit="req", leave=False)
-    done_count = 0
-    bar_pending = 0
+        bar = progress_bar(workload.num_requests, desc=progress_desc or policy.name, unit="req", leave=False)
     t_wall = time.perf_counter()
-
-    def finish_request(w: _Worker, r: int, now: float) -> None:
-        nonlocal next_issue, seq, done_count, bar_pending
-        finish[r] = now
-        completions[r] += 1
-        w.leases.pop(r).release()
-        done_count += 1
-        bar_pending += 1
-        if next_issue < N and workload.arrival == "closed":
-            heapq.heappush(heap, (now, seq, _ARRIVE, next_issue))
-            seq += 1
-            next_issue += 1
-
-    def try_start(wi: int, now: float) -> None:
-        nonlocal seq, misses_total
-        w = workers[wi]
-        # admit ready requests, FIFO by readiness
-        if w.pending and w.pending[0][0] <= now and len(w.req) < cfg.max_running:
-            adm: list[int] = []
-            room = cfg.max_running - len(w.req)
-            while w.pending and w.pending[0][0] <= now and room > 0:
-                r = w.pending[0][2]
-                need_kv = int(prompt[r] + out[r])
-                if w.reserved + need_kv > kv_cap:
-                    break
-                heapq.heappop(w.pending)
-                w.reserved += need_kv
-                first_token[r] = now
-                if out[r] <= 1:  # the only token came from prefill
-                    w.reserved -= need_kv
-                    finish_request(w, r, now)
-                    continue
-                adm.append(r)
-                room -= 1
-            if adm:
-                a = np.asarray(adm, np.int64)
-                w.req = np.concatenate([w.req, a])
-                w.pos = np.concatenate([w.pos, np.zeros(len(a), np.int64)])
-                w.need = np.concatenate([w.need, out[a] - 1])
-                w.ds = np.concatenate([w.ds, dec_start[a]])
-                w.dl = np.concatenate([w.dl, dec_len[a]])
-                w.ctx = np.concatenate([w.ctx, prompt[a] + 1])
-                w.reserve = np.concatenate([w.reserve, prompt[a] + out[a]])
-                w.kv += int(prompt[a].sum()) + len(a)
-                if w.reserved > peak_reserved[wi]:
-                    peak_reserved[wi] = w.reserved
-        B = len(w.req)
-        if B == 0:
-            w.busy = False
-            if w.pending:
-                ready = w.pending[0][0]
-                if ready > now and ready < w.wake_at:
-                    w.wake_at = ready
-                    heapq.heappush(heap, (ready, seq, _WAKE, wi))
-                    seq += 1
-            return
-        rows = w.ds + w.pos % w.dl
-        ids = ids_all[rows]
-        if perfect is not None:
-            d = perfect
-            dt = step_time(B, w.kv, d if ep == 1 else np.full((L, ep), -(-replay.top_k // ep), np.int64))
-        elif ep > 1:
-            d_rank = touched_mask(ids, E).reshape(L, ep, E // ep).sum(axis=2)
-            d = d_rank.sum(axis=1)
-            dt = step_time(B, w.kv, d_rank)
-        elif offload:
-            touched = touched_mask(ids, E)
-            d = touched.sum(axis=1)
-            miss = w.cache.access(touched)
-            misses_total += int(miss.sum())
-            dt = step_time(B, w.kv, d, miss)
-        else:
-            d = count(ids, E)
-            dt = step_time(B, w.kv, d)
-        np.add(layer_sum, d, out=layer_sum)
-        s_worker.append(wi)
-        s_start.append(now)
-        s_dt.append(dt)
-        s_batch.append(B)
-        s_distinct.append(float(d.mean()))
-        w.busy = True
-        heapq.heappush(heap, (now + dt, seq, _STEP_END, wi))
-        seq += 1
-
-    while heap:
-        now, _, kind, a = heapq.heappop(heap)
-        if kind == _STEP_END:
-            w = workers[a]
-            B = len(w.req)
-            w.pos += 1
-            w.kv += B
-            w.ctx += 1
-            fin = w.pos >= w.need
-            if fin.any():
-                for r in w.req[fin].tolist():
-                    finish_request(w, r, now)
-                w.kv -= int(w.ctx[fin].sum())
-                w.reserved -= int(w.reserve[fin].sum())
-                keep = ~fin
-                w.req, w.pos, w.need = w.req[keep], w.pos[keep], w.need[keep]
-                w.ds, w.dl, w.ctx, w.reserve = w.ds[keep], w.dl[keep], w.ctx[keep], w.reserve[keep]
-                if bar is not None and bar_pending >= 64:
-                    bar.update(bar_pending)
-                    bar_pending = 0
-            try_start(a, now)
-        elif kind == _ARRIVE:
-            r = a
-            arrival[r] = now
-            p = min(range(P), key=prefill_free.__getitem__)
-            n = int(prompt[r])
-            pt = prefill_cache.get(n)
-            if pt is None:
-                pt = prefill_cache[n] = model.prefill_time(n)
-            done = max(now, prefill_free[p]) + pt
-            prefill_free[p] = done
-            heapq.heappush(heap, (done, seq, _PREFILL_DONE, r))
-            seq += 1
-        elif kind == _PREFILL_DONE:
-            r = a
-            prefill_done[r] = now
-            wi = policy.route(int(t_idx[r]))
-            if not 0 <= wi < K:
-                raise RuntimeError(f"policy {policy.name} returned worker {wi} outside 0..{K - 1}")
-            assigned[r] = wi
-            w = workers[wi]
-            w.leases[r] = policy.acquire(wi, int(prompt[r] + out[r]))  # right after route: the same request
-            n = int(prompt[r])
-            tt = transfer_cache.get(n)
-            if tt is None:
-                tt = transfer_cache[n] = model.kv_transfer_time(n)
-            ready = now + tt
-            heapq.heappush(w.pending, (ready, seq, r))
-            seq += 1
-            if not w.busy:
-                if ready <= now:
-                    try_start(wi, now)
-                elif ready < w.wake_at:
-                    w.wake_at = ready
-                    heapq.heappush(heap, (ready, seq, _WAKE, wi))
-                    seq += 1
-        else:  # _WAKE
-            w = workers[a]
-            if now >= w.wake_at:
-                w.wake_at = float("inf")
-            if not w.busy:
-                try_start(a, now)
+    run = _Run(replay, workload, policy, model, cfg, kv_cap, bar)
+    run.run()
     if bar is not None:
-        bar.update(bar_pending)
+        bar.update(run.bar_pending)
         bar.close()
-
-    sb = np.asarray(s_batch, np.int64)
-    null = random_mix_distinct(replay, sb)
+    st = run.steps
     return SimResult(
         policy=policy.name,
         config=cfg,
         workload=workload.describe(),
         model=model.describe(),
-        worker=assigned,
-        arrival=arrival,
-        prefill_done=prefill_done,
-        first_token=first_token,
-        finish=finish,
-        output_len=out.copy(),
-        completions=completions,
-        step_worker=np.asarray(s_worker, np.int32),
-        step_start=np.asarray(s_start),
-        step_dt=np.asarray(s_dt),
-        step_batch=np.asarray(s_batch, np.int32),
-        step_distinct=np.asarray(s_distinct, np.float32),
-        step_null_distinct=null,
-        distinct_layer_sum=layer_sum,
-        offload_misses=misses_total,
+        worker=run.assigned,
+        arrival=run.arrival,
+        prefill_done=run.prefill_done,
+        first_token=run.rq.first_token,
+        finish=run.finish,
+        output_len=workload.output_len.copy(),
+        completions=run.completions,
+        step_worker=np.asarray(st.worker, np.int32),
+        step_start=np.asarray(st.start),
+        step_dt=np.asarray(st.dt),
+        step_batch=np.asarray(st.batch, np.int32),
+        step_distinct=np.asarray(st.distinct, np.float32),
+        step_null_distinct=random_mix_distinct(replay, np.asarray(st.batch, np.int64)),
+        distinct_layer_sum=st.layer_sum,
+        offload_misses=run.step.misses,
         wall_s=time.perf_counter() - t_wall,
-        extra={"top_k": replay.top_k, "num_experts": E, "kv_capacity_tokens": kv_cap, "peak_kv_reserved": peak_reserved},
+        extra={"top_k": replay.top_k, "num_experts": replay.num_experts, "kv_capacity_tokens": kv_cap,
+               "peak_kv_reserved": [w.peak_reserved for w in run.replicas]},
     )

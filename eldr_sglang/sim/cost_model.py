@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr_sglang.sim.profiles import FP8, HardwareProfile, ModelProfile
+from eldr_sglang.models import FP8, ModelProfile
+from eldr_sglang.sim.profiles import HardwareProfile
 
 # ASSUMPTION: fraction of peak HBM bandwidth that streaming weight reads achieve.
 DEFAULT_BW_EFFICIENCY = 0.8

@@ -1,7 +1,9 @@
 """SGLang servers and the ELDR router as subprocesses on 127.0.0.1, for tests.
 
 Each process runs in its own session (process group), so stopping it ends every child it
-spawned (SGLang's scheduler and detokenizer). Readiness is /health answering 200, never a
+spawned (SGLang's scheduler and detokenizer). Each also gets SIGKILL when the test process dies
+(PR_SET_PDEATHSIG), so a SIGKILLed pytest leaves no server behind: SGLang's own children already
+die with their parent (sglang.srt.utils.kill_itself_when_parent_died). Readiness is /health answering 200, never a
 log line: SGLang prints "ready to roll" even after a failed bind. Logs are kept so that a
 failure message can quote them.
 """
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import ctypes
 import urllib.request
 from pathlib import Path
 
@@ -67,6 +70,18 @@ def free_port_block(span: int = 40, lo: int = 20000, hi: int = 60000) -> int:
     raise HarnessError("no free loopback port block found")
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGKILL me when my parent dies.
+
+    Linux only; elsewhere the process group (stop/kill below) is the only guard.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
 class Server:
     """One subprocess in its own process group, with its log file."""
 
@@ -76,7 +91,8 @@ class Server:
         self.ready_s: float | None = None
         self._fh = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, *args], stdout=self._fh, stderr=subprocess.STDOUT,
-                                     env=env, cwd=cwd, start_new_session=True)
+                                     env=env, cwd=cwd, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self.pgid = self.proc.pid  # start_new_session: the child leads its own group
 
     def alive(self) -> bool:

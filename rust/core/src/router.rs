@@ -11,8 +11,9 @@ use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
 use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext};
 use crate::queue::QueueTracker;
+use crate::distance::Counts;
 use crate::payload::DecodedCounts;
-use crate::signature::{NoSignature, SparseSignature};
+use crate::signature::{CountValue, NoSignature, SparseIndex, SparseSignature};
 use crate::store::CentroidStore;
 
 pub const DEFAULT_TAU: f64 = 0.1;
@@ -152,6 +153,14 @@ impl Router {
         self.route_profiled(distances_of, None, explain)
     }
 
+    /// The request's expert profile for the locality balancer from its raw prefill counts,
+    /// over the current centroid file's selected layers (tagged with its generation, so the
+    /// balancer follows a change of layer selection). None without a centroid file.
+    pub fn profile<I: SparseIndex, T: CountValue>(&self, counts: Counts<'_, I, T>, tokens: u64) -> Option<Result<ExpertProfile, NoSignature>> {
+        let snap = self.store.as_ref()?.snapshot();
+        Some(ExpertProfile::from_counts(snap.set.spec(), snap.generation, counts, tokens))
+    }
+
     /// [`Router::route`] with the request's expert profile (read by the locality balancer).
     pub fn route_profiled<F>(&self, distances_of: F, profile: Option<&ExpertProfile>, explain: bool) -> Result<Routed, RouteError>
     where
@@ -165,8 +174,9 @@ impl Router {
         let mut distances = None;
         let mut fallback = Reason::NoCentroids;
         let mut generation = 0;
+        let mut distances_of = Some(distances_of);
         if self.policy.uses_signature() {
-            if let Some(store) = &self.store {
+            if let (Some(store), Some(distances_of)) = (&self.store, distances_of.take()) {
                 if self.auto_reload {
                     let _ = store.maybe_reload(); // errors are kept in store.last_error()
                 }
@@ -177,6 +187,17 @@ impl Router {
                     Err(why) => fallback = Reason::NoSignature(why),
                 }
             }
+        }
+        if self.policy.uses_profile() && profile.is_none() {
+            // no profile: the caller's reason (a route_fallback) names the fallback
+            if let (Some(store), Some(distances_of)) = (&self.store, distances_of.take()) {
+                if let Err(why) = distances_of(&store.snapshot().set) {
+                    fallback = Reason::NoSignature(why);
+                }
+            }
+        }
+        if let (true, Some(p)) = (self.policy.uses_profile(), profile) {
+            generation = p.generation(); // the centroids its layer selection came from
         }
         let load_factor = self.load_factor();
         let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, load_factor, profile, explain };

@@ -595,8 +595,22 @@ impl PyExpertProfile {
     fn experts_per_layer(&self) -> f64 {
         self.inner.experts_per_layer()
     }
+    /// MoE layers (rows of the prefill counts) the profile spans.
+    #[getter]
+    fn layer_ids(&self) -> Vec<u32> {
+        self.inner.layer_ids().to_vec()
+    }
+    /// Nonzero (layer, expert) cells: the work of one acquire, release or route per worker.
+    #[getter]
+    fn nnz(&self) -> usize {
+        self.inner.nnz()
+    }
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.inner.generation()
+    }
     fn __repr__(&self) -> String {
-        format!("ExpertProfile(layers={}, experts={}, experts_per_layer={:.2})", self.inner.layers(), self.inner.experts(), self.inner.experts_per_layer())
+        format!("ExpertProfile(layers={}, experts={}, nnz={}, experts_per_layer={:.2})", self.inner.layers(), self.inner.experts(), self.inner.nnz(), self.inner.experts_per_layer())
     }
 }
 
@@ -667,6 +681,32 @@ fn route_topk_t<T: Element + ExpertId>(v: View<'_, T>, r: &PyRouter, py: Python<
         )
     });
     r.finish(py, routed, explain)
+}
+
+// ---- locality balancer: profiles from raw prefill counts (one block) ----
+
+fn profile_out(py: Python<'_>, r: Option<Result<ExpertProfile, NoSignature>>) -> PyResult<PyExpertProfile> {
+    match r {
+        None => Err(PyValueError::new_err("this router has no centroid file, whose layer selection a profile needs; build one with ExpertProfile(...) instead")),
+        Some(Err(why)) => Err(no_sig(py, why)),
+        Some(Ok(p)) => Ok(PyExpertProfile { inner: Arc::new(p) }),
+    }
+}
+
+fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
+    let c = v.slice();
+    let p = py.detach(|| r.inner.profile::<u32, T>(Counts::Dense(c), tokens));
+    profile_out(py, p)
+}
+
+fn profile_sparse_i<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
+    dispatch!(counts, "counts", profile_sparse_it, [f32, u32, u16, i64, i32, f64], &idx, r, py, tokens)
+}
+
+fn profile_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
+    let (i, c) = (idx.slice(), c.slice());
+    let p = py.detach(|| r.inner.profile(Counts::Sparse(i, c), tokens));
+    profile_out(py, p)
 }
 
 #[pymethods]
@@ -766,6 +806,22 @@ impl PyRouter {
         let inner = &profile.inner;
         let r = py.detach(|| self.inner.route_profiled(|_| Err(NoSignature::Missing), Some(inner), explain));
         self.finish(py, r, explain)
+    }
+    /// The locality balancer's profile of a request from its raw dense `[L, E]` prefill
+    /// counts and prompt length, over the centroid file's selected layers. Bad counts raise
+    /// NoSignature (its `reason` as for a signature); no centroid file raises ValueError.
+    fn profile_dense(&self, py: Python<'_>, counts: &Bound<'_, PyAny>, tokens: u64) -> PyResult<PyExpertProfile> {
+        dispatch!(counts, "counts", profile_dense_t, [u16, u32, f32, i64, i32, f64, u8], self, py, tokens)
+    }
+    /// [`Router.profile_dense`] from sparse `(index l*E+e, count)` pairs.
+    fn profile_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, tokens: u64) -> PyResult<PyExpertProfile> {
+        dispatch!(index, "index", profile_sparse_i, [i64, i32, u32, u16], counts, self, py, tokens)
+    }
+    /// The locality balancer's expected distinct experts per layer per step of each worker's
+    /// in-flight requests (zeros before its first profile); None for other policies.
+    fn expert_distinct(&self) -> Option<Vec<f64>> {
+        let k = self.inner.num_workers();
+        self.inner.policy().expert_distinct().map(|d| if d.len() == k { d } else { vec![0.0; k] })
     }
     /// Count one request on `worker` (GIL released: the counters are atomics, so threads
     /// really do acquire and release concurrently); with `profile`, the locality balancer also

@@ -16,17 +16,34 @@
 //!   without it). Ties go to the shorter queue, then the lower index. Without a profile the
 //!   rule is shortest queue.
 //!
-//! State is lock-free: `S` lives in fixed-point `AtomicI64`s updated by `fetch_add`, and `D_w`
-//! is kept incrementally from each cell's (old, new) transition through one deterministic
-//! function, so the sum telescopes and acquire followed by release restores it exactly,
-//! whatever the interleaving. A route reads `K x nnz(profile)` atomics (no locks, no allocation
-//! beyond the decision).
+//! * A profile spans the MoE layers it was built over: all of them in the simulator, the
+//!   centroid file's selected layers in the router service ([`ExpertProfile::from_counts`]),
+//!   which cuts the state and the work per request by L / |selected|. It is sparse: only cells
+//!   with nonzero expected use are kept.
+//!
+//! State: per worker, `S` in fixed point behind a short per-worker lock (held for one
+//! acquire's or release's `O(nnz(profile))` plain adds: an atomic read-modify-write per cell
+//! cost 5x more); the keep mass `exp(S)` per cell and `D_w` are published in atomics that a
+//! route reads without any lock. `D_w` is kept incrementally from each cell's (old, new)
+//! transition of `S` through one deterministic function, and the writes to a worker are
+//! serialized, so acquire followed by release restores everything exactly, whatever the
+//! interleaving. A route reads `K x nnz(profile)` keep masses and multiplies (no exp, no
+//! locks, no allocation beyond the decision); it may see a concurrent acquire half applied,
+//! which only shifts that one decision as a slightly earlier or later one would.
+//!
+//! A profile carries the layer ids of its rows and the centroid generation it was built
+//! from. When the centroid file's layer selection changes, the first profile of the newer
+//! generation replaces the expert state (requests in flight then release into the old one,
+//! which they hold); a profile of an older generation and another layout falls back.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use arc_swap::ArcSwapOption;
 
 use super::{load_cap, shortest_healthy, Decision, Policy, Reason, RouteContext};
-use crate::signature::NoSignature;
+use crate::distance::Counts;
+use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex};
 
 /// Fixed-point scale of `log(1 - p)` in a cell.
 const LOG_SCALE: f64 = (1u64 << 24) as f64;
@@ -62,14 +79,69 @@ fn keep_prob(t: &ExpTables, s: i64) -> f64 {
 
 #[inline]
 fn mass(t: &ExpTables, s: i64) -> i64 {
-    (keep_prob(t, s) * MASS_SCALE).round() as i64
+    // + 0.5 and truncate: round half up for this non-negative value, without the libm call
+    // that f64::round is on a baseline x86-64 target
+    (keep_prob(t, s) * MASS_SCALE + 0.5) as i64
+}
+
+/// `round(log(1 - c / denom) * LOG_SCALE)`, memoized for small integer counts: a prompt's counts
+/// take few distinct values, and `ln_1p` per cell was most of a profile's build time.
+struct LogKeep {
+    denom: f64,
+    cap: f64,
+    memo: [i64; 256],
+}
+
+impl LogKeep {
+    fn new(tokens: u64) -> Self {
+        LogKeep { denom: tokens as f64 + 1.0, cap: tokens as f64, memo: [1; 256] }
+    }
+    /// (p, fixed-point log(1 - p)) for count c > 0.
+    #[inline]
+    fn of(&mut self, c: f64) -> (f64, i64) {
+        let c = c.min(self.cap);
+        let p = c / self.denom;
+        let small = c < 256.0 && (c as u32) as f64 == c; // (no libm fract)
+        if small && self.memo[c as usize] != 1 {
+            return (p, self.memo[c as usize]);
+        }
+        let lk = ((-p).ln_1p() * LOG_SCALE).round() as i64;
+        if small {
+            self.memo[c as usize] = lk;
+        }
+        (p, lk)
+    }
+}
+
+/// Appends cells in ascending order to a profile under construction.
+struct Builder {
+    prof: ExpertProfile,
+    lk: LogKeep,
+}
+
+impl Builder {
+    fn new(layer_ids: Arc<[u32]>, experts: usize, generation: u64, tokens: u64, capacity: usize) -> Self {
+        let prof = ExpertProfile { layer_ids, experts, generation, cells: Vec::with_capacity(capacity), p: Vec::with_capacity(capacity), log_keep: Vec::with_capacity(capacity) };
+        Builder { prof, lk: LogKeep::new(tokens) }
+    }
+    #[inline]
+    fn push(&mut self, cell: u32, count: f64) {
+        let (p, l) = self.lk.of(count);
+        self.prof.cells.push(cell);
+        self.prof.p.push(p);
+        self.prof.log_keep.push(l);
+    }
 }
 
 /// A request's expected expert use per decode token (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertProfile {
-    layers: usize,
+    /// The MoE layer (row of the prefill's counts) of each profile row.
+    layer_ids: Arc<[u32]>,
     experts: usize,
+    /// Centroid generation the layer selection came from (0: not from a centroid file).
+    generation: u64,
+    /// Flat `row * experts + e`, ascending.
     cells: Vec<u32>,
     p: Vec<f64>,
     log_keep: Vec<i64>,
@@ -78,7 +150,7 @@ pub struct ExpertProfile {
 impl ExpertProfile {
     /// From the prompt's counts in sparse form: `index[i] = l * experts + e` with `counts[i]`
     /// prompt tokens whose top-k at layer l included e; `tokens` prompt tokens in all.
-    /// Zero counts are skipped; duplicate indices add up.
+    /// Zero counts are skipped; duplicate indices add up. Spans all `layers`.
     pub fn from_sparse(layers: usize, experts: usize, index: &[u64], counts: &[f64], tokens: u64) -> Result<Self, String> {
         let n = layers.checked_mul(experts).filter(|&n| n > 0 && n <= u32::MAX as usize).ok_or("layers x experts must be in 1..2^32")?;
         if index.len() != counts.len() {
@@ -87,7 +159,7 @@ impl ExpertProfile {
         if tokens == 0 {
             return Err("a profile needs at least one prompt token".into());
         }
-        let mut dense: Vec<(u32, f64)> = Vec::with_capacity(index.len());
+        let mut cells: Vec<(u32, f64)> = Vec::with_capacity(index.len());
         for (&i, &c) in index.iter().zip(counts) {
             if i as usize >= n {
                 return Err(format!("index {i} out of range 0..{n}"));
@@ -96,31 +168,119 @@ impl ExpertProfile {
                 return Err(format!("counts must be finite and >= 0, got {c}"));
             }
             if c > 0.0 {
-                dense.push((i as u32, c));
+                cells.push((i as u32, c));
             }
         }
-        dense.sort_unstable_by_key(|&(i, _)| i);
-        dense.dedup_by(|b, a| {
-            if a.0 == b.0 {
-                a.1 += b.1;
-                true
-            } else {
-                false
-            }
-        });
-        let denom = tokens as f64 + 1.0;
-        let mut prof = ExpertProfile { layers, experts, cells: Vec::with_capacity(dense.len()), p: Vec::with_capacity(dense.len()), log_keep: Vec::with_capacity(dense.len()) };
-        for (i, c) in dense {
-            let p = (c / denom).min(tokens as f64 / denom);
-            prof.cells.push(i);
-            prof.p.push(p);
-            prof.log_keep.push(((-p).ln_1p() * LOG_SCALE).round() as i64);
-        }
-        Ok(prof)
+        let ids: Arc<[u32]> = (0..layers as u32).collect();
+        Ok(Self::from_cells(ids, experts, 0, cells, tokens))
     }
 
+    /// The router's profile: raw `[L, E]` counts (dense, or sparse `(l*E+e, count)`) as the
+    /// prefill sends them, restricted to `spec`'s selected layers (the layers the centroid
+    /// file routes on). Validated like a signature: the same [`NoSignature`] reasons.
+    pub fn from_counts<I: SparseIndex, T: CountValue>(spec: &SignatureSpec, generation: u64, counts: Counts<'_, I, T>, tokens: u64) -> Result<Self, NoSignature> {
+        let (l, e) = (spec.num_layers(), spec.num_experts());
+        let sel = spec.selected_layers();
+        let ids: Arc<[u32]> = sel.iter().map(|&x| x as u32).collect();
+        let check = |c: T| -> Result<f64, NoSignature> {
+            let v = c.to_f32() as f64;
+            if v.is_nan() || v.is_infinite() {
+                Err(NoSignature::NonFinite)
+            } else if v < 0.0 {
+                Err(NoSignature::Negative)
+            } else {
+                Ok(v)
+            }
+        };
+        match counts {
+            Counts::Dense(c) => {
+                if c.len() != l * e {
+                    return Err(NoSignature::Shape);
+                }
+                if T::MAY_BE_INVALID {
+                    for v in c.iter().copied() {
+                        check(v)?; // every count is validated, selected layer or not (as a signature is)
+                    }
+                }
+                if tokens == 0 {
+                    return Err(NoSignature::Empty);
+                }
+                // already in ascending cell order: straight into the profile, no sort, no copy
+                let mut b = Builder::new(ids, e, generation, tokens, sel.len() * e);
+                for (s, &layer) in sel.iter().enumerate() {
+                    for (j, v) in c[layer * e..(layer + 1) * e].iter().enumerate() {
+                        let v = v.to_f32() as f64; // checked above
+                        if v > 0.0 {
+                            b.push((s * e + j) as u32, v);
+                        }
+                    }
+                }
+                Ok(b.prof)
+            }
+            Counts::Sparse(idx, c) => {
+                if idx.len() != c.len() {
+                    return Err(NoSignature::Shape);
+                }
+                // row slot of each layer, u32::MAX for an unselected one
+                let mut slot = vec![u32::MAX; l];
+                for (s, &layer) in sel.iter().enumerate() {
+                    slot[layer] = s as u32;
+                }
+                let (n, e64) = ((l * e) as u64, e as u64);
+                let mut cells: Vec<(u32, f64)> = Vec::with_capacity(idx.len());
+                for (&i, &v) in idx.iter().zip(c) {
+                    let i = i.as_u64();
+                    if i >= n {
+                        return Err(NoSignature::OutOfRange);
+                    }
+                    let v = check(v)?;
+                    let s = slot[(i / e64) as usize];
+                    if v > 0.0 && s != u32::MAX {
+                        cells.push((s * e as u32 + (i % e64) as u32, v));
+                    }
+                }
+                if tokens == 0 {
+                    return Err(NoSignature::Empty);
+                }
+                Ok(Self::from_cells(ids, e, generation, cells, tokens))
+            }
+        }
+    }
+
+    /// `cells`: (flat row*E+e, count > 0), any order, repeats allowed.
+    fn from_cells(layer_ids: Arc<[u32]>, experts: usize, generation: u64, mut cells: Vec<(u32, f64)>, tokens: u64) -> Self {
+        if !cells.is_sorted_by(|a, b| a.0 < b.0) {
+            cells.sort_unstable_by_key(|&(i, _)| i);
+            cells.dedup_by(|b, a| {
+                if a.0 == b.0 {
+                    a.1 += b.1;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+        let mut b = Builder::new(layer_ids, experts, generation, tokens, cells.len());
+        for (i, c) in cells {
+            b.push(i, c);
+        }
+        b.prof
+    }
+
+    /// Rows (MoE layers) the profile spans.
     pub fn layers(&self) -> usize {
-        self.layers
+        self.layer_ids.len()
+    }
+    /// The MoE layer of each row.
+    pub fn layer_ids(&self) -> &[u32] {
+        &self.layer_ids
+    }
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+    /// Nonzero cells.
+    pub fn nnz(&self) -> usize {
+        self.cells.len()
     }
     pub fn experts(&self) -> usize {
         self.experts
@@ -134,17 +294,22 @@ impl ExpertProfile {
     }
     /// Expected distinct experts per layer of one of this request's tokens (about top-k).
     pub fn experts_per_layer(&self) -> f64 {
-        self.p.iter().sum::<f64>() / self.layers as f64
+        self.p.iter().sum::<f64>() / self.layers() as f64
     }
 }
 
 /// Per-worker in-flight expert state (see the module docs). Cells are laid out
 /// `[cell][worker]`, so a route reads each of the request's cells for all K workers at once.
 pub struct ExpertLoad {
-    layers: usize,
+    layer_ids: Arc<[u32]>,
+    experts: usize,
+    generation: u64,
     workers: usize,
-    cells_per_worker: usize,
-    log_sum: Box<[AtomicI64]>,
+    /// Per worker, `S` (sum of fixed-point `log(1 - p)` over its in-flight requests) per cell;
+    /// the lock serializes that worker's acquires and releases.
+    log_sum: Box<[Mutex<Vec<i64>>]>,
+    /// `exp(S)` in fixed point per `[cell][worker]`, written under the worker's lock, read by routes.
+    keep: Box<[AtomicU32]>,
     distinct: Box<[PaddedI64]>,
 }
 
@@ -154,12 +319,20 @@ struct PaddedI64(AtomicI64);
 
 impl ExpertLoad {
     pub fn new(workers: usize, layers: usize, experts: usize) -> Self {
-        let n = layers * experts;
+        Self::with_layout(workers, (0..layers as u32).collect(), experts, 0)
+    }
+
+    /// State for profiles over `layer_ids` (see [`ExpertProfile::layer_ids`]).
+    pub fn with_layout(workers: usize, layer_ids: Arc<[u32]>, experts: usize, generation: u64) -> Self {
+        let cells = layer_ids.len() * experts;
+        let one = mass(exp_tables(), 0) as u32;
         ExpertLoad {
-            layers,
+            layer_ids,
+            experts,
+            generation,
             workers,
-            cells_per_worker: n,
-            log_sum: (0..workers * n).map(|_| AtomicI64::new(0)).collect(),
+            log_sum: (0..workers).map(|_| Mutex::new(vec![0i64; cells])).collect(),
+            keep: (0..cells * workers).map(|_| AtomicU32::new(one)).collect(),
             distinct: (0..workers).map(|_| PaddedI64::default()).collect(),
         }
     }
@@ -168,46 +341,61 @@ impl ExpertLoad {
         self.distinct.len()
     }
 
+    fn layers(&self) -> usize {
+        self.layer_ids.len()
+    }
+
     fn fits(&self, p: &ExpertProfile) -> bool {
-        p.layers == self.layers && p.layers * p.experts == self.cells_per_worker
+        p.experts == self.experts && (Arc::ptr_eq(&p.layer_ids, &self.layer_ids) || p.layer_ids[..] == self.layer_ids[..])
     }
 
     fn apply(&self, worker: usize, p: &ExpertProfile, sign: i64) {
         let t = exp_tables();
         let k = self.workers;
+        // A poisoned lock only means another thread panicked mid-update of plain integers;
+        // the sums it left are still the ones every later update telescopes from.
+        let mut sums = self.log_sum[worker].lock().unwrap_or_else(|e| e.into_inner());
         let mut d = 0i64;
         for (&c, &lk) in p.cells.iter().zip(&p.log_keep) {
-            let old = self.log_sum[c as usize * k + worker].fetch_add(sign * lk, Ordering::AcqRel);
-            d += mass(t, old) - mass(t, old + sign * lk);
+            let s = &mut sums[c as usize];
+            let (old, new) = (mass(t, *s), mass(t, *s + sign * lk));
+            *s += sign * lk;
+            self.keep[c as usize * k + worker].store(new as u32, Ordering::Relaxed);
+            d += old - new;
         }
-        self.distinct[worker].0.fetch_add(d, Ordering::AcqRel);
+        self.distinct[worker].0.fetch_add(d, Ordering::Release);
     }
 
     /// `D_w`: expected distinct experts per layer per step of worker w's in-flight requests.
     pub fn distinct(&self, worker: usize) -> f64 {
-        self.distinct[worker].0.load(Ordering::Acquire) as f64 / MASS_SCALE / self.layers as f64
+        self.distinct[worker].0.load(Ordering::Acquire) as f64 / MASS_SCALE / self.layers() as f64
+    }
+
+    /// `exp(S)` of one cell on one worker, as the route reads it.
+    pub fn keep_mass(&self, worker: usize, cell: usize) -> f64 {
+        self.keep[cell * self.workers + worker].load(Ordering::Relaxed) as f64 / MASS_SCALE
     }
 
     /// `Delta_w`: expected new experts per layer that `p` adds to worker w's steps.
     pub fn added(&self, worker: usize, p: &ExpertProfile) -> f64 {
-        let (t, k) = (exp_tables(), self.workers);
-        let s: f64 = p.cells.iter().zip(&p.p).map(|(&c, &pr)| pr * keep_prob(t, self.log_sum[c as usize * k + worker].load(Ordering::Relaxed))).sum();
-        s / self.layers as f64
+        let k = self.workers;
+        let s: f64 = p.cells.iter().zip(&p.p).map(|(&c, &pr)| pr * self.keep[c as usize * k + worker].load(Ordering::Relaxed) as f64).sum();
+        s / MASS_SCALE / self.layers() as f64
     }
 
     /// `Delta_w` for every worker in one pass over the profile's cells.
     pub fn added_all(&self, p: &ExpertProfile, out: &mut Vec<f64>) {
-        let (t, k) = (exp_tables(), self.workers);
+        let k = self.workers;
         out.clear();
         out.resize(k, 0.0);
         for (&c, &pr) in p.cells.iter().zip(&p.p) {
-            let row = &self.log_sum[c as usize * k..(c as usize + 1) * k];
+            let row = &self.keep[c as usize * k..(c as usize + 1) * k];
             for (acc, cell) in out.iter_mut().zip(row) {
-                *acc += pr * keep_prob(t, cell.load(Ordering::Relaxed));
+                *acc += pr * cell.load(Ordering::Relaxed) as f64;
             }
         }
-        let l = self.layers as f64;
-        out.iter_mut().for_each(|v| *v /= l);
+        let scale = MASS_SCALE * self.layers() as f64;
+        out.iter_mut().for_each(|v| *v /= scale);
     }
 
     /// Count `p` on `worker` until the guard is released (or dropped).
@@ -216,7 +404,10 @@ impl ExpertLoad {
             return Err(format!("worker {worker} out of range 0..{}", self.num_workers()));
         }
         if !self.fits(&p) {
-            return Err(format!("profile is {} x {} but the balancer tracks {} cells per worker", p.layers, p.experts, self.cells_per_worker));
+            return Err(format!(
+                "profile spans {} layers x {} experts but the balancer tracks {} layers x {} experts (another layer selection)",
+                p.layers(), p.experts, self.layers(), self.experts
+            ));
         }
         self.apply(worker, &p, 1);
         Ok(ExpertGuard { load: Arc::clone(self), worker, profile: p, released: AtomicBool::new(false) })
@@ -248,18 +439,36 @@ impl Drop for ExpertGuard {
     }
 }
 
-/// The balancer. Its expert state is sized by the first profile it sees.
+/// The balancer. Its expert state is sized by the first profile it sees, and replaced by the
+/// first profile of a newer centroid generation with another layout (see the module docs).
 #[derive(Default)]
 pub struct Locality {
-    load: OnceLock<Arc<ExpertLoad>>,
+    load: ArcSwapOption<ExpertLoad>,
 }
 
 impl Locality {
-    /// The expert state for `workers` workers and `p`'s shape, created on first use; None when
-    /// `p` does not match the shape it was created with.
-    pub fn load_for(&self, workers: usize, p: &ExpertProfile) -> Option<&Arc<ExpertLoad>> {
-        let l = self.load.get_or_init(|| Arc::new(ExpertLoad::new(workers, p.layers, p.experts)));
-        (l.fits(p) && l.num_workers() == workers).then_some(l)
+    /// The expert state for `workers` workers that `p` counts in; None when `p` does not fit
+    /// it (another layout of an older or the same generation, or another worker count).
+    pub fn load_for(&self, workers: usize, p: &ExpertProfile) -> Option<Arc<ExpertLoad>> {
+        if let Some(l) = self.load.load_full() {
+            if l.fits(p) {
+                return (l.num_workers() == workers).then_some(l);
+            }
+            if p.generation <= l.generation {
+                return None;
+            }
+        }
+        let fresh = Arc::new(ExpertLoad::with_layout(workers, Arc::clone(&p.layer_ids), p.experts, p.generation));
+        let prev = self.load.rcu(|cur| match cur {
+            Some(c) if c.fits(p) || p.generation <= c.generation => Some(Arc::clone(c)),
+            _ => Some(Arc::clone(&fresh)),
+        });
+        // rcu returns what it replaced: if another thread installed a fitting state first, use it
+        let now = match prev {
+            Some(c) if c.fits(p) || p.generation <= c.generation => c,
+            _ => fresh,
+        };
+        (now.fits(p) && now.num_workers() == workers).then_some(now)
     }
 }
 
@@ -279,12 +488,19 @@ impl Policy for Locality {
         })
     }
 
+    fn expert_distinct(&self) -> Option<Vec<f64>> {
+        Some(self.load.load_full().map_or_else(Vec::new, |l| (0..l.num_workers()).map(|w| l.distinct(w)).collect()))
+    }
+
     fn choose(&self, ctx: &RouteContext) -> Decision {
         let k = ctx.loads.len();
         let prof = ctx.profile.filter(|p| !p.is_empty());
         let Some(load) = prof.and_then(|p| self.load_for(k, p)) else {
             let why = match ctx.profile {
-                None => NoSignature::Missing,
+                None => match ctx.fallback {
+                    Reason::NoSignature(w) => w,
+                    _ => NoSignature::Missing,
+                },
                 Some(p) if p.is_empty() => NoSignature::Empty,
                 Some(_) => NoSignature::Shape,
             };
@@ -306,7 +522,7 @@ impl Policy for Locality {
                 best = Some(key);
             }
         }
-        Decision { worker: best.map(|b| b.2), reason: Reason::Policy, d_star: None, band: None }
+        Decision { worker: best.map(|b| b.2), reason: Reason::Profile, d_star: None, band: None }
     }
 }
 

@@ -36,6 +36,8 @@ pub enum Reason {
     NoCentroids,
     /// A baseline policy's own rule.
     Policy,
+    /// The locality balancer: least marginal expected expert cost under the cap.
+    Profile,
 }
 
 impl Reason {
@@ -45,6 +47,7 @@ impl Reason {
             Reason::NoSignature(w) => format!("no_signature:{w}"),
             Reason::NoCentroids => "no_centroids".into(),
             Reason::Policy => "policy".into(),
+            Reason::Profile => "profile".into(),
         }
     }
 }
@@ -94,6 +97,11 @@ pub trait Policy: Send + Sync {
     /// Count `profile` on `worker` while the request is in flight (the guard releases it).
     /// None: the policy keeps no per-request state.
     fn track(&self, _num_workers: usize, _worker: usize, _profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, String>> {
+        None
+    }
+    /// The locality balancer's `D_w` per worker (expected distinct experts per layer per step
+    /// of its in-flight requests); None for policies that keep no expert state.
+    fn expert_distinct(&self) -> Option<Vec<f64>> {
         None
     }
     fn choose(&self, ctx: &RouteContext) -> Decision;

@@ -295,3 +295,208 @@ fn expert_state_is_exact_under_8_threads() {
     }
     assert_eq!((load.distinct(0), load.distinct(1)), (0.0, 0.0));
 }
+
+// ---------------- the locality balancer's fast path vs a brute-force recomputation ----------------
+
+use crate::distance::Counts;
+use crate::signature::{NoSignature, SignatureSpec};
+
+const RL: usize = 5;
+const RE: usize = 6;
+
+/// A spec over RL x RE with at least one selected layer, and raw dense counts for it.
+fn spec_and_counts() -> impl Strategy<Value = (SignatureSpec, Vec<u32>, u64)> {
+    (prop::collection::vec(prop::bool::weighted(0.5), RL), prop::collection::vec(prop::option::weighted(0.4, 0u32..9), RL * RE), 1u64..12)
+        .prop_map(|(mut sel, c, t)| {
+            sel[2] = true;
+            let w: Vec<f32> = sel.iter().map(|&s| if s { 1.0 } else { 0.0 }).collect();
+            let spec = SignatureSpec::new(&w, &vec![1.0; RL * RE]).unwrap();
+            (spec, c.into_iter().map(|v| v.unwrap_or(0)).collect(), t)
+        })
+}
+
+/// The profile by its definition: selected layers in order, p = min(c, T) / (T + 1), zeros left out.
+fn brute_profile(spec: &SignatureSpec, dense: &[u32], t: u64) -> (Vec<u32>, Vec<u32>, Vec<f64>) {
+    let ids: Vec<u32> = spec.selected_layers().iter().map(|&l| l as u32).collect();
+    let (mut cells, mut p) = (Vec::new(), Vec::new());
+    for (s, &l) in spec.selected_layers().iter().enumerate() {
+        for e in 0..RE {
+            let c = dense[l * RE + e] as f64;
+            if c > 0.0 {
+                cells.push((s * RE + e) as u32);
+                p.push(c.min(t as f64) / (t as f64 + 1.0));
+            }
+        }
+    }
+    (ids, cells, p)
+}
+
+/// Per worker, the profiles counted there: D, Delta and exp(S) straight from their p's.
+struct Brute<'a> {
+    on: Vec<Vec<&'a ExpertProfile>>,
+}
+
+impl Brute<'_> {
+    fn keep(&self, w: usize, cells: usize) -> Vec<f64> {
+        let mut keep = vec![1.0f64; cells];
+        for p in &self.on[w] {
+            let (i, pr) = p.parts();
+            for (&c, &v) in i.iter().zip(pr) {
+                keep[c as usize] *= 1.0 - v;
+            }
+        }
+        keep
+    }
+    fn distinct(&self, w: usize, layers: usize, cells: usize) -> f64 {
+        self.keep(w, cells).iter().map(|k| 1.0 - k).sum::<f64>() / layers as f64
+    }
+    fn added(&self, w: usize, q: &ExpertProfile, cells: usize) -> f64 {
+        let keep = self.keep(w, cells);
+        let (i, pr) = q.parts();
+        i.iter().zip(pr).map(|(&c, &v)| v * keep[c as usize]).sum::<f64>() / q.layers() as f64
+    }
+}
+
+proptest! {
+    #[test]
+    fn restricted_profile_equals_its_definition_dense_and_sparse((spec, dense, t) in spec_and_counts(), split in any::<bool>()) {
+        let want = brute_profile(&spec, &dense, t);
+        let d = ExpertProfile::from_counts::<u32, u32>(&spec, 7, Counts::Dense(&dense), t).unwrap();
+        prop_assert_eq!(d.layer_ids(), &want.0[..]);
+        prop_assert_eq!(d.generation(), 7);
+        prop_assert_eq!(d.parts().0, &want.1[..]);
+        for (a, b) in d.parts().1.iter().zip(&want.2) {
+            prop_assert!((a - b).abs() < 1e-12);
+        }
+        // the same counts in sparse form, reversed, optionally split into repeated entries
+        let (mut idx, mut val) = (Vec::new(), Vec::new());
+        for (i, &c) in dense.iter().enumerate().rev() {
+            if c == 0 { continue; }
+            if split && c > 1 {
+                idx.extend([i as u32, i as u32]);
+                val.extend([c / 2, c - c / 2]);
+            } else {
+                idx.push(i as u32);
+                val.push(c);
+            }
+        }
+        let s = ExpertProfile::from_counts::<u32, u32>(&spec, 7, Counts::Sparse(&idx, &val), t).unwrap();
+        prop_assert_eq!(&s, &d);
+    }
+
+    #[test]
+    fn incremental_state_equals_brute_force_after_every_acquire_and_release(
+        profs in prop::collection::vec(profile_strategy(), 1..10),
+        ops in prop::collection::vec((0usize..3, any::<prop::sample::Index>(), any::<bool>()), 1..40),
+        probe in profile_strategy(),
+    ) {
+        let cells = LL * EE;
+        let load = Arc::new(ExpertLoad::new(3, LL, EE));
+        let profs: Vec<Arc<ExpertProfile>> = profs.into_iter().map(Arc::new).collect();
+        // (worker, profile index, guard) of what is in flight
+        let mut live: Vec<(usize, usize, ExpertGuard)> = Vec::new();
+        for (w, ix, release) in ops {
+            if release && !live.is_empty() {
+                let (_, _, g) = live.remove(ix.index(live.len()));
+                prop_assert!(g.release());
+            } else {
+                let i = ix.index(profs.len());
+                live.push((w, i, load.acquire(w, Arc::clone(&profs[i])).unwrap()));
+            }
+            let mut bf = Brute { on: vec![Vec::new(); 3] };
+            for (w, i, _) in &live {
+                bf.on[*w].push(profs[*i].as_ref());
+            }
+            for w in 0..3 {
+                prop_assert!((load.distinct(w) - bf.distinct(w, LL, cells)).abs() < 1e-6, "D_{}", w);
+                prop_assert!((load.added(w, &probe) - bf.added(w, &probe, cells)).abs() < 1e-6, "Delta_{}", w);
+                let keep = bf.keep(w, cells);
+                for (c, k) in keep.iter().enumerate() {
+                    prop_assert!((load.keep_mass(w, c) - k).abs() < 1e-6, "exp(S) of cell {} on {}", c, w);
+                }
+            }
+            let mut all = Vec::new();
+            load.added_all(&probe, &mut all);
+            for w in 0..3 {
+                prop_assert!((all[w] - load.added(w, &probe)).abs() < 1e-12);
+            }
+        }
+        drop(live);
+        for w in 0..3 {
+            prop_assert_eq!(load.distinct(w), 0.0);
+            for c in 0..cells {
+                prop_assert_eq!(load.keep_mass(w, c), 1.0);
+            }
+        }
+    }
+
+    #[test]
+    fn locality_choice_is_the_brute_force_argmin(
+        resident in prop::collection::vec((0usize..4, profile_strategy()), 0..16),
+        req in profile_strategy(),
+        mut healthy in prop::collection::vec(prop::bool::weighted(0.8), 4),
+        f in prop::option::of(0.0f64..1.0),
+    ) {
+        healthy[0] = true;
+        let pol = Locality::default();
+        let resident: Vec<(usize, Arc<ExpertProfile>)> = resident.into_iter().map(|(w, p)| (w, Arc::new(p))).collect();
+        let mut loads = vec![0i64; 4];
+        let mut guards = Vec::new();
+        let mut bf = Brute { on: vec![Vec::new(); 4] };
+        for (w, p) in &resident {
+            guards.push(pol.track(4, *w, Arc::clone(p)).unwrap().unwrap());
+            loads[*w] += 1;
+            bf.on[*w].push(p.as_ref());
+        }
+        let mut c = ctx(&loads, &healthy, None, 0.0);
+        c.load_factor = f;
+        c.profile = Some(&req);
+        let w = pol.choose(&c).worker.unwrap();
+        if req.is_empty() {
+            return Ok(());
+        }
+        let cap = f.map(|f| load_cap(&c, f));
+        let cost = |k: usize| bf.distinct(k, LL, LL * EE) + (loads[k] + 1) as f64 * bf.added(k, &req, LL * EE);
+        let best = (0..4).filter(|&k| healthy[k] && cap.is_none_or(|cap| loads[k] < cap)).map(cost).fold(f64::INFINITY, f64::min);
+        prop_assert!(cost(w) <= best + 1e-6, "chose {} at {} but the least cost is {}", w, cost(w), best);
+    }
+}
+
+#[test]
+fn a_newer_layer_selection_replaces_the_expert_state_and_an_older_one_falls_back() {
+    let spec_a = SignatureSpec::new(&[1.0, 1.0, 0.0], &[1.0; 3 * 4]).unwrap();
+    let spec_b = SignatureSpec::new(&[0.0, 1.0, 1.0], &[1.0; 3 * 4]).unwrap();
+    let counts: Vec<u32> = (0..12).map(|i| i % 3).collect();
+    let pa = Arc::new(ExpertProfile::from_counts::<u32, u32>(&spec_a, 1, Counts::Dense(&counts), 4).unwrap());
+    let pb = Arc::new(ExpertProfile::from_counts::<u32, u32>(&spec_b, 2, Counts::Dense(&counts), 4).unwrap());
+    let stale = ExpertProfile::from_counts::<u32, u32>(&spec_a, 1, Counts::Dense(&counts), 4).unwrap();
+    let pol = Locality::default();
+    let old = pol.track(2, 0, Arc::clone(&pa)).unwrap().unwrap();
+    let (loads, healthy) = ([1, 0], [true, true]);
+    let mut c = ctx(&loads, &healthy, None, 0.0);
+    c.profile = Some(&pb);
+    assert_eq!(pol.choose(&c).reason, Reason::Profile, "the newer generation's layout takes over");
+    let newer = pol.track(2, 1, Arc::clone(&pb)).unwrap().unwrap();
+    assert!(pol.load_for(2, &pb).unwrap().distinct(1) > 0.0);
+    c.profile = Some(&stale);
+    assert_eq!(pol.choose(&c).reason, Reason::NoSignature(NoSignature::Shape), "an older layout falls back");
+    assert!(pol.track(2, 0, Arc::new(stale)).unwrap().is_err());
+    assert!(old.release(), "a request of the old layout releases into the state it holds");
+    assert!(newer.release());
+    assert_eq!(pol.load_for(2, &pb).unwrap().distinct(1), 0.0);
+}
+
+#[test]
+fn restricted_profile_rejects_bad_counts_with_the_signature_reasons() {
+    let spec = SignatureSpec::new(&[1.0, 0.0], &[1.0; 2 * 3]).unwrap();
+    let prof = |c: Counts<'_, u32, f32>, t| ExpertProfile::from_counts(&spec, 0, c, t);
+    assert_eq!(prof(Counts::Dense(&[0.0; 5]), 1).unwrap_err(), NoSignature::Shape);
+    assert_eq!(prof(Counts::Dense(&[0.0, 0.0, 0.0, 0.0, f32::NAN, 0.0]), 1).unwrap_err(), NoSignature::NonFinite);
+    assert_eq!(prof(Counts::Dense(&[0.0, -1.0, 0.0, 0.0, 0.0, 0.0]), 1).unwrap_err(), NoSignature::Negative);
+    assert_eq!(prof(Counts::Sparse(&[6], &[1.0]), 1).unwrap_err(), NoSignature::OutOfRange);
+    assert_eq!(prof(Counts::Sparse(&[1, 2], &[1.0]), 1).unwrap_err(), NoSignature::Shape);
+    assert_eq!(prof(Counts::Dense(&[1.0; 6]), 0).unwrap_err(), NoSignature::Empty);
+    // only the selected layer's experts are kept: the unselected layer is not counted
+    let p = prof(Counts::Dense(&[0.0, 2.0, 0.0, 5.0, 5.0, 5.0]), 3).unwrap();
+    assert_eq!((p.layers(), p.nnz(), p.parts().0), (1, 1, &[1u32][..]));
+}

@@ -15,6 +15,7 @@ Labels (`domain`, `subdomain`) are for scoring only: no routing or fitting code 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -27,6 +28,20 @@ TRACE_VERSION = 1
 # Bounds on meta_json's sizes (the centroid file's bound on E; no real model comes close).
 MAX_EXPERTS = 1 << 20
 MAX_LAYERS = 4096
+
+
+def span_rows(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(starts[j], starts[j] + lens[j]) without a Python loop: the rows
+    of many requests' spans of a trace."""
+    lens = np.asarray(lens, dtype=np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offs = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offs[1:])
+    rows = np.arange(total, dtype=np.int64)
+    rows += np.repeat(np.asarray(starts, dtype=np.int64) - offs[:-1], lens)
+    return rows
 
 
 class TraceError(ValueError):
@@ -173,6 +188,14 @@ def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
     except Exception as exc:  # zipfile/npy errors come in many types
         raise TraceError(f"{path}: not a readable .npz trace ({exc})") from None
     with z:
+        if "meta_json" in z.files and "expert_ids" not in z.files:
+            version = None
+            with contextlib.suppress(Exception):  # a bad meta_json is reported below
+                version = json.loads(str(z["meta_json"])).get("version")
+            if version == 2:
+                raise TraceError(f"{path}: a trace v2 (prompt counts; it does not store every prompt token's routing): "
+                                 "eldr fit reads it; commands that replay every token need a trace v1 "
+                                 "(eldr synth --format v1)")
         missing = [k for k in ("expert_ids", "req_offsets", "prefill_len", "meta_json") if k not in z.files]
         if missing:
             raise TraceError(f"{path}: not an ELDR trace, missing arrays {missing}")
@@ -204,6 +227,14 @@ def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
     return trace
+
+
+def open_trace(path: str | os.PathLike):
+    """A trace of either version: a v1 `Trace` (in memory) or a v2 `CountsTrace` (chunks
+    read on demand; close it when done). Raises TraceError."""
+    from .counts_file import is_counts_trace, open_counts_trace
+
+    return open_counts_trace(path) if is_counts_trace(path) else load_trace(path)
 
 
 def save_trace(trace: Trace, path: str | os.PathLike) -> None:

@@ -1,0 +1,249 @@
+"""Where a fit reads its requests from: a v1 trace in memory, or a v2 trace on disk, chunk by chunk.
+
+The fit needs, of every calibration request, its prompt counts (for document frequencies
+and signatures), and of a sample, its decode routing (layer selection, the report). Both
+sources give these through the same few methods, and both send every signature through the
+Rust normalizer (`SignatureSpec`), the router's own path: from top-k ids for v1
+(`batch_from_topk`), from the stored counts for v2 (`from_sparse`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import scipy.sparse as sp
+
+from eldr_sglang.offline import report as rpt
+from eldr_sglang.offline.signatures import (
+    DEFAULT_CHUNK_TOKENS,
+    compute_signatures,
+    decode_profiles,
+    document_frequency,
+    raw_signatures,
+)
+from eldr_sglang.progress import progress as progress_bar
+from eldr_sglang.traces.counts_file import CountsTrace
+from eldr_sglang.traces.format import Trace
+
+
+class TokenSource:
+    """A v1 trace: every token's top-k ids in memory."""
+
+    def __init__(self, trace: Trace, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        self.trace = trace
+        self.chunk_tokens = chunk_tokens
+        self._raw = None
+
+    def prefill_pass(self, req: np.ndarray, progress: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(valid [N], df [L, E] over the valid requests) in one streaming pass."""
+        t = self.trace
+        self._raw, valid = raw_signatures(t, req, self.chunk_tokens, progress)
+        return valid, document_frequency(self._raw[valid], t.num_layers, t.num_experts)
+
+    def raw_rows(self, req: np.ndarray, rows: np.ndarray) -> sp.csr_matrix:
+        """Raw (all layers, IDF 1) signatures of req[rows]; rows index the prefill pass's req."""
+        return self._raw[rows]
+
+    def signatures(self, spec, req: np.ndarray, progress: bool, dense: bool = False):
+        """(signatures [N, D] float32: CSR, or an ndarray when `dense`; valid [N])."""
+        S, valid = compute_signatures(self.trace, spec, req, self.chunk_tokens, progress, desc="signatures")
+        return (S.toarray() if dense else S), valid
+
+    def has_decode(self, req: np.ndarray) -> np.ndarray:
+        return self.trace.decode_len()[req] > 0
+
+    def decode_profiles(self, req: np.ndarray) -> np.ndarray:
+        return decode_profiles(self.trace, req, self.chunk_tokens)[0]
+
+    def decode_locality(self, req: np.ndarray, assign: np.ndarray, rng) -> dict:
+        return rpt.decode_locality(self.trace, req, assign, rng)
+
+    def digest(self) -> str:
+        """sha256 of the trace's routing content (ids, offsets, prefill lengths, shape meta)."""
+        t = self.trace
+        h = hashlib.sha256()
+        h.update(json.dumps([t.num_layers, t.num_experts, t.top_k, str(t.expert_ids.dtype)]).encode())
+        for a in (t.req_offsets.astype(np.int64), t.prefill_len.astype(np.int32)):
+            h.update(np.ascontiguousarray(a).tobytes())
+        step = 1 << 20
+        for s in range(0, t.expert_ids.shape[0], step):
+            h.update(np.ascontiguousarray(t.expert_ids[s : s + step]).tobytes())
+        return h.hexdigest()
+
+
+def _spec_rows(spec, counts: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
+    """Signatures of each row of a counts CSR through the Rust normalizer: (CSR float32, valid)."""
+    n = counts.shape[0]
+    indptr, index, data = counts.indptr, counts.indices.astype(np.int64), counts.data
+    out_ptr = np.zeros(n + 1, dtype=np.int64)
+    cols, vals = [], []
+    valid = np.zeros(n, dtype=bool)
+    for j in range(n):
+        s, e = int(indptr[j]), int(indptr[j + 1])
+        nnz = 0
+        if e > s:
+            try:
+                sig = spec.from_sparse(index[s:e], data[s:e])
+            except ValueError:  # NoSignature: only zero-weight layers
+                sig = None
+            if sig is not None:
+                nz = np.flatnonzero(sig)
+                cols.append(nz.astype(np.int32))
+                vals.append(sig[nz])
+                nnz = nz.size
+                valid[j] = nnz > 0
+        out_ptr[j + 1] = out_ptr[j] + nnz
+    S = sp.csr_matrix((np.concatenate(vals) if vals else np.zeros(0, np.float32),
+                       np.concatenate(cols) if cols else np.zeros(0, np.int32), out_ptr), shape=(n, spec.dim))
+    return S, valid
+
+
+def _spec_dense(spec, counts: sp.csr_matrix, out: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> None:
+    """_spec_rows written straight into rows `rows` of a dense [N, D] array (no CSR on the way:
+    at DeepSeek-V3 density the CSR would be larger than the dense matrix)."""
+    indptr, index, data = counts.indptr, counts.indices.astype(np.int64), counts.data
+    for j, row in enumerate(rows):
+        s, e = int(indptr[j]), int(indptr[j + 1])
+        if e > s:
+            try:
+                out[row] = spec.from_sparse(index[s:e], data[s:e])
+                valid[row] = True
+            except ValueError:  # NoSignature: only zero-weight layers
+                pass
+
+
+class CountsSource:
+    """A v2 trace: prompt counts read chunk by chunk; decode routing of the requests that kept it."""
+
+    def __init__(self, trace: CountsTrace):
+        self.trace = trace
+        self._dtrace = None
+        self._dreq = trace.decode_requests()
+        self._digest = None
+
+    def _by_chunk(self, req: np.ndarray):
+        """(positions in req, counts CSR of those requests) per chunk holding any of req."""
+        firsts = np.array([c["first"] for c in self.trace.chunks], dtype=np.int64)
+        which = np.searchsorted(firsts, req, side="right") - 1
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(len(firsts) + 1))
+        for i in range(len(firsts)):
+            pos = order[bounds[i] : bounds[i + 1]]
+            if len(pos):
+                yield pos, self.trace.chunk_counts(i)[req[pos] - firsts[i]]
+
+    def _map(self, req: np.ndarray, fn, dim: int, progress: bool, desc: str):
+        """fn(counts CSR) -> (CSR rows, valid) over req, chunk by chunk, rows in req's order."""
+        blocks, positions, valids = [], [], []
+        with progress_bar(len(req), desc=desc, unit="req", leave=False, enabled=progress) as bar:
+            for pos, counts in self._by_chunk(req):
+                S, v = fn(counts)
+                blocks.append(S)
+                positions.append(pos)
+                valids.append(v)
+                bar.update(len(pos))
+        pos = np.concatenate(positions)
+        S = sp.vstack(blocks, format="csr")
+        del blocks
+        valid = np.empty(len(req), dtype=bool)
+        valid[pos] = np.concatenate(valids)
+        if not np.array_equal(pos, np.arange(len(req))):
+            inv = np.empty(len(req), dtype=np.int64)
+            inv[pos] = np.arange(len(req))
+            S = S[inv]
+        return S.astype(np.float32, copy=False), valid
+
+    def prefill_pass(self, req: np.ndarray, progress: bool) -> tuple[np.ndarray, np.ndarray]:
+        L, E = self.trace.num_layers, self.trace.num_experts
+        df = np.zeros(L * E, dtype=np.int64)
+        valid = np.zeros(len(req), dtype=bool)
+        whole = np.array_equal(req, np.arange(self.trace.num_requests))  # then the pass reads every chunk in order
+        h = self._digest_start() if whole else None
+        with progress_bar(len(req), desc="prefill counts", unit="req", leave=False, enabled=progress) as bar:
+            for pos, counts in self._by_chunk(req):
+                if h is not None:
+                    self._digest_chunk(h, counts)
+                counts.eliminate_zeros()
+                ok = np.diff(counts.indptr) > 0
+                valid[pos] = ok
+                df += np.bincount(counts.indices, minlength=L * E)  # rows without counts add nothing
+                bar.update(len(pos))
+        if h is not None:
+            self._digest = h.hexdigest()
+        return valid, df.reshape(L, E)
+
+    def _ones_spec(self):
+        from eldr_sglang import _core
+
+        L, E = self.trace.num_layers, self.trace.num_experts
+        return _core.SignatureSpec(np.ones(L, dtype=np.float32), np.ones((L, E), dtype=np.float32))
+
+    def raw_rows(self, req: np.ndarray, rows: np.ndarray) -> sp.csr_matrix:
+        spec = self._ones_spec()
+        return self._map(req[rows], lambda c: _spec_rows(spec, c), spec.dim, False, "raw")[0]
+
+    def signatures(self, spec, req: np.ndarray, progress: bool, dense: bool = False):
+        """(signatures [N, D] float32: CSR, or an ndarray filled chunk by chunk when `dense`;
+        valid [N])."""
+        if not dense:
+            return self._map(req, lambda c: _spec_rows(spec, c), spec.dim, progress, "signatures")
+        out = np.zeros((len(req), spec.dim), dtype=np.float32)
+        valid = np.zeros(len(req), dtype=bool)
+        with progress_bar(len(req), desc="signatures", unit="req", leave=False, enabled=progress) as bar:
+            for pos, counts in self._by_chunk(req):
+                _spec_dense(spec, counts, out, pos, valid)
+                bar.update(len(pos))
+        return out, valid
+
+    def has_decode(self, req: np.ndarray) -> np.ndarray:
+        kept = np.isin(req, self._dreq)
+        return kept & (self.trace.decode_len()[req] > 0)
+
+    def _decode(self, req: np.ndarray) -> tuple[Trace, np.ndarray]:
+        if self._dtrace is None:
+            self._dtrace = self.trace.decode_trace()
+        return self._dtrace, np.searchsorted(self._dreq, req)
+
+    def decode_profiles(self, req: np.ndarray) -> np.ndarray:
+        dt, pos = self._decode(req)
+        return decode_profiles(dt, pos)[0]
+
+    def decode_locality(self, req: np.ndarray, assign: np.ndarray, rng) -> dict:
+        keep = self.has_decode(req)
+        if not keep.any():
+            return {"batch_sizes": [], "requests_with_decode": 0}
+        dt, pos = self._decode(req[keep])
+        return rpt.decode_locality(dt, pos, assign[keep], rng)
+
+    def _digest_start(self):
+        t = self.trace
+        h = hashlib.sha256()
+        h.update(json.dumps([t.num_layers, t.num_experts, t.top_k, "counts-v2"]).encode())
+        for a in (t.prefill_len.astype(np.int32), t.decode_len_.astype(np.int32)):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h
+
+    @staticmethod
+    def _digest_chunk(h, c: sp.csr_matrix) -> None:
+        for a in (c.indptr.astype(np.int64), c.indices.astype(np.uint32), c.data.astype(np.uint32)):
+            h.update(np.ascontiguousarray(a).tobytes())
+
+    def digest(self) -> str:
+        """sha256 of the trace's counts content (shape meta, lengths, every chunk's CSR); taken
+        during the prefill pass when that read every chunk, else by reading them again."""
+        if getattr(self, "_digest", None) is None:
+            h = self._digest_start()
+            for _, c in self.trace.iter_counts():
+                self._digest_chunk(h, c)
+            self._digest = h.hexdigest()
+        return self._digest
+
+
+def prefill_source(trace, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    if isinstance(trace, CountsTrace):
+        return CountsSource(trace)
+    if isinstance(trace, Trace):
+        return TokenSource(trace, chunk_tokens)
+    raise TypeError("fit_trace needs an eldr_sglang.traces.Trace (v1) or CountsTrace (v2)")

@@ -1,0 +1,153 @@
+"""Helpers for the loopback end-to-end tests and benchmarks: an emulated PD cluster and the router, as
+subprocesses on 127.0.0.1, always stopped by the fixture that started them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from eldr_sglang.testing.sglang_cpu.cluster import _free  # one loopback port check for both harnesses
+
+# the directory holding the eldr_sglang package (the repository in an editable install):
+# the subprocesses run from it and import the same package as the test
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_base_port(prefill: int, decode: int, lo: int = 20000, hi: int = 45000) -> int:
+    """A base port whose cluster layout (base+i, base+10+j, base+100+i) is free right now."""
+    import random
+
+    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
+    for _ in range(200):
+        base = rng.randrange(lo, hi, 200)
+        ports = [base + i for i in range(prefill)] + [base + 10 + j for j in range(decode)]
+        ports += [base + 100 + i for i in range(prefill)]
+        if all(_free(p) for p in ports):
+            return base
+    raise RuntimeError("no free loopback port range found")
+
+
+def make_trace_files(workdir: Path, requests: int, seed: int, workers: int):
+    """A small synthetic GPT-OSS-shaped trace and its centroid file: (trace, trace path, centroids path)."""
+    from eldr_sglang.offline.fit import fit_trace
+    from eldr_sglang.traces.synth import generate
+    from eldr_sglang.traces import save_trace
+
+    trace = generate(model="gpt-oss-20b", requests=requests, seed=seed, prompt_len=(16, 48), output_len=24)
+    tpath, cpath = workdir / "trace.npz", workdir / "c.eldr"
+    save_trace(trace, tpath)
+    fit_trace(trace, workers=workers, tau=0.1, seed=0).write(cpath)
+    return trace, tpath, cpath
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path):
+        self.log = log
+        self.fh = open(log, "w")
+        self.p = subprocess.Popen([sys.executable, *args], stdout=self.fh, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(timeout=10)
+        self.fh.close()
+
+    def tail(self) -> str:
+        try:
+            return self.log.read_text()[-3000:]
+        except OSError:
+            return ""
+
+
+def start_cluster(trace: Path, tmp: Path, prefill: int = 2, decode: int = 4, time_scale: float = 0.05,
+                  extra: list[str] | None = None, timeout: float = 60.0) -> tuple[Proc, dict]:
+    base = free_base_port(prefill, decode)
+    log = tmp / f"cluster-{base}.log"
+    proc = Proc(["-m", "eldr_sglang.emulate", "cluster", "--trace", str(trace), "--prefill", str(prefill),
+                 "--decode", str(decode), "--base-port", str(base), "--time-scale", str(time_scale),
+                 *(extra or [])], log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("READY "):
+                return proc, json.loads(line[6:])
+        if proc.p.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.stop()
+    raise RuntimeError(f"emulated cluster did not start:\n{proc.tail()}")
+
+
+def start_router(urls: dict, tmp: Path, args: list[str], timeout: float = 60.0) -> tuple[Proc, str]:
+    port = free_port()
+    cmd = ["-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port)]
+    for url, bport in urls["prefill"]:
+        cmd += ["--prefill", url, str(bport)]
+    for url in urls["decode"]:
+        cmd += ["--decode", url]
+    proc = Proc(cmd + args, tmp / f"router-{port}.log")
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.p.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.1)
+    proc.stop()
+    raise RuntimeError(f"router did not start:\n{proc.tail()}")
+
+
+def get_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post(url: str, body, timeout: float = 30.0, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of a Prometheus sample's values whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head != name and not head.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total

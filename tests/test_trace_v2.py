@@ -1,0 +1,175 @@
+"""Trace format v2 (prompt counts first): v1 -> v2 conversion, streaming synth against the
+in-memory generator, the fit from disk against the fit in memory, safe writes, bad files and
+the up-front memory refusal."""
+
+from __future__ import annotations
+
+import zipfile
+
+import numpy as np
+import pytest
+
+core = pytest.importorskip("eldr_sglang._core", reason="the Rust extension is not built")
+
+from eldr_sglang import memory  # noqa: E402
+from eldr_sglang.cli import main as eldr  # noqa: E402
+from eldr_sglang.offline.fit import fit_trace  # noqa: E402
+from eldr_sglang.traces import TraceError, load_trace, open_trace, save_trace, synth  # noqa: E402
+from eldr_sglang.traces.counts_file import (  # noqa: E402
+    CountsTrace,
+    CountsTraceWriter,
+    open_counts_trace,
+    write_v1_as_counts,
+)
+
+KW = dict(requests=2300, domains=5, seed=7, prompt_len=(6, 30), output_len=(2, 6))
+
+
+@pytest.fixture(scope="module")
+def v1():
+    return synth.generate("gpt-oss-20b", **KW)
+
+
+def _counts_by_hand(t, r):
+    """Request r's prompt counts as a flat [L*E] vector, by numpy (not the code under test)."""
+    ids = t.prefill_ids(r).astype(np.int64)
+    L, E = t.num_layers, t.num_experts
+    return np.bincount((np.arange(L)[None, :, None] * E + ids).ravel(), minlength=L * E)
+
+
+def test_v1_to_v2_round_trip(v1, tmp_path):
+    out = tmp_path / "t2.npz"
+    write_v1_as_counts(v1, out, keep_decode=900, chunk_requests=500)
+    with open_counts_trace(out) as t:
+        assert [c["requests"] for c in t.chunks] == [500] * 4 + [300]
+        assert (t.num_requests, t.num_layers, t.num_experts, t.top_k) == (v1.num_requests, 24, 32, 4)
+        np.testing.assert_array_equal(t.prefill_len, v1.prefill_len)
+        np.testing.assert_array_equal(t.decode_len(), v1.decode_len())
+        np.testing.assert_array_equal(t.domain, v1.domain)
+        np.testing.assert_array_equal(t.arrival_s, v1.arrival_s)
+        C = t.counts()
+        for r in (0, 499, 500, 1234, v1.num_requests - 1):
+            np.testing.assert_array_equal(C[r].toarray().ravel(), _counts_by_hand(v1, r))
+        assert C.sum() == int(v1.prefill_len.sum()) * v1.num_layers * v1.top_k
+        picked = t.counts([1800, 3, 501])  # any order, across chunks
+        np.testing.assert_array_equal(picked.toarray(), C[[1800, 3, 501]].toarray())
+        np.testing.assert_array_equal(t.decode_requests(), np.arange(900))
+        d = t.decode_trace()
+        np.testing.assert_array_equal(d.expert_ids, np.concatenate([v1.decode_ids(r) for r in range(900)]))
+    with np.load(out) as z:  # stored as uint16 columns and counts (24 x 32 columns, short prompts)
+        assert z["c0_index"].dtype == np.uint16 and z["c0_count"].dtype == np.uint16
+
+
+def test_cli_convert_and_version_errors(tmp_path, capsys):
+    src, out = tmp_path / "t1.npz", tmp_path / "t2.npz"
+    save_trace(synth.generate("gpt-oss-20b", requests=40, prompt_len=(4, 8), output_len=3), src)
+    assert eldr(["convert", str(src), "--out", str(out), "--keep-decode", "7"]) == 0
+    assert "decode routing of 7" in capsys.readouterr().out
+    assert isinstance(open_trace(out), CountsTrace)
+    with pytest.raises(TraceError, match="a trace v2"):
+        load_trace(out)  # v1 readers say what the file is, not "missing arrays"
+    assert eldr(["convert", str(out), "--out", str(tmp_path / "t3.npz")]) == 1
+    assert "a trace v2" in capsys.readouterr().err and not (tmp_path / "t3.npz").exists()
+    assert eldr(["convert", str(src), "--out", str(src)]) == 1  # never over its own input
+    assert "same file" in capsys.readouterr().err and load_trace(src).num_requests == 40
+
+
+def test_streaming_synth_equals_in_memory_synth(v1, tmp_path):
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    synth.write_synth(a, "gpt-oss-20b", keep_decode=1500, **KW)  # two blocks with decode, one without
+    synth.write_synth(b, "gpt-oss-20b", keep_decode=0, **KW)
+    ref = tmp_path / "ref.npz"
+    write_v1_as_counts(v1, ref, keep_decode=1500)
+    with open_counts_trace(a) as ta, open_counts_trace(b) as tb, open_counts_trace(ref) as tr:
+        assert (ta.counts() != tr.counts()).nnz == 0
+        assert (tb.counts() != tr.counts()).nnz == 0  # keeping decode routing changes no prompt
+        np.testing.assert_array_equal(ta.decode_trace().expert_ids, tr.decode_trace().expert_ids)
+        np.testing.assert_array_equal(ta.domain, v1.domain)
+        assert tb.decode_requests().size == 0 and ta.meta["synth"]["keep_decode"] == 1500
+        with pytest.raises(TraceError, match="keeps no decode routing"):
+            tb.decode_trace()
+
+
+@pytest.mark.parametrize("layers", ["middle", "auto"])
+def test_fit_from_disk_equals_fit_in_memory(v1, tmp_path, layers):
+    path = tmp_path / "t2.npz"
+    write_v1_as_counts(v1, path, chunk_requests=700)
+    mem = fit_trace(v1, 4, layers=layers, seed=3, n_init=2, keep_signatures=True)
+    with open_counts_trace(path) as t:
+        disk = fit_trace(t, 4, layers=layers, seed=3, n_init=2, keep_signatures=True)
+    np.testing.assert_array_equal(disk.assignment, mem.assignment)
+    np.testing.assert_array_equal(disk.idf, mem.idf)
+    np.testing.assert_array_equal(disk.layer_weights, mem.layer_weights)
+    np.testing.assert_array_equal(disk.centroids, mem.centroids)
+    assert abs(disk.signatures - mem.signatures).max() == 0
+    for rep in (disk.report, mem.report):
+        assert rep["kmeans"]["optimal_assignment"] and rep["balanced"]
+    assert disk.report["cluster_sizes"] == mem.report["cluster_sizes"]
+    assert disk.report["decode_locality"] == mem.report["decode_locality"]
+
+
+def test_fit_from_disk_with_a_decode_subset_and_the_cli(v1, tmp_path, capsys):
+    path = tmp_path / "t2.npz"
+    write_v1_as_counts(v1, path, keep_decode=300)
+    assert eldr(["fit", str(path), "--workers", "3", "--out", str(tmp_path / "c.eldr"), "-q", "--restarts", "1"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    c = core.CentroidSet.open(str(tmp_path / "c.eldr"))
+    assert c.num_workers == 3 and c.num_layers == v1.num_layers
+    with open_counts_trace(path) as t:
+        res = fit_trace(t, 3, seed=0, n_init=1)
+    assert res.report["decode_locality"]["requests_with_decode"] <= 300
+    none = tmp_path / "none.npz"
+    write_v1_as_counts(v1, none, keep_decode=0)
+    with open_counts_trace(none) as t:
+        with pytest.raises(ValueError, match="--layers auto needs decode routing"):
+            fit_trace(t, 3, layers="auto")
+        assert fit_trace(t, 3, n_init=1).report["signature_rho"]["n_pairs"] == 0
+
+
+def test_writer_never_destroys_the_output_on_failure(tmp_path):
+    out = tmp_path / "t.npz"
+    out.write_bytes(b"keep me")
+    import scipy.sparse as sp
+
+    with pytest.raises(TraceError, match="columns"):
+        with CountsTraceWriter(out, num_layers=2, num_experts=4, top_k=1, meta={"model": "toy"}) as w:
+            w.write_chunk(sp.csr_matrix(np.ones((3, 8))), [1, 1, 1], [0, 0, 0])
+            w.write_chunk(sp.csr_matrix(np.ones((3, 7))), [1, 1, 1], [0, 0, 0])
+    assert out.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
+    with pytest.raises(TraceError, match="non-negative integers"):
+        with CountsTraceWriter(out, num_layers=2, num_experts=4, top_k=1) as w:
+            w.write_chunk(sp.csr_matrix(np.full((1, 8), 0.5)), [1], [0])
+    assert out.read_bytes() == b"keep me"
+
+
+def test_bad_v2_files_are_clear_errors(v1, tmp_path):
+    good = tmp_path / "g.npz"
+    write_v1_as_counts(v1.subset(np.arange(50)), good, chunk_requests=20)
+    bad = tmp_path / "b.npz"
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(bad, "w") as zout:
+        for item in zin.infolist():
+            if item.filename != "c1_count.npy":
+                zout.writestr(item, zin.read(item.filename))
+    with open_counts_trace(bad) as t:
+        t.chunk_counts(0)
+        with pytest.raises(TraceError, match="'c1_count' is missing"):
+            t.chunk_counts(1)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(TraceError, match="not a readable trace"):
+        open_counts_trace(tmp_path / "junk.npz")
+    with pytest.raises(TraceError, match="not found"):
+        open_counts_trace(tmp_path / "missing.npz")
+
+
+def test_streaming_synth_refuses_up_front_with_one_line(tmp_path, capsys):
+    out = tmp_path / "t.npz"
+    with pytest.raises(memory.InsufficientMemory, match="synth of 100000 requests needs at least"):
+        synth.write_synth(out, "deepseek-v3", requests=100000, max_memory=64 << 20)
+    assert not out.exists()
+    assert eldr(["synth", "--model", "deepseek-v3", "--requests", "100000", "--out", str(out), "--max-memory", "64M"]) == 1
+    err = capsys.readouterr().err
+    assert "synth of 100000 requests needs at least" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # the streaming estimate does not grow with the tokens of requests it does not hold
+    small = memory.streaming_synth_bytes(100000, 400 * 1024, 58, 8, 256, 1024)
+    assert small < 1 << 30 < memory.synth_bytes(100000, 600, 58, 8, 256)
