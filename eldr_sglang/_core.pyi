@@ -19,6 +19,43 @@ import numpy.typing as npt
 __version__: str
 FORMAT_VERSION: int
 POLICIES: tuple[str, ...]
+PAYLOAD_KEY: str  # "eldr_signature": the stream-event field that carries the counts payload
+PAYLOAD_MAX_ENTRIES: int  # largest L*E a payload may claim
+PAYLOAD_MAX_LAYERS: int
+PAYLOAD_MAX_COUNT: int
+
+class PayloadError(ValueError):
+    """A counts payload (the `eldr_signature` field) is malformed; the message says what is wrong."""
+
+class DecodedCounts:
+    """Validated counts from a prefill's payload, still packed (routing reads them in place)."""
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...  # hidden-layer ids of the rows
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def exact(self) -> bool: ...  # False for the lossy log encoding
+    @property
+    def encoding(self) -> Literal["dense", "sparse", "log"]: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def data_bytes(self) -> int: ...  # length of the base64 data field
+    @property
+    def counts(self) -> npt.NDArray[np.float32]: ...  # dense [len(layers), E], rows in payload order
+    def to_layout(self, num_layers: int, num_experts: int) -> npt.NDArray[np.float32]:
+        """Dense [num_layers, E] in a centroid file's layout. Raises PayloadError."""
+
+def decode_payload(data: bytes | str, max_bytes: int = ..., layout: tuple[int, int] | None = None) -> DecodedCounts:
+    """A payload's JSON text (object, [object] or a JSON string of one) -> counts. GIL released.
+    Raises PayloadError (also when the payload says the prefill sent no counts)."""
+
+def decode_event(data: bytes | str, max_bytes: int = ..., layout: tuple[int, int] | None = None) -> DecodedCounts | str | None:
+    """One stream event's JSON -> its payload's counts; the prefill's reason (str) when it sent
+    none; None when the event is no JSON object or holds no payload. Raises PayloadError."""
 
 class CentroidFileError(ValueError):
     """A centroid file is truncated, corrupt, of another version or mismatched."""
@@ -124,6 +161,8 @@ class Decision:
     tau: float | None
     loads: list[int]
     generation: int  # centroid snapshot generation used (0 without centroids)
+    def unit_signature(self) -> npt.NDArray[np.float32] | None:
+        """The unit signature [D] the route computed, when kept (route_counts(signature=True))."""
 
 class ExpertProfile:
     """A request's expected expert use per decode token from its prompt counts:
@@ -187,6 +226,9 @@ class Router:
     def route_dense(self, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_sparse(self, index: npt.NDArray, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_topk(self, ids: npt.NDArray, explain: bool = False) -> int | Decision: ...
+    def route_counts(self, counts: DecodedCounts, explain: bool = False, signature: bool = False) -> int | Decision:
+        """Route from decoded payload counts (signature read from the packed data, GIL released);
+        with explain and signature, the Decision keeps the unit signature."""
     def route_signature(self, signature: npt.NDArray[np.float32] | None, explain: bool = False) -> int | Decision: ...
     def route_fallback(self, reason: str, explain: bool = False) -> int | Decision:
         """Route a request known to have no usable signature (reason as in NoSignature)."""

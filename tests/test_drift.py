@@ -156,6 +156,57 @@ def test_reservoir_inclusion_is_uniform_over_the_horizon():
     assert p > 1e-3, f"inclusion not uniform over the horizon (chi-square p={p:.2g})"
 
 
+def test_reservoir_says_in_advance_which_observations_it_keeps():
+    """The router asks will_store_next before routing, so a route keeps its signature only
+    when the reservoir will store it: the answer must be the one add_lazy then acts on, and
+    the sample stays uniform (the same draws as without asking)."""
+    asked, plain = SignatureReservoir(dim=2, capacity=32, horizon=128, buckets=4, seed=7), \
+        SignatureReservoir(dim=2, capacity=32, horizon=128, buckets=4, seed=7)
+    made = []
+    for t in range(2000):
+        said = asked.will_store_next()
+        assert asked.will_store_next() == said  # asking twice draws nothing new
+        stored = asked.add_lazy(lambda t=t: made.append(t) or np.array([t, 1.0]))
+        assert stored == said and plain.add_lazy(lambda t=t: np.array([t, 1.0])) == said
+    assert 32 <= len(made) < 2000  # signatures made only for the kept observations
+    np.testing.assert_array_equal(asked.sample(seed=0), plain.sample(seed=0))
+
+
+def test_drift_hook_stores_the_routes_own_signature(tmp_path):
+    """route_counts(signature=True) hands the unit signature to the reservoir: the hook does
+    not compute it again (no counts are given to it here)."""
+    from eldr_sglang.drift.router_hook import DriftHook
+    from eldr_sglang.sglang_ext.payload import decode_payload, encode_counts
+
+    rng = np.random.default_rng(1)
+    L, E = 6, 16
+    w = np.ones(L, np.float32)
+    idf = np.ones((L, E), np.float32)
+    path = tmp_path / "c.eldr"
+    prov = json.dumps({"baseline": {**BASE, "p90_d_star": 0.2}})
+    _core.write_centroids(str(path), rng.random((K, L * E)).astype(np.float32), w, idf, 1.0, None, prov)
+    router = _core.Router("eldr", centroids=str(path), reload_interval_ms=0)
+
+    class PD:  # what DriftHook reads of the router service
+        pass
+
+    pd = PD()
+    pd.router = router
+    pd.cfg = type("Cfg", (), {"centroids": str(path)})()
+    hook = DriftHook(pd, executor="inline", reservoir_capacity=64, reservoir_horizon=64)
+    kept = 0
+    for _ in range(40):
+        wire = decode_payload(encode_counts(rng.integers(0, 5, (L, E)), list(range(L)), 4))
+        want = hook.wants_signature()
+        d = router.route_counts(wire, explain=True, signature=want)
+        assert (d.unit_signature() is not None) == want
+        hook.on_route(d)  # no counts: only the decision's own signature can be stored
+        kept += want
+    assert kept == 40 and hook.ctl.reservoir.stats()["stored"] == 40
+    np.testing.assert_allclose(np.linalg.norm(hook.ctl.reservoir.sample(), axis=1), 1.0, rtol=1e-5)
+    hook.close()
+
+
 def test_reservoir_last_and_bad_input():
     r = SignatureReservoir(2, capacity=16, horizon=64, buckets=4, seed=0)
     for i in range(100):

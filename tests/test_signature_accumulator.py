@@ -11,7 +11,7 @@ if os.environ.get("ELDR_REQUIRE_SGLANG") == "1":
     import torch  # noqa: F401  (fail, not skip, where torch is required)
 torch = pytest.importorskip("torch")
 
-from eldr_sglang.sglang_ext.accumulator import SignatureAccumulator  # noqa: E402
+from eldr_sglang.sglang_ext.accumulator import CountsAccumulator  # noqa: E402
 from eldr_sglang.sglang_ext.runtime import moe_layer_ids  # noqa: E402
 
 E, K = 8, 2
@@ -21,7 +21,7 @@ HIDDEN, MOE = 5, [1, 2, 4]  # layers 0 and 3 are dense
 def _acc(**kw):
     args = dict(num_hidden_layers=HIDDEN, moe_layers=MOE, num_experts=E, top_k=K, max_slots=6, max_tokens=64)
     args.update(kw)
-    return SignatureAccumulator(**args)
+    return CountsAccumulator(**args)
 
 
 class Oracle:

@@ -10,6 +10,7 @@ import pytest
 
 from eldr_sglang.sglang_ext.payload import (
     DEFAULT_MAX_BYTES,
+    META_KEY,
     PayloadError,
     decode_payload,
     encode_counts,
@@ -116,3 +117,84 @@ def test_malformed_raw_payloads_raise(raw):
 def test_meta_info_list_form_is_accepted():
     p = _good()
     np.testing.assert_array_equal(decode_payload([p]).counts, decode_payload(p).counts)
+
+
+# ------------------------------------------------------------------ the Rust decoder
+def _encodings(rng):
+    """(payload, dense counts) of every encoding, at DeepSeek-V3 shape and small ones."""
+    L = len(DSV3_MOE_LAYERS)
+    out = []
+    for tokens, max_bytes in ((1, DEFAULT_MAX_BYTES), (7, DEFAULT_MAX_BYTES), (300, DEFAULT_MAX_BYTES), (300, 1 << 20), (4096, DEFAULT_MAX_BYTES)):
+        c = rng.multinomial(tokens * DSV3_K, rng.dirichlet(np.full(DSV3_E, 0.3)), size=L) if tokens > 1000 \
+            else _counts(rng, tokens, L, DSV3_E, DSV3_K)
+        out.append((encode_counts(c, DSV3_MOE_LAYERS, tokens, max_bytes=max_bytes), c))
+    return out
+
+
+def test_rust_decoder_matches_the_numpy_reference_for_every_encoding():
+    from eldr_sglang.testing import reference
+
+    encs = set()
+    for p, c in _encodings(np.random.default_rng(3)):
+        encs.add(p["enc"])
+        got, want = decode_payload(p).counts, reference.decode_counts(p)
+        if p["enc"] == "log":  # f64 math then f32 in both; Rust tables the row's values
+            np.testing.assert_allclose(got, want, rtol=2e-7)
+        else:
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(got, c)
+    assert encs == {"dense", "sparse", "log"}
+
+
+def test_event_decode_finds_the_payload_where_the_endpoints_put_it():
+    from eldr_sglang import _core
+
+    p = _good()
+    for event in ({"text": "a", "meta_info": {"id": "x", META_KEY: [p]}}, {"choices": [], "sglext": {META_KEY: p}},
+                  {"meta_info": {META_KEY: json.dumps(p)}}):
+        d = _core.decode_event(json.dumps(event).encode())
+        np.testing.assert_array_equal(d.counts, np.ones((2, 4)))
+    assert _core.decode_event(b'{"meta_info": {"eldr_signature": null}}') is None
+    assert _core.decode_event(b'{"text": "no payload"}') is None
+    assert _core.decode_event(b"not json") is None
+    assert _core.decode_event(json.dumps({"meta_info": {META_KEY: {"v": 1, "none": "too_long"}}})) == "too_long"
+    bad = dict(p, d="***")
+    with pytest.raises(PayloadError, match="base64"):
+        _core.decode_event(json.dumps({"meta_info": {META_KEY: bad}}).encode())
+
+
+def test_route_from_wire_equals_route_from_dense(tmp_path):
+    """The router's new path (payload read straight into the signature) against the old one
+    (dense [L, E] counts in the centroid layout), for every encoding, both layouts."""
+    from eldr_sglang import Router, write_centroids
+
+    rng = np.random.default_rng(5)
+    for num_layers in (len(DSV3_MOE_LAYERS), 61):  # the MoE rows only, or every hidden layer
+        w = np.zeros(num_layers, np.float32)
+        w[num_layers // 4: 3 * num_layers // 4] = 1.0
+        idf = rng.uniform(0.1, 3.0, (num_layers, DSV3_E)).astype(np.float32)
+        D = int((w > 0).sum()) * DSV3_E
+        path = tmp_path / f"c{num_layers}.eldr"
+        write_centroids(str(path), (rng.random((8, D)) ** 3).astype(np.float32), w, idf, tau=0.1)
+        router = Router("eldr", centroids=str(path), reload_interval_ms=0)
+        spec = router.centroid_set().spec()
+        for p, _ in _encodings(rng):
+            wire = decode_payload(p, layout=(num_layers, DSV3_E))
+            dense = to_layout(wire, num_layers, DSV3_E)
+            a = router.route_dense(dense, explain=True)
+            b = router.route_counts(wire, explain=True, signature=True)
+            assert (a.worker, a.reason, a.band) == (b.worker, b.reason, b.band)
+            assert a.distances == b.distances  # bit for bit
+            np.testing.assert_array_equal(b.unit_signature(), spec.from_dense(dense))
+            assert router.route_counts(wire, explain=True).unit_signature() is None  # kept only when asked
+
+
+def test_renamed_count_types_keep_deprecated_aliases():
+    import eldr_sglang.sglang_ext.payload as payload
+    from eldr_sglang import _core
+    from eldr_sglang.router import pd
+
+    with pytest.warns(DeprecationWarning):
+        assert payload.DecodedSignature is _core.DecodedCounts
+    with pytest.warns(DeprecationWarning):
+        assert pd.SignatureResult is pd.CountsResult

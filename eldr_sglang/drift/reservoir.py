@@ -65,6 +65,7 @@ class SignatureReservoir:
         self._total = 0
         self._rng = random.Random(int(seed))
         self._lock = threading.Lock()
+        self._pending: tuple[int, int] | None = None  # (stream index, slot) drawn by will_store_next
 
     # ------------------------------------------------------------------ writing
     def add(self, signature) -> None:
@@ -74,18 +75,35 @@ class SignatureReservoir:
             raise ValueError(f"signature has {s.shape[0]} dims, the reservoir holds {self.dim}")
         self.add_lazy(lambda: s)
 
+    def _next_slot(self) -> int:
+        """Algorithm R's slot for the next observation (drawn once: will_store_next keeps it)."""
+        if self._pending is not None and self._pending[0] == self._total:
+            return self._pending[1]
+        b = self._cur
+        n = 0 if self._seen[b] >= self.span else int(self._seen[b])
+        slot = n if n < self.per_bucket else self._rng.randrange(n + 1)
+        self._pending = (self._total, slot)
+        return slot
+
+    def will_store_next(self) -> bool:
+        """Whether the next observation offered will be stored. The router asks before it
+        routes, so the route keeps its signature only then (Decision.unit_signature)."""
+        with self._lock:
+            return self._next_slot() < self.per_bucket
+
     def add_lazy(self, make_signature) -> bool:
         """Offer one observation whose signature `make_signature()` computes only if Algorithm
         R keeps it (once the buckets are full most observations are not kept, so the router
         skips computing their signatures). Returns whether it was stored."""
         with self._lock:
+            slot = self._next_slot()
+            self._pending = None
             b = self._cur
             if self._seen[b] >= self.span:  # start a new bucket, dropping the oldest
                 b = self._cur = (b + 1) % self.buckets
                 self._seen[b] = 0
                 self._first[b] = self._total
             n = int(self._seen[b])
-            slot = n if n < self.per_bucket else self._rng.randrange(n + 1)  # Algorithm R
             stored = slot < self.per_bucket
             if stored:
                 s = np.asarray(make_signature(), dtype=np.float32).reshape(-1)

@@ -2,10 +2,13 @@
 
 The hook is deliberately small and keeps everything expensive off the request path:
 
-- `on_route(decision, counts)` (called by `PDRouter.route` after each ELDR decision): the
-  DriftMonitor update is O(K); the signature for the reservoir comes from the Rust
-  normalizer of the *current* centroid file's spec (O(L*E)) and is copied into the reservoir
-  (O(D)). Nothing else happens on the event loop.
+- `wants_signature()` (asked by `PDRouter.route` before it routes a request with counts):
+  whether the reservoir will keep the next observation; only then does the route keep the
+  signature it computes (`Router.route_counts(signature=True)`), so it is computed once.
+- `on_route(decision, counts=None)` (called after each ELDR decision): the DriftMonitor update
+  is O(K); the reservoir gets the decision's `unit_signature()` (O(D)), or, for a decision
+  made without one, the signature of dense `counts` by the current centroid file's spec
+  (O(L*E)). Nothing else happens on the event loop.
 - A background task (`run`) checks the trigger once a second in a worker thread
   (`asyncio.to_thread`: drawing the reservoir sample copies up to capacity x D floats) and
   collects finished refits. The refit itself runs in a spawned, niced process.
@@ -63,19 +66,36 @@ class DriftHook:
         self._last_logged_refit = 0
 
     # ---------------------------------------------------------------- request path
-    def on_route(self, decision, counts) -> None:
+    def wants_signature(self) -> bool:
+        """Whether the next routed request's signature will be kept (see the module doc)."""
+        return self.ctl.reservoir.will_store_next()
+
+    def on_route(self, decision, counts=None) -> None:
         """One routed request. Never raises into the request path."""
         try:
             self.ctl.monitor.observe_decision(decision)
-            if counts is None or decision.reason != "band":
+            if decision.reason != "band":
+                return
+            kept = decision.unit_signature() if hasattr(decision, "unit_signature") else None
+            if kept is not None:
+                self.ctl.reservoir.add_lazy(lambda: kept)
+                return
+            if counts is None:
                 return
             gen = int(decision.generation)
             if gen != self._spec_gen:
                 cs = self.pd.router.centroid_set()
                 self._spec, self._spec_gen = (cs.spec() if cs is not None else None), gen
             spec = self._spec
-            if spec is not None:  # the signature is computed only when the reservoir keeps it
-                self.ctl.reservoir.add_lazy(lambda: spec.from_dense(counts))
+            if spec is None:
+                return
+            if hasattr(counts, "to_layout"):  # decoded wire counts (the route did not keep the signature)
+                def make():
+                    return spec.from_dense(counts.to_layout(spec.num_layers, spec.num_experts))
+            else:
+                def make():
+                    return spec.from_dense(counts)
+            self.ctl.reservoir.add_lazy(make)  # computed only when the reservoir keeps it
         except Exception as exc:  # a signature the router accepted but the spec rejects: count it, move on
             self.signature_errors += 1
             if self.signature_errors <= 3:

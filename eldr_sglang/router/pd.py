@@ -32,14 +32,13 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 
 from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.outlier import RetryBudget, WorkerPool
-from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload, to_layout
+from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload
 
 logger = logging.getLogger("eldr.router")
 
@@ -92,13 +91,27 @@ class RetryDecision:
 MAX_EVENT_BYTES = 1 << 20
 MAX_ERROR_BYTES = 64 << 10
 @dataclass
-class SignatureResult:
-    counts: np.ndarray | None
+class CountsResult:
+    """What the prefill's stream gave: its decoded counts (routed from in place), or why none."""
+
+    counts: object | None  # eldr_sglang._core.DecodedCounts
     reason: str  # 'ok' or why there is none
     wait_s: float
     data_bytes: int = 0
     tokens: int = 0  # prompt tokens behind the counts (the locality balancer's denominator)
     profile: object | None = None  # _core.ExpertProfile, built once by PDRouter._locality_route
+
+
+_META_KEY_BYTES = f'"{META_KEY}"'.encode()
+
+
+def __getattr__(name: str):
+    if name == "SignatureResult":  # renamed: it carries raw counts, not the normalized signature
+        import warnings
+
+        warnings.warn("SignatureResult is now CountsResult", DeprecationWarning, stacklevel=2)
+        return CountsResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def validate_request(kind: str, body: object) -> dict:
@@ -237,6 +250,7 @@ class PDRouter:
             self.router = _core.Router(**kw)
         except _core.CentroidFileError as exc:
             raise ValueError(str(exc)) from None
+        self._decode_event = _core.decode_event
         self._generation = self.router.centroid_generation
         self._reload_failures = 0
         self._layout: tuple[int, int] | None = None
@@ -380,14 +394,15 @@ class PDRouter:
                 return i
         return cand[0]
 
-    def route(self, sig: SignatureResult | None, exclude: set[int] = frozenset()):
+    def route(self, sig: CountsResult | None, exclude: set[int] = frozenset()):
         t0 = time.perf_counter()
         if self.cfg.policy == "locality":
             d = self._locality_route(sig)
         elif sig is None or sig.counts is None:
             d = self.router.route_signature(None, explain=True)
-        else:
-            d = self.router.route_dense(sig.counts, explain=True)
+        else:  # the signature is read straight from the packed counts, GIL released
+            keep = self.drift is not None and self.drift.wants_signature()
+            d = self.router.route_counts(sig.counts, explain=True, signature=keep)
         if d.worker in exclude:  # a retry: the least loaded routable worker not tried yet
             loads = self.router.loads()
             others = [k for k in self.decode.candidates() if k not in exclude]
@@ -409,7 +424,7 @@ class PDRouter:
         return d
 
     # ------------------------------------------------------------------ locality balancer
-    def _locality_route(self, sig: SignatureResult | None):
+    def _locality_route(self, sig: CountsResult | None):
         """The locality balancer's decision. The request's expert profile (over the centroid
         file's selected layers) is built once and kept on `sig`, so a failover acquires the
         same profile on its next worker; counts it cannot use fall back to shortest queue
@@ -418,7 +433,11 @@ class PDRouter:
             return self.router.route_signature(None, explain=True)
         if sig.profile is None:
             try:
-                sig.profile = self.router.profile_dense(sig.counts, max(int(sig.tokens), 1))
+                dense = sig.counts.to_layout(*self._layout)  # decoded wire counts -> [L, E]
+                sig.profile = self.router.profile_dense(dense, max(int(sig.tokens), 1))
+            except PayloadError:  # the centroid layout changed under a reload
+                sig.reason, sig.counts = "shape", None
+                return self.router.route_fallback(sig.reason, True)
             except _core_errors().NoSignature as exc:
                 sig.reason = getattr(exc, "reason", "malformed")
                 sig.counts = None
@@ -439,25 +458,42 @@ class PDRouter:
             return self.router.acquire(w, 0)
 
     # ------------------------------------------------------------------ signature
-    def _signature_from(self, raw: object, t0: float) -> SignatureResult:
-        wait = time.perf_counter() - t0
+    def _counts_from_event(self, data: bytes, t0: float) -> CountsResult | None:
+        """The payload of one stream event, decoded in Rust from the event's bytes (no Python
+        JSON parse of the 16 KiB event). None: the event holds no payload after all."""
+        try:
+            found = self._decode_event(data, layout=self._layout)
+        except PayloadError as exc:
+            found = exc
+        return None if found is None else self._counts_result(found, t0)
+
+    def _signature_from(self, raw: object, t0: float) -> CountsResult:
+        """The payload as an already parsed JSON value (an event the Rust scan passed over)."""
         if isinstance(raw, list) and len(raw) >= 1:  # meta_info holds per-token values
             raw = raw[0]
         if isinstance(raw, dict) and "none" in raw and raw.get("v") == 1:
-            return SignatureResult(None, f"prefill_none:{safe(raw.get('none'), 60)}", wait)
-        if self._layout is None:
-            return SignatureResult(None, "no_centroids", wait)
+            return self._counts_result(str(raw.get("none")) if isinstance(raw.get("none"), str) else repr(raw.get("none")), t0)
         try:
-            dec = decode_payload(raw, layout=self._layout)
-            counts = to_layout(dec, *self._layout)
+            found = decode_payload(raw, layout=self._layout)
         except PayloadError as exc:
-            self.metrics.malformed.inc()
-            self._log.warning("malformed", "malformed signature payload: %s", safe(str(exc)))
-            return SignatureResult(None, "malformed", wait)
-        self.metrics.sig_bytes.observe(dec.data_bytes)
-        return SignatureResult(counts, "ok", wait, dec.data_bytes, tokens=dec.num_tokens)
+            found = exc
+        return self._counts_result(found, t0)
 
-    async def _await_signature(self, presp: aiohttp.ClientResponse, t0: float) -> SignatureResult:
+    def _counts_result(self, found, t0: float) -> CountsResult:
+        """found: DecodedCounts, the prefill's reason for sending none (str), or PayloadError."""
+        wait = time.perf_counter() - t0
+        if isinstance(found, str):
+            return CountsResult(None, f"prefill_none:{safe(found, 60)}", wait)
+        if self._layout is None:
+            return CountsResult(None, "no_centroids", wait)
+        if isinstance(found, PayloadError):
+            self.metrics.malformed.inc()
+            self._log.warning("malformed", "malformed signature payload: %s", safe(str(found)))
+            return CountsResult(None, "malformed", wait)
+        self.metrics.sig_bytes.observe(found.data_bytes)
+        return CountsResult(found, "ok", wait, found.data_bytes, tokens=found.num_tokens)
+
+    async def _await_signature(self, presp: aiohttp.ClientResponse, t0: float) -> CountsResult:
         """Read prefill stream events until the signature; the rest is left for the drain.
         A line longer than the stream buffer or a JSON too deep to parse is a malformed
         signature (the fallback), not a failed request."""
@@ -466,10 +502,14 @@ class PDRouter:
             if line is None:  # a line over the bound: not read on, not parsed
                 self.metrics.malformed.inc()
                 self._log.warning("malformed", "prefill stream line over %d bytes: signature ignored", MAX_EVENT_BYTES)
-                return SignatureResult(None, "malformed", time.perf_counter() - t0)
+                return CountsResult(None, "malformed", time.perf_counter() - t0)
             data = _sse_events(line)
             if data is None:
                 continue
+            if _META_KEY_BYTES in data:  # the payload event: decoded in Rust from its bytes
+                got = self._counts_from_event(data, t0)
+                if got is not None:
+                    return got
             try:
                 event = json.loads(data)
             except ValueError:
@@ -477,7 +517,7 @@ class PDRouter:
             except RecursionError:  # nested too deep to be an event of ours: the signature is unusable
                 self.metrics.malformed.inc()
                 self._log.warning("malformed", "prefill stream event nested too deeply: signature ignored")
-                return SignatureResult(None, "malformed", time.perf_counter() - t0)
+                return CountsResult(None, "malformed", time.perf_counter() - t0)
             if not isinstance(event, dict):
                 continue
             last = event
@@ -629,7 +669,7 @@ class PDRouter:
                 try:
                     sig = await asyncio.wait_for(self._await_signature(presp, t0), min(self.cfg.signature_timeout_s, remaining))
                 except asyncio.TimeoutError:
-                    sig = SignatureResult(None, "timeout", time.perf_counter() - t0)
+                    sig = CountsResult(None, "timeout", time.perf_counter() - t0)
                 except aiohttp.ClientError as exc:
                     self.metrics.worker_errors.labels("prefill", str(p), "stream").inc()
                     raise Retryable(502, _err(f"prefill worker {p} stream failed: {exc.__class__.__name__}"),
@@ -647,7 +687,7 @@ class PDRouter:
                 finally:
                     self._prefill_of.pop(id(drain), None)
             else:
-                decision = self.route(SignatureResult(None, "prefill_no_signature", 0.0) if no_sig else None)
+                decision = self.route(CountsResult(None, "prefill_no_signature", 0.0) if no_sig else None)
                 drain = asyncio.ensure_future(self._early_prefill(purl, pbody, p, deadline))
                 resp = await self._decode_racing_prefill(request, kind, p, boot, dbody, decision, client_stream, drain, deadline)
             ok = True

@@ -19,36 +19,27 @@ calibration data. The payload is a small JSON object:
 
 The encoder takes the smallest exact encoding that fits `max_bytes` (of compact JSON), else
 the finest log quantization that fits. For DeepSeek-V3 (58 MoE layers x 256 experts) that is
-at most 16 KiB whatever the prompt length; short prompts travel exactly. The decoder
-validates everything and raises `PayloadError` (the router then falls back and counts it).
+at most 16 KiB whatever the prompt length; short prompts travel exactly. The decoder is the
+Rust one (rust/core/src/payload.rs, `_core.decode_payload` / `_core.decode_event`): it
+validates everything and raises `PayloadError` (the router then falls back and counts it),
+and keeps the counts packed, so the router reads them straight into the signature.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import math
-from dataclasses import dataclass
+import warnings
 
 import numpy as np
 
+from eldr_sglang import _core
+from eldr_sglang._core import DecodedCounts, PayloadError
+
 PAYLOAD_VERSION = 1
 DEFAULT_MAX_BYTES = 16 * 1024
-META_KEY = "eldr_signature"  # the meta_info / sglext field that carries the payload
-
-
-class PayloadError(ValueError):
-    """A signature payload is malformed; the message says what is wrong."""
-
-
-@dataclass(frozen=True)
-class DecodedSignature:
-    counts: np.ndarray  # float32 [len(layers), E]
-    layers: tuple[int, ...]
-    num_tokens: int
-    exact: bool
-    data_bytes: int  # length of the base64 data field
+META_KEY = _core.PAYLOAD_KEY  # the meta_info / sglext field that carries the payload ("eldr_signature")
 
 
 def _pack(values: np.ndarray, bits: int) -> bytes:
@@ -58,17 +49,6 @@ def _pack(values: np.ndarray, bits: int) -> bytes:
         return v.astype({8: "<u1", 16: "<u2", 32: "<u4"}[bits]).tobytes()
     planes = ((v[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
     return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
-
-
-def _unpack(data: bytes, n: int, bits: int) -> np.ndarray:
-    need = (n * bits + 7) // 8
-    if len(data) != need:
-        raise PayloadError(f"packed data holds {len(data)} bytes, expected {need} for {n} values of {bits} bits")
-    if bits in (8, 16, 32):
-        return np.frombuffer(data, dtype={8: "<u1", 16: "<u2", 32: "<u4"}[bits]).astype(np.uint32)
-    flat = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n * bits, bitorder="little")
-    weights = (np.uint32(1) << np.arange(bits, dtype=np.uint32)).astype(np.uint32)
-    return flat.reshape(n, bits).astype(np.uint32) @ weights
 
 
 def _bits_for(max_value: int) -> int:
@@ -128,130 +108,37 @@ def payload_size(payload: dict) -> int:
     return len(_dumps(payload))
 
 
-def _int(obj: dict, key: str, lo: int, hi: int) -> int:
-    v = obj.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        shown = repr(v) if not isinstance(v, int) or abs(v) < 1 << 64 else "a huge integer"
-        raise PayloadError(f"field {key!r} must be an integer in [{lo}, {hi}], got {shown[:80]}")
-    return v
-
-
-# Largest count grid a payload may claim (L*E): DeepSeek-V3 is 61 x 256 = 15,616 with its
-# dense layers; 1M entries leaves room for any MoE in sight and bounds the decoder's work.
-MAX_ENTRIES = 1 << 20
-MAX_LAYERS = 4096
-MAX_COUNT = 1 << 40  # a count (and a log-quantizer maximum) is at most the tokens counted
+# The bounds the decoder enforces before it allocates (defined in rust/core/src/payload.rs).
+MAX_ENTRIES = _core.PAYLOAD_MAX_ENTRIES  # largest count grid (L*E) a payload may claim
+MAX_LAYERS = _core.PAYLOAD_MAX_LAYERS
+MAX_COUNT = _core.PAYLOAD_MAX_COUNT  # a count (and a log-quantizer maximum) is at most the tokens counted
 
 
 def decode_payload(payload: object, max_bytes: int = 1 << 20,
-                   layout: tuple[int, int] | None = None) -> DecodedSignature:
-    """Validate and decode a payload (a dict, or a JSON string of one). Raises PayloadError.
+                   layout: tuple[int, int] | None = None) -> DecodedCounts:
+    """Validate and decode a payload (a dict, a one-request list of one, or its JSON text).
+    Raises PayloadError.
 
-    The cost is bounded before any array is made: at most `max_bytes` of data, at most
-    MAX_ENTRIES counts, and with `layout` = (num_layers, num_experts) of the centroid file
-    the payload must fit it (same E, layer ids below num_layers) or it is refused unread."""
-    if isinstance(payload, (str, bytes)):
-        if len(payload) > max_bytes:
-            raise PayloadError(f"payload of {len(payload)} bytes exceeds {max_bytes}")
+    The decoder is the Rust one the router uses (`_core.decode_payload`): at most `max_bytes`
+    of data, at most MAX_ENTRIES counts, and with `layout` = (num_layers, num_experts) of the
+    centroid file the payload must fit it (same E, layer ids below num_layers) or it is
+    refused unread. The result keeps the counts packed; `.counts` makes the dense array."""
+    if not isinstance(payload, (str, bytes)):
         try:
-            payload = json.loads(payload)
-        except (ValueError, RecursionError) as exc:
-            raise PayloadError(f"payload is not JSON ({exc.__class__.__name__})") from None
-    if isinstance(payload, list) and len(payload) == 1:  # meta_info lists per-request values
-        payload = payload[0]
-    if not isinstance(payload, dict):
-        raise PayloadError(f"payload must be a JSON object, got {type(payload).__name__}")
-    if payload.get("v") != PAYLOAD_VERSION:
-        raise PayloadError(f"unsupported payload version {payload.get('v')!r} (expected {PAYLOAD_VERSION})")
-    layers = payload.get("layers")
-    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS:
-        raise PayloadError(f"field 'layers' must be a non-empty list of at most {MAX_LAYERS} layer ids")
-    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYERS for x in layers):
-        raise PayloadError(f"field 'layers' must hold layer ids in [0, {MAX_LAYERS})")
-    if len(set(layers)) != len(layers):
-        raise PayloadError("field 'layers' repeats a layer id")
-    E = _int(payload, "E", 1, 1 << 16)
-    n = _int(payload, "n", 0, MAX_COUNT)
-    bits = _int(payload, "bits", 1, 32)
-    if len(layers) * E > MAX_ENTRIES:
-        raise PayloadError(f"{len(layers)} layers x {E} experts exceeds {MAX_ENTRIES} counts")
-    if layout is not None:
-        num_layers, num_experts = layout
-        if E != num_experts:
-            raise PayloadError(f"payload has {E} experts per layer, the centroids {num_experts}")
-        if len(layers) != num_layers and max(layers) >= num_layers:
-            raise PayloadError(f"payload layer id {max(layers)} is outside the centroids' {num_layers} layers")
-    enc = payload.get("enc")
-    d = payload.get("d")
-    if not isinstance(d, str):
-        raise PayloadError("field 'd' must be a base64 string")
-    if len(d) > max_bytes:
-        raise PayloadError(f"data of {len(d)} bytes exceeds {max_bytes}")
-    try:
-        raw = base64.b64decode(d, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise PayloadError(f"field 'd' is not valid base64 ({exc})") from None
-    L = len(layers)
-    size = L * E
-    if enc == "dense":
-        flat = _unpack(raw, size, bits).astype(np.float32)
-        exact = True
-    elif enc == "sparse":
-        nnz = _int(payload, "nnz", 0, size)
-        idx_dtype = np.dtype("<u2" if size <= 1 << 16 else "<u4")
-        ib = nnz * idx_dtype.itemsize
-        if len(raw) != ib + (nnz * bits + 7) // 8:
-            raise PayloadError(f"sparse data holds {len(raw)} bytes, expected {ib + (nnz * bits + 7) // 8} for {nnz} entries")
-        idx = np.frombuffer(raw[:ib], dtype=idx_dtype).astype(np.int64)
-        if idx.size and (idx.max() >= size or np.any(np.diff(idx) <= 0)):
-            raise PayloadError("sparse indices must be increasing and below layers*E")
-        vals = _unpack(raw[ib:], nnz, bits)
-        flat = np.zeros(size, dtype=np.float32)
-        flat[idx] = vals
-        exact = True
-    elif enc == "log":
-        q = payload.get("q")
-        if not isinstance(q, list) or len(q) != L or not all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_COUNT for x in q
-        ):
-            raise PayloadError(f"field 'q' must list one maximum count in [0, {MAX_COUNT}] per layer")
-        if bits > 16:
-            raise PayloadError("log encoding uses at most 16 bits")
-        levels = (1 << bits) - 1
-        codes = _unpack(raw, size, bits).reshape(L, E)
-        if codes.size and codes.max() > levels:
-            raise PayloadError("log code out of range")
-        scale = np.log1p(np.asarray(q, dtype=np.float64))[:, None] / levels
-        flat = np.expm1(codes * scale).astype(np.float32).reshape(-1)
-        exact = False
-    else:
-        raise PayloadError(f"unknown encoding {enc!r} (expected dense, sparse or log)")
-    counts = flat.reshape(L, E)
-    if not np.all(np.isfinite(counts)):
-        raise PayloadError("decoded counts are not finite")
-    return DecodedSignature(
-        counts=counts, layers=tuple(layers), num_tokens=n, exact=exact, data_bytes=len(d)
-    )
+            payload = _dumps(payload)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise PayloadError(f"payload is not JSON-serializable ({exc.__class__.__name__})") from None
+    return _core.decode_payload(payload, max_bytes, layout)
 
 
-def to_layout(sig: DecodedSignature, num_layers: int, num_experts: int) -> np.ndarray:
-    """Counts in the centroid file's layout: [num_layers, E].
+def to_layout(counts: DecodedCounts, num_layers: int, num_experts: int) -> np.ndarray:
+    """Counts in the centroid file's layout: [num_layers, E] float32.
 
-    The centroid file holds either only the MoE layers (num_layers == len(sig.layers): rows
-    are taken in order) or every hidden layer (dense rows stay zero and carry weight 0).
+    The centroid file holds either only the MoE layers (num_layers == len(counts.layers):
+    rows are taken in order) or every hidden layer (dense rows stay zero and carry weight 0).
+    Raises PayloadError when the two cannot be aligned.
     """
-    if sig.counts.shape[1] != num_experts:
-        raise PayloadError(f"payload has {sig.counts.shape[1]} experts per layer, the centroids {num_experts}")
-    if num_layers == len(sig.layers):
-        return sig.counts
-    if max(sig.layers) < num_layers:
-        out = np.zeros((num_layers, num_experts), dtype=np.float32)
-        out[list(sig.layers)] = sig.counts
-        return out
-    raise PayloadError(
-        f"payload covers {len(sig.layers)} layers (max id {max(sig.layers)}), "
-        f"the centroids {num_layers}: cannot align them"
-    )
+    return counts.to_layout(num_layers, num_experts)
 
 
 def worst_case_bits(num_layers: int, num_experts: int, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
@@ -259,3 +146,10 @@ def worst_case_bits(num_layers: int, num_experts: int, max_bytes: int = DEFAULT_
     overhead = 64 + 12 * num_layers  # header, layer ids and per-layer maxima
     usable = (max_bytes - overhead) * 3 // 4
     return max(0, min(15, int(math.floor(usable * 8 / (num_layers * num_experts)))))
+
+
+def __getattr__(name: str):
+    if name == "DecodedSignature":  # renamed: it carries raw counts, not the normalized signature
+        warnings.warn("DecodedSignature is now DecodedCounts", DeprecationWarning, stacklevel=2)
+        return DecodedCounts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,7 @@ from eldr_sglang.sglang_ext.payload import DEFAULT_MAX_BYTES, META_KEY, PAYLOAD_
 
 logger = logging.getLogger(__name__)
 
-ACCUMULATOR = None  # SignatureAccumulator of this process, or None
+ACCUMULATOR = None  # CountsAccumulator of this process, or None
 MAX_BYTES = DEFAULT_MAX_BYTES
 _EXTEND_MODES = ("EXTEND", "MIXED", "SPLIT_PREFILL")
 
@@ -75,7 +75,7 @@ def install(model_runner: Any) -> None:
             "layers; the router falls back to shortest-queue for these requests"
         )
         return
-    from eldr_sglang.sglang_ext.accumulator import SignatureAccumulator
+    from eldr_sglang.sglang_ext.accumulator import CountsAccumulator
 
     hf = model_runner.model_config.hf_text_config
     try:
@@ -91,7 +91,7 @@ def install(model_runner: Any) -> None:
     )
     pool = model_runner.req_to_token_pool
     MAX_BYTES = int(_flag("eldr_signature_max_bytes", DEFAULT_MAX_BYTES))
-    ACCUMULATOR = SignatureAccumulator(
+    ACCUMULATOR = CountsAccumulator(
         num_hidden_layers=int(hf.num_hidden_layers),
         moe_layers=moe_layers,
         num_experts=num_experts,

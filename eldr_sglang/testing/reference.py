@@ -43,3 +43,37 @@ def band_route(sig, centroids, loads, healthy, tau: float):
     band = [k for k in range(len(d)) if healthy[k] and d[k] <= d_star + tau]
     worker = min(band, key=lambda k: (loads[k], d[k], k))
     return worker, band, d
+
+
+def _unpack(data: bytes, n: int, bits: int) -> np.ndarray:
+    if len(data) != (n * bits + 7) // 8:
+        raise ValueError("packed data length")
+    if bits in (8, 16, 32):
+        return np.frombuffer(data, dtype={8: "<u1", 16: "<u2", 32: "<u4"}[bits]).astype(np.uint32)
+    flat = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n * bits, bitorder="little")
+    weights = (np.uint32(1) << np.arange(bits, dtype=np.uint32)).astype(np.uint32)
+    return flat.reshape(n, bits).astype(np.uint32) @ weights
+
+
+def decode_counts(payload: dict) -> np.ndarray:
+    """A well-formed counts payload (eldr_sglang.sglang_ext.payload) -> dense float32
+    [len(layers), E] in numpy: the router's decoder before it moved to Rust, kept to check the
+    Rust one and to time the path it replaced (benchmarks/bench_router.py). No validation."""
+    import base64
+
+    L, E, bits = len(payload["layers"]), payload["E"], payload["bits"]
+    raw = base64.b64decode(payload["d"], validate=True)
+    size = L * E
+    if payload["enc"] == "dense":
+        flat = _unpack(raw, size, bits).astype(np.float32)
+    elif payload["enc"] == "sparse":
+        nnz = payload["nnz"]
+        idx_dtype = np.dtype("<u2" if size <= 1 << 16 else "<u4")
+        ib = nnz * idx_dtype.itemsize
+        flat = np.zeros(size, dtype=np.float32)
+        flat[np.frombuffer(raw[:ib], dtype=idx_dtype).astype(np.int64)] = _unpack(raw[ib:], nnz, bits)
+    else:  # log
+        codes = _unpack(raw, size, bits).reshape(L, E)
+        scale = np.log1p(np.asarray(payload["q"], dtype=np.float64))[:, None] / ((1 << bits) - 1)
+        flat = np.expm1(codes * scale).astype(np.float32).reshape(-1)
+    return flat.reshape(L, E)

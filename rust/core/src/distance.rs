@@ -28,13 +28,26 @@ thread_local! {
 
 /// Distances from raw counts, without allocating a signature.
 pub fn from_counts<I: SparseIndex, T: CountValue>(set: &CentroidSet, counts: Counts<'_, I, T>) -> Result<Vec<f64>, NoSignature> {
+    from_fill(set, None, |spec, sig| match counts {
+        Counts::Dense(c) => spec.fill_dense(c, sig),
+        Counts::Sparse(i, c) => spec.fill_sparse(i, c, sig),
+    })
+}
+
+/// Distances from a signature that `fill` writes into the reused per-thread buffer (one of the
+/// `fill_*` normalizers, or [`crate::payload::DecodedCounts::fill_signature`]). With `keep`,
+/// the signature is also copied out (the drift reservoir's sample), so it is never computed twice.
+pub fn from_fill<F>(set: &CentroidSet, keep: Option<&mut SparseSignature>, fill: F) -> Result<Vec<f64>, NoSignature>
+where
+    F: FnOnce(&crate::signature::SignatureSpec, &mut SparseSignature) -> Result<(), NoSignature>,
+{
     SCRATCH.with(|cell| {
         let mut sig = cell.borrow_mut();
-        match counts {
-            Counts::Dense(c) => set.spec().fill_dense(c, &mut sig)?,
-            Counts::Sparse(i, c) => set.spec().fill_sparse(i, c, &mut sig)?,
+        fill(set.spec(), &mut sig)?;
+        if let Some(k) = keep {
+            k.clone_from(&sig);
         }
-        // fill_* only emits indices below D: no range check needed.
+        // fill_* only emit indices below D: no range check needed.
         Ok(distances_unchecked(set, &sig))
     })
 }

@@ -8,6 +8,7 @@
 //! * [`policies`]: one small trait, one file per routing policy, and a factory.
 //! * [`distance`]: the fused counts -> centroid-distance kernel (the hot loop).
 //! * [`router`]: ties them together: signature -> distances -> policy -> decision.
+//! * [`payload`]: the prefill's wire payload (packed counts) decoded straight into a signature.
 //! * [`limits`]: bounds on caller-given sizes, checked before allocating.
 //! * [`experts`]: top-k id counting helpers shared by the offline pipeline and the simulator.
 
@@ -18,6 +19,7 @@ pub mod centroid_file;
 pub mod distance;
 pub mod experts;
 pub mod limits;
+pub mod payload;
 pub mod policies;
 pub mod queue;
 pub mod rng;
@@ -30,6 +32,7 @@ pub use policies::{make_policy, Decision, ExpertGuard, ExpertProfile, Policy, Re
 pub use queue::{LoadGuard, QueueTracker};
 pub use distance::Counts;
 pub use limits::SizeError;
+pub use payload::{DecodeLimits, DecodedCounts, Payload, PayloadError};
 pub use router::{BuildError, RouteError, Router};
 pub use signature::{CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
 pub use store::{CentroidStore, Snapshot};

@@ -12,7 +12,8 @@ use crate::limits::{self, SizeError};
 use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext};
 use crate::queue::QueueTracker;
 use crate::distance::Counts;
-use crate::signature::{CountValue, NoSignature, SparseIndex};
+use crate::payload::DecodedCounts;
+use crate::signature::{CountValue, NoSignature, SparseIndex, SparseSignature};
 use crate::store::CentroidStore;
 
 pub const DEFAULT_TAU: f64 = 0.1;
@@ -43,6 +44,9 @@ pub struct Routed {
     pub tau: f64,
     /// Generation of the centroid snapshot used (0 without centroids).
     pub generation: u64,
+    /// The signature the distances came from, when the caller asked to keep it
+    /// ([`Router::route_counts`]); its `value / norm` is the unit signature.
+    pub signature: Option<SparseSignature>,
 }
 
 pub struct Router {
@@ -201,7 +205,20 @@ impl Router {
         if decision.worker.is_none() {
             return Err(RouteError::NoHealthyWorker);
         }
-        Ok(Routed { decision, distances, loads, tau, generation })
+        Ok(Routed { decision, distances, loads, tau, generation, signature: None })
+    }
+
+    /// Route from a decoded wire payload: the signature is read straight from the packed
+    /// counts ([`DecodedCounts::fill_signature`]). With `keep_signature`, the decision carries
+    /// that signature (only when distances were computed from it).
+    pub fn route_counts(&self, counts: &DecodedCounts, keep_signature: bool, explain: bool) -> Result<Routed, RouteError> {
+        let mut kept = SparseSignature::default();
+        let keep = keep_signature.then_some(&mut kept);
+        let mut r = self.route(|set| crate::distance::from_fill(set, keep, |spec, sig| counts.fill_signature(spec, sig)), explain)?;
+        if keep_signature && r.distances.is_some() {
+            r.signature = Some(kept);
+        }
+        Ok(r)
     }
 }
 

@@ -185,6 +185,10 @@ impl SignatureSpec {
     pub fn idf(&self) -> &[f32] {
         &self.idf
     }
+    /// `(output index, scale)` of every flat input index `l*E + e` (see the field's doc).
+    pub(crate) fn table(&self) -> &[(u32, f32)] {
+        &self.table
+    }
 
     /// Validate and weight dense `[L, E]` counts into `out` (cleared first): each nonzero
     /// `w_l * idf[l][e] * c` with its output index, ascending. This and [`Self::fill_sparse`]
@@ -301,7 +305,7 @@ impl SignatureSpec {
         self.from_dense(&counts)
     }
 
-    fn sort_merge(sig: &mut SparseSignature) {
+    pub(crate) fn sort_merge(sig: &mut SparseSignature) {
         let mut pairs: Vec<(u32, f32)> = sig.index.iter().copied().zip(sig.value.iter().copied()).collect();
         pairs.sort_unstable_by_key(|p| p.0);
         sig.index.clear();

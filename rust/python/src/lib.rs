@@ -9,6 +9,7 @@ use eldr_core::experts::{self, ExpertId};
 use eldr_core::router::Routed;
 use eldr_core::distance::{self, Counts};
 use eldr_core::limits;
+use eldr_core::payload::{self, DecodeLimits, DecodedCounts, Payload};
 use eldr_core::{BuildError, CentroidSet, CentroidWriter, CountValue, ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError, SignatureSpec, SizeError, SparseIndex, SparseSignature};
 use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::create_exception;
@@ -18,6 +19,7 @@ use pyo3::prelude::*;
 create_exception!(_core, CentroidFileError, PyValueError, "A centroid file is truncated, corrupt, of another version or mismatched.");
 create_exception!(_core, NoSignatureError, PyValueError, "No usable signature; `reason` says why.");
 create_exception!(_core, NoHealthyWorker, PyRuntimeError, "Every decode worker is marked unhealthy.");
+create_exception!(_core, PayloadError, PyValueError, "A counts payload (the `eldr_signature` field) is malformed; the message says what is wrong.");
 
 fn no_sig(py: Python<'_>, why: NoSignature) -> PyErr {
     let err = NoSignatureError::new_err(format!("no usable signature: {why}"));
@@ -27,6 +29,10 @@ fn no_sig(py: Python<'_>, why: NoSignature) -> PyErr {
 
 fn file_err(e: eldr_core::CentroidFileError) -> PyErr {
     CentroidFileError::new_err(e.to_string())
+}
+
+fn payload_err(e: eldr_core::PayloadError) -> PyErr {
+    PayloadError::new_err(e.to_string())
 }
 
 fn size_err(e: SizeError) -> PyErr {
@@ -387,23 +393,140 @@ fn write_centroids(
         .map_err(file_err)
 }
 
+// ---------------------------------------------------------------- wire payload
+
+/// Validated counts from a prefill's payload, still packed: routing reads them in place
+/// (`Router.route_counts`); `counts` and `to_layout` make dense arrays for tools and tests.
+#[pyclass(name = "DecodedCounts", module = "eldr_sglang._core", frozen)]
+struct PyDecodedCounts {
+    inner: DecodedCounts,
+}
+
+#[pymethods]
+impl PyDecodedCounts {
+    /// Hidden-layer ids of the payload's rows.
+    #[getter]
+    fn layers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        pyo3::types::PyTuple::new(py, self.inner.layers())
+    }
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.inner.num_experts()
+    }
+    #[getter]
+    fn num_tokens(&self) -> u64 {
+        self.inner.num_tokens()
+    }
+    #[getter]
+    fn exact(&self) -> bool {
+        self.inner.exact()
+    }
+    #[getter]
+    fn encoding(&self) -> &'static str {
+        self.inner.encoding_name()
+    }
+    #[getter]
+    fn bits(&self) -> u32 {
+        self.inner.bits()
+    }
+    /// Length of the base64 data field.
+    #[getter]
+    fn data_bytes(&self) -> usize {
+        self.inner.data_bytes()
+    }
+    /// Dense counts `[len(layers), E]` (float32), rows in payload order.
+    #[getter]
+    fn counts<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<f32>> {
+        let (l, e) = (self.inner.layers().len(), self.inner.num_experts());
+        numpy::ndarray::Array2::from_shape_vec((l, e), self.inner.to_dense()).expect("shape").into_pyarray(py)
+    }
+    /// Dense counts in a centroid file's `[num_layers, E]` layout (rows in order when the file
+    /// holds only the payload's layers, else placed at their ids). Raises PayloadError.
+    fn to_layout<'py>(&self, py: Python<'py>, num_layers: usize, num_experts: usize) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let v = self.inner.to_layout(num_layers, num_experts).map_err(payload_err)?;
+        Ok(numpy::ndarray::Array2::from_shape_vec((num_layers, num_experts), v).expect("shape").into_pyarray(py))
+    }
+    fn __repr__(&self) -> String {
+        format!("DecodedCounts(layers={}, E={}, n={}, encoding={:?}, bits={})", self.inner.layers().len(), self.inner.num_experts(), self.inner.num_tokens(), self.inner.encoding_name(), self.inner.bits())
+    }
+}
+
+fn text_bytes<'a>(data: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
+    if let Ok(b) = data.cast::<pyo3::types::PyBytes>() {
+        return Ok(b.as_bytes());
+    }
+    if let Ok(s) = data.cast::<pyo3::types::PyString>() {
+        return Ok(s.to_str()?.as_bytes());
+    }
+    Err(PyTypeError::new_err(format!("expected bytes or str, got {}", data.get_type())))
+}
+
+fn limits_of(max_bytes: usize, layout: Option<(usize, usize)>) -> DecodeLimits {
+    DecodeLimits { max_bytes, layout }
+}
+
+/// Decode a payload's JSON text (an object, a one-request list of one, or a JSON string of
+/// one), with the GIL released. With `layout` = (num_layers, num_experts) of the centroid file
+/// a payload that cannot fit it is refused unread. Raises PayloadError (also for a payload
+/// that says the prefill sent no counts).
+#[pyfunction]
+#[pyo3(signature = (data, max_bytes=payload::DEFAULT_MAX_BYTES, layout=None))]
+fn decode_payload(py: Python<'_>, data: &Bound<'_, PyAny>, max_bytes: usize, layout: Option<(usize, usize)>) -> PyResult<PyDecodedCounts> {
+    let bytes = text_bytes(data)?;
+    let lim = limits_of(max_bytes, layout);
+    match py.detach(|| payload::decode(bytes, &lim)).map_err(payload_err)? {
+        Payload::Counts(inner) => Ok(PyDecodedCounts { inner }),
+        Payload::NoCounts(why) => Err(PayloadError::new_err(format!("the payload carries no counts (the prefill says: {why})"))),
+    }
+}
+
+/// Find and decode the payload in one stream event's JSON (`meta_info` or `sglext`), with the
+/// GIL released: DecodedCounts; the prefill's reason (str) when it sent none; None when the
+/// event is not a JSON object or has no payload. Raises PayloadError for a malformed payload.
+#[pyfunction]
+#[pyo3(signature = (data, max_bytes=payload::DEFAULT_MAX_BYTES, layout=None))]
+fn decode_event(py: Python<'_>, data: &Bound<'_, PyAny>, max_bytes: usize, layout: Option<(usize, usize)>) -> PyResult<Py<PyAny>> {
+    let bytes = text_bytes(data)?;
+    let lim = limits_of(max_bytes, layout);
+    Ok(match py.detach(|| payload::decode_event(bytes, &lim)).map_err(payload_err)? {
+        None => py.None(),
+        Some(Payload::NoCounts(why)) => why.into_pyobject(py)?.into_any().unbind(),
+        Some(Payload::Counts(inner)) => Py::new(py, PyDecodedCounts { inner })?.into_any(),
+    })
+}
+
 // ---------------------------------------------------------------- router
 
 /// A routing decision with its details.
-#[pyclass(name = "Decision", module = "eldr_sglang._core", frozen, get_all)]
+#[pyclass(name = "Decision", module = "eldr_sglang._core", frozen)]
 struct PyDecision {
+    #[pyo3(get)]
     worker: usize,
+    #[pyo3(get)]
     reason: String,
+    #[pyo3(get)]
     distances: Option<Vec<f64>>,
+    #[pyo3(get)]
     band: Option<Vec<usize>>,
+    #[pyo3(get)]
     d_star: Option<f64>,
+    #[pyo3(get)]
     tau: Option<f64>,
+    #[pyo3(get)]
     loads: Vec<i64>,
+    #[pyo3(get)]
     generation: u64,
+    /// The signature the route computed, kept when asked (`route_counts(signature=True)`).
+    signature: Option<(SparseSignature, usize)>,
 }
 
 #[pymethods]
 impl PyDecision {
+    /// The request's unit signature `[D]` (float32) as the route computed it, or None (not
+    /// kept, or no usable signature).
+    fn unit_signature<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyArray1<f32>>> {
+        self.signature.as_ref().map(|(s, dim)| s.to_dense(*dim).into_pyarray(py))
+    }
     fn __repr__(&self) -> String {
         format!("Decision(worker={}, reason={:?}, d_star={:?}, band={:?})", self.worker, self.reason, self.d_star, self.band)
     }
@@ -514,6 +637,7 @@ impl PyRouter {
             tau: uses_tau.then_some(r.tau),
             loads: r.loads,
             generation: r.generation,
+            signature: r.signature.map(|s| (s, self.inner.store().map_or(0, |st| st.set().dim()))),
         };
         Ok(Py::new(py, d)?.into_any())
     }
@@ -660,6 +784,15 @@ impl PyRouter {
         };
         self.finish(py, r, explain)
     }
+    /// Route from a decoded payload (`decode_event` / `decode_payload`), GIL released: the
+    /// signature is read straight from the packed counts. With `signature`, the decision keeps
+    /// it (`Decision.unit_signature()`), for the drift reservoir.
+    #[pyo3(signature = (counts, explain=false, signature=false))]
+    fn route_counts(&self, py: Python<'_>, counts: &PyDecodedCounts, explain: bool, signature: bool) -> PyResult<Py<PyAny>> {
+        let c = &counts.inner;
+        let r = py.detach(|| self.inner.route_counts(c, signature && explain, explain));
+        self.finish(py, r, explain)
+    }
     /// Route a request whose signature is known to be unusable (`reason` as in NoSignature).
     fn route_fallback(&self, py: Python<'_>, reason: &str, explain: bool) -> PyResult<Py<PyAny>> {
         let why = NoSignature::parse(reason).ok_or_else(|| PyValueError::new_err(format!("unknown no-signature reason {reason:?}")))?;
@@ -769,12 +902,20 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CentroidFileError", py.get_type::<CentroidFileError>())?;
     m.add("NoSignature", py.get_type::<NoSignatureError>())?;
     m.add("NoHealthyWorker", py.get_type::<NoHealthyWorker>())?;
+    m.add("PayloadError", py.get_type::<PayloadError>())?;
+    m.add("PAYLOAD_KEY", payload::META_KEY)?;
+    m.add("PAYLOAD_MAX_ENTRIES", payload::MAX_ENTRIES)?;
+    m.add("PAYLOAD_MAX_LAYERS", payload::MAX_LAYERS)?;
+    m.add("PAYLOAD_MAX_COUNT", payload::MAX_COUNT)?;
     m.add_class::<PySignatureSpec>()?;
     m.add_class::<PyCentroidSet>()?;
     m.add_class::<PyDecision>()?;
     m.add_class::<PyLease>()?;
     m.add_class::<PyExpertProfile>()?;
     m.add_class::<PyRouter>()?;
+    m.add_class::<PyDecodedCounts>()?;
+    m.add_function(wrap_pyfunction!(decode_payload, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_event, m)?)?;
     m.add_function(wrap_pyfunction!(count_topk, m)?)?;
     m.add_function(wrap_pyfunction!(distinct_per_layer, m)?)?;
     m.add_function(wrap_pyfunction!(write_centroids, m)?)?;
