@@ -152,3 +152,27 @@ def test_refit_under_load_in_the_router_app(cluster):
     assert json.loads(_core.CentroidSet.open(str(mine)).provenance_json)["refit"]["reason"] == "under load"
     # the refit kept the file it replaced
     assert _core.CentroidSet.open(str(mine) + ".prev").checksum == _core.CentroidSet.open(str(cpath)).checksum
+
+
+def test_locality_router_feeds_the_drift_monitor_too(cluster):
+    """The default policy keeps drift handling: the monitor reads the band rule's decision on
+    the same counts, and the reservoir keeps the route's signatures."""
+    d, cpath, urls = cluster
+    rproc, base = start_router(urls, d, ["--disagg-router", "locality", "--eldr-centroids", str(cpath),
+                                         "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0.5",
+                                         "--admin-token", TOKEN])
+    try:
+        n = 24
+        reasons = set()
+        for i in range(n):
+            status, headers, body = post(base + "/generate", {"text": f"q{i}", "sampling_params": {"max_new_tokens": 3},
+                                                              "emulator": {"trace_request": i}})
+            assert status == 200, body
+            reasons.add(headers.get("X-ELDR-Reason"))
+        assert "profile" in reasons  # the locality balancer routed them, not the band rule
+        st = get_json(base + "/eldr/drift")
+        bands = st["monitor"]["observations"]
+        assert bands + st["monitor"]["no_signature"] == n and bands > 0
+        assert st["reservoir"]["total_seen"] == bands and st["signature_errors"] == 0
+    finally:
+        rproc.stop()

@@ -167,3 +167,28 @@ def test_failover_works_with_locality(cluster, trace_files, workdir, fault):
     finally:
         set_fault(cluster["decode"][1], "none")
         router.stop()
+
+
+def test_drift_view_under_locality_carries_the_band_rules_distances(trace_files):
+    """Under locality the drift monitor reads distances computed beside the balancer's
+    decision (PDRouter._drift_view); they must be the band rule's for the same counts."""
+    from types import SimpleNamespace
+
+    from eldr_sglang.router.pd import PDRouter
+
+    trace, _, cpath = trace_files
+    loc = _core.Router("locality", centroids=str(cpath), load_factor=LOAD_FACTOR)
+    band = _core.Router("eldr", centroids=str(cpath))
+    spec = loc.centroid_set().spec()
+    host = SimpleNamespace(cfg=SimpleNamespace(policy="locality"), router=loc,
+                           _band_gen=None, _band_spec=None, _band_mu=None)
+    for r in (0, 5, 17):
+        counts, n = counts_of(trace, r)
+        d = loc.route_profile(loc.profile_dense(counts, n), explain=True)
+        assert d.reason == "profile"
+        wire = SimpleNamespace(to_layout=lambda L, E, c=counts: c.astype(np.float32))
+        view = PDRouter._drift_view(host, d, SimpleNamespace(counts=wire))
+        ref = band.route_dense(counts, explain=True)
+        assert view.reason == "band" and view.generation == d.generation
+        np.testing.assert_allclose(view.distances, ref.distances, atol=1e-5)
+        np.testing.assert_allclose(view.unit_signature(), spec.from_dense(counts), atol=1e-6)

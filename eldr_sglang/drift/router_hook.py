@@ -226,7 +226,9 @@ def install(app, pd, admin_token: str | None = None, **options) -> DriftHook | N
 
     conf = dict(getattr(pd.cfg, "drift", None) or {})
     conf.update(options)
-    enabled = conf.pop("enabled", True) and pd.cfg.policy == "eldr" and bool(pd.cfg.centroids)
+    from eldr_sglang.router.config import COUNTS_POLICIES
+
+    enabled = conf.pop("enabled", True) and pd.cfg.policy in COUNTS_POLICIES and bool(pd.cfg.centroids)
     hook = None
     if enabled:
         try:
@@ -236,7 +238,7 @@ def install(app, pd, admin_token: str | None = None, **options) -> DriftHook | N
     pd.drift = hook
     if hook is None:
         async def off(_request):
-            return web.json_response({"error": {"message": "drift handling is off: it needs the eldr policy and a centroid "
+            return web.json_response({"error": {"message": "drift handling is off: it needs the eldr or locality policy and a centroid "
                                                            "file with a drift baseline, and --no-eldr-drift turns it off"}},
                                      status=404)
         app.router.add_post("/eldr/refit", off)

@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from eldr_sglang.router.admin import guarded
-from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
 from eldr_sglang.router.loads import (
     check_health,
     poll_loads,
@@ -72,7 +72,7 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
         await asyncio.gather(*(post(u) for u in [w.url for w in pd.cfg.prefill] + pd.cfg.decode))
         return web.Response(text="ok")
 
-    if cfg.policy == "eldr" and cfg.centroids:
+    if cfg.policy in COUNTS_POLICIES and cfg.centroids:
         # drift monitor + online refits (eldr_sglang.drift): GET /eldr/drift, POST /eldr/refit
         from eldr_sglang.drift.router_hook import install as install_drift
 

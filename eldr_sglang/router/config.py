@@ -150,7 +150,7 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     pol.add_argument("--eldr-load-report-ttl-ms", type=int, default=2000, help="how long a /v1/loads report counts")
     pol.add_argument(
         "--no-eldr-drift", action="store_true",
-        help="turn off drift monitoring and online refits of the centroid file (on by default for eldr)",
+        help="turn off drift monitoring and online refits of the centroid file (on by default for eldr and locality)",
     )
     pol.add_argument("--seed", type=int, default=0, help="seed of the random policies")
     pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")

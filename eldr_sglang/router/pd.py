@@ -266,6 +266,7 @@ class PDRouter:
         self._parse_pool = None  # the body-parse process (large client bodies), spawned on first use
         self._reload_busy_since: float | None = None
         self.drift = None  # eldr_sglang.drift.router_hook.DriftHook, set by the app when enabled
+        self._band_gen, self._band_spec, self._band_mu = None, None, None  # _drift_view's cache, per generation
         self.metrics = RouterMetrics(self.state)
         pool_kw = dict(threshold=cfg.eject_after_failures, base_s=cfg.eject_base_s, max_s=cfg.eject_max_s,
                        metrics=self.metrics)
@@ -420,8 +421,26 @@ class PDRouter:
             why = sig.reason if (sig is not None and sig.counts is None) else reason
             self.metrics.fallbacks.labels(why).inc()
         if self.drift is not None and reason != "retry":  # O(K) monitor update; never raises
-            self.drift.on_route(d, None if sig is None else sig.counts)
+            self.drift.on_route(self._drift_view(d, sig), None if sig is None else sig.counts)
         return d
+
+    def _drift_view(self, d, sig: CountsResult | None):
+        """The decision the drift monitor reads. It measures how far traffic is from the
+        fitted centroids (d_k = 1 - cos(s, mu_k) over all K), which the band rule's decision
+        carries and the locality balancer's does not: under locality the distances of the
+        same counts are computed here for the monitor alone (a [K, D] mat-vec per request)."""
+        if self.cfg.policy != "locality" or sig is None or sig.counts is None:
+            return d
+        try:
+            gen = int(d.generation)
+            if self._band_gen != gen:
+                cs = self.router.centroid_set()
+                self._band_spec, self._band_mu, self._band_gen = cs.spec(), cs.centroids(), gen
+            spec = self._band_spec
+            unit = spec.from_dense(sig.counts.to_layout(spec.num_layers, spec.num_experts))
+        except (PayloadError, ValueError, AttributeError):  # layout changed under a reload, or no usable counts
+            return d
+        return _BandView(gen, (1.0 - self._band_mu @ unit).tolist(), unit)
 
     # ------------------------------------------------------------------ locality balancer
     def _locality_route(self, sig: CountsResult | None):
@@ -1006,6 +1025,19 @@ class PDRouter:
             self.metrics.worker_errors.labels("decode", str(w), "stream").inc()
             raise Retryable(502, _err(f"decode worker {w} stream failed: {exc.__class__.__name__}"), "application/json",
                             "decode", "stream") from None
+
+
+@dataclass(frozen=True)
+class _BandView:
+    """What the drift monitor and reservoir read of a band-rule decision (see _drift_view)."""
+
+    generation: int
+    distances: list
+    signature: np.ndarray
+    reason: str = "band"
+
+    def unit_signature(self) -> np.ndarray:
+        return self.signature
 
 
 def _kv_lost_error() -> Retryable:
