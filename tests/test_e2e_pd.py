@@ -120,8 +120,7 @@ def test_band_prefers_the_shorter_queue(router, trace_files, cluster):
         if len(band) >= 2 and not any(abs(x - (d.min() + tau)) < 1e-4 for x in d):
             cand = (r, want, band, d)
             break
-    if cand is None:
-        pytest.skip("no trace request with a band of two or more workers")
+    assert cand is not None, "the seeded trace must hold a request whose band has two or more workers"
     r, first, band, d = cand
     _settle(router, cluster)
 
