@@ -1,9 +1,8 @@
 """Routing traces: the file format, the SGLang importers, collection, synthesis, statistics.
 
-- `format`: the ELDR trace format v1 (`.npz` of per-token top-k ids), `Trace`, load/save,
-  and `open_trace` for either version.
+- `format`: the ELDR trace format v1 (`.npz` of per-token top-k ids), `Trace`, load/save.
 - `counts_file`: the trace format v2 (per-request prefill counts first, decode routing
-  optional), streamed to and from disk in chunks.
+  optional), streamed to and from disk in chunks, and `open_trace` for either version.
 - `sglang_responses`: SGLang responses (`routed_experts`) -> traces.
 - `collect`: `eldr collect`, a prompt dataset sent to a running SGLang server.
 - `synth`: synthetic, domain-skewed traces for named model shapes.
@@ -21,6 +20,6 @@ from .format import (  # noqa: F401
     TraceError,
     check_meta,
     load_trace,
-    open_trace,
     save_trace,
 )
+from .counts_file import open_trace  # noqa: F401

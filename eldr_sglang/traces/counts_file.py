@@ -36,7 +36,7 @@ from typing import Iterator
 import numpy as np
 import scipy.sparse as sp
 
-from .format import TRACE_FORMAT, Trace, TraceError, check_meta
+from .format import TRACE_FORMAT, Trace, TraceError, check_meta, load_trace
 
 COUNTS_VERSION = 2
 DEFAULT_CHUNK_REQUESTS = 4096
@@ -431,3 +431,10 @@ def write_v1_as_counts(trace: Trace, path: str | os.PathLike, *, keep_decode: in
             if progress is not None:
                 progress(b - a)
     return Path(path)
+
+
+def open_trace(path: str | os.PathLike):
+    """A trace of either version: a v1 `Trace` (in memory) or a v2 `CountsTrace` (chunks
+    read on demand; close it when done). Raises TraceError. It lives here, not in `format`,
+    so that v2 builds on v1 and never the other way round."""
+    return open_counts_trace(path) if is_counts_trace(path) else load_trace(path)

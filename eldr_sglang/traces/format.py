@@ -229,14 +229,6 @@ def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
     return trace
 
 
-def open_trace(path: str | os.PathLike):
-    """A trace of either version: a v1 `Trace` (in memory) or a v2 `CountsTrace` (chunks
-    read on demand; close it when done). Raises TraceError."""
-    from .counts_file import is_counts_trace, open_counts_trace
-
-    return open_counts_trace(path) if is_counts_trace(path) else load_trace(path)
-
-
 def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     """Validate, then write atomically: nothing is left behind on failure."""
     trace.validate()
