@@ -137,7 +137,8 @@ def _simulate_loads(args, trace, cpath: str, eval_idx, em, K: int, loads: list, 
 
     replay = TraceReplay(trace)
     bounded = f",eldr/{args.eldr_load_factor:g}" if args.eldr_load_factor >= 0 else ""
-    specs = parse_policies(f"random,round_robin,shortest_queue,power_of_two,eldr{bounded},oracle", args.tau)
+    # `default` is the router's default policy (eldr_sglang.defaults): the demo shows what users run
+    specs = parse_policies(f"random,round_robin,shortest_queue,power_of_two,eldr{bounded},default,oracle", args.tau)
     cfg = ClusterConfig(num_decode=K)
     say(f"[3/4] simulating {len(eval_idx)} held-out requests on {K} decode workers x tp={em.tp} {em.hardware.name}, "
         f"loads {loads}, {len(specs)} policies")
