@@ -11,11 +11,20 @@ ValueError names the argument. Routing, acquire and release release the GIL.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
+# The classes are frozen PyO3 classes, which cannot be subclassed (final).
+
+__all__ = [
+    "__version__", "FORMAT_VERSION", "POLICIES", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
+    "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
+    "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
+    "count_topk", "distinct_per_layer", "write_centroids",
+]
 __version__: str
 FORMAT_VERSION: int
 POLICIES: tuple[str, ...]
@@ -27,6 +36,7 @@ PAYLOAD_MAX_COUNT: int
 class PayloadError(ValueError):
     """A counts payload (the `eldr_signature` field) is malformed; the message says what is wrong."""
 
+@final
 class DecodedCounts:
     """Validated counts from a prefill's payload, still packed (routing reads them in place)."""
 
@@ -69,14 +79,20 @@ class NoSignature(ValueError):
 
     reason: str
 
+class ProfileError(ValueError):
+    """An expert profile cannot be built from these cells, or counted on this worker (e.g. it
+    predates a change of layer selection)."""
+
+@final
 class SignatureSpec:
     """Layer weights and IDF: everything needed to turn counts into a signature."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         layer_weights: npt.NDArray[np.float32],  # [L]; 0 masks a layer (dense or unselected)
         idf: npt.NDArray[np.float32],  # [L, E]
-    ) -> None: ...
+    ) -> Self:
+        """Raises ValueError on bad shapes or values (negative, NaN, every layer weight 0)."""
     @property
     def num_layers(self) -> int: ...
     @property
@@ -106,6 +122,7 @@ def distinct_per_layer(ids: npt.NDArray[np.integer], num_experts: int) -> npt.ND
 def count_topk(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
     """Top-k ids [T, L, k] -> counts [L, E]. Raises ValueError on out-of-range ids."""
 
+@final
 class CentroidSet:
     """A validated centroid file, held as a private read-only copy of its bytes.
 
@@ -152,6 +169,7 @@ def write_centroids(
 ) -> None:
     """Validate and write a centroid file atomically (temp file + rename)."""
 
+@final
 class Decision:
     worker: int
     reason: str  # 'band', 'no_signature:<why>', 'no_centroids', 'policy'
@@ -164,11 +182,13 @@ class Decision:
     def unit_signature(self) -> npt.NDArray[np.float32] | None:
         """The unit signature [D] the route computed, when kept (route_counts(signature=True))."""
 
+@final
 class ExpertProfile:
     """A request's expected expert use per decode token from its prompt counts:
     p[l][e] = counts / (tokens + 1); the locality balancer's input."""
 
-    def __init__(self, num_layers: int, num_experts: int, index: npt.NDArray[np.int64], counts: npt.NDArray[np.float64], tokens: int) -> None: ...
+    def __new__(cls, num_layers: int, num_experts: int, index: npt.NDArray[np.int64], counts: npt.NDArray[np.float64], tokens: int) -> Self:
+        """Raises ProfileError on cells out of range, bad counts or no tokens."""
     @property
     def experts_per_layer(self) -> float: ...
     @property
@@ -181,6 +201,7 @@ class ExpertProfile:
     def generation(self) -> int:
         """Centroid generation its layer selection came from (0: built by hand)."""
 
+@final
 class Lease:
     """One in-flight request on one worker; released exactly once."""
 
@@ -195,11 +216,12 @@ class Lease:
     def __enter__(self) -> Lease: ...
     def __exit__(self, *exc: object) -> Literal[False]: ...
 
+@final
 class Router:
     """Band router + baseline policies + queue tracker + hot-reloadable centroids."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         policy: str = "eldr",
         num_workers: int | None = None,
         centroids: str | None = None,
@@ -208,7 +230,7 @@ class Router:
         reload_interval_ms: int = 250,
         load_report_ttl_ms: int = 2000,
         load_factor: float | None = None,
-    ) -> None:
+    ) -> Self:
         """num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
         is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule."""
     @property
@@ -242,7 +264,8 @@ class Router:
     def route_profile(self, profile: ExpertProfile, explain: bool = False) -> int | Decision:
         """Route by the request's expert profile (policy "locality"; others route as with no signature)."""
     def acquire(self, worker: int, tokens: int = 0, profile: ExpertProfile | None = None) -> Lease:
-        """Count a request on `worker`; with `profile` the locality balancer also counts its experts."""
+        """Count a request on `worker`; with `profile` the locality balancer also counts its experts
+        (ProfileError when the profile predates a change of layer selection)."""
     def inflight(self) -> list[int]:
         """This router's own in-flight requests per worker (without external reports)."""
     def loads(self) -> list[int]: ...

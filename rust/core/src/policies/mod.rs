@@ -12,13 +12,15 @@ mod round_robin;
 mod shortest_queue;
 
 pub use eldr::Eldr;
-pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality};
+pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use shortest_queue::ShortestQueue;
 
 use std::sync::Arc;
+
+use thiserror::Error;
 
 use crate::signature::NoSignature;
 
@@ -96,7 +98,7 @@ pub trait Policy: Send + Sync {
     }
     /// Count `profile` on `worker` while the request is in flight (the guard releases it).
     /// None: the policy keeps no per-request state.
-    fn track(&self, _num_workers: usize, _worker: usize, _profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, String>> {
+    fn track(&self, _num_workers: usize, _worker: usize, _profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, ProfileError>> {
         None
     }
     /// The locality balancer's `D_w` per worker (expected distinct experts per layer per step
@@ -107,8 +109,15 @@ pub trait Policy: Send + Sync {
     fn choose(&self, ctx: &RouteContext) -> Decision;
 }
 
+/// A policy name that is not in [`POLICY_NAMES`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("unknown policy {name:?}; choose one of {}", POLICY_NAMES.join(", "))]
+pub struct UnknownPolicy {
+    pub name: String,
+}
+
 /// Build a policy by name. `seed` drives the random ones.
-pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, String> {
+pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, UnknownPolicy> {
     Ok(match name {
         "eldr" => Box::new(Eldr),
         "locality" => Box::new(Locality::default()),
@@ -116,7 +125,7 @@ pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, String> {
         "round_robin" => Box::new(RoundRobin::default()),
         "shortest_queue" => Box::new(ShortestQueue),
         "power_of_two" => Box::new(PowerOfTwo::new(seed)),
-        other => return Err(format!("unknown policy {other:?}; choose one of {}", POLICY_NAMES.join(", "))),
+        other => return Err(UnknownPolicy { name: other.to_owned() }),
     })
 }
 
