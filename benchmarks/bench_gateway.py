@@ -13,7 +13,8 @@ hits all of them alike):
   --cpu-rate);
 - the highest offered rate it holds among sequential, 100, 300, 500, 1000, 2000 req/s open
   loop: no errors and p99 < 50 ms in a majority of the repeats, and every lower level held
-  too. Within a repeat a router that failed a level is not run at the higher ones.
+  too. Within a repeat a router that failed a level is not run at the higher ones, except at
+  --cpu-rate, which every router runs in every repeat.
 
 The gateway is installed from PyPI into a private virtualenv under --cache-dir (reused when it
 is there). It tries to download a tokenizer from the Hugging Face hub at start-up and ignores
@@ -219,7 +220,7 @@ async def sweep(targets: list[Target], urls: dict, args) -> list[float]:
             failed: set[str] = set()
             for level in args.levels:
                 for t in order:
-                    if t.name in failed:
+                    if t.name in failed and level > args.cpu_rate:  # the CPU level always runs
                         t.phases.setdefault(level, []).append({"skipped": "failed a lower level in this repeat"})
                         continue
                     n = args.sequential_requests if level == 0 else max(20, int(level * args.phase_secs))
