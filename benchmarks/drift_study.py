@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.drift.refit import refit_file  # noqa: E402
-from eldr_sglang.drift.sim import AdaptivePolicy, drifting_trace  # noqa: E402
+from eldr_sglang.testing.provenance import code_state  # noqa: E402
+from eldr_sglang.drift.drifting_workload import AdaptivePolicy, drifting_trace  # noqa: E402
 from eldr_sglang.offline.fit import fit_trace  # noqa: E402
 from eldr_sglang.sim.cluster import ClusterConfig, simulate  # noqa: E402
 from eldr_sglang.sim.cost_model import ExecutionModel  # noqa: E402
@@ -291,15 +292,7 @@ def activation_times(res, events) -> list[float]:
 def git_state() -> dict:
     """HEAD and whether the files this study depends on differ from it (other engineers edit
     the generator and the k-means in the same tree; their uncommitted edits change the numbers)."""
-    import subprocess
-
-    def run(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    dirty = run("status", "--porcelain", "--", "eldr_sglang/traces/synth.py", "eldr_sglang/offline", "eldr_sglang/sim", "eldr_sglang/drift")
-    return {"head": run("rev-parse", "--short", "HEAD").strip(), "dirty": [ln[3:] for ln in dirty.splitlines() if ln.strip()]}
+    return code_state(("eldr_sglang/traces/synth.py", "eldr_sglang/offline", "eldr_sglang/sim", "eldr_sglang/drift"))
 
 
 def run_part2(s: dict, loads, lfs, tmp, seed: int, interval: int, cooldown: int, em, cfg) -> list[dict]:
