@@ -28,10 +28,8 @@ constants are the defaults of eldr_sglang.sim.cost_model and tau defaults to 0.1
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shlex
 import sys
 import tempfile
 import time
