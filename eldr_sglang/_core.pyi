@@ -23,7 +23,7 @@ __all__ = [
     "__version__", "FORMAT_VERSION", "POLICIES", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
-    "count_topk", "distinct_per_layer", "write_centroids",
+    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes",
 ]
 __version__: str
 FORMAT_VERSION: int
@@ -121,6 +121,9 @@ def distinct_per_layer(ids: npt.NDArray[np.integer], num_experts: int) -> npt.ND
 
 def count_topk(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
     """Top-k ids [T, L, k] -> counts [L, E]. Raises ValueError on out-of-range ids."""
+
+def band_sizes(distances: npt.NDArray[np.float64], tau: float) -> npt.NDArray[np.uint32]:
+    """Band size of each row of distances [n, K] at tau, every worker eligible (d_k <= d* + tau)."""
 
 @final
 class CentroidSet:
