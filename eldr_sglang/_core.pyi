@@ -193,8 +193,6 @@ class ExpertProfile:
     def __new__(cls, num_layers: int, num_experts: int, index: npt.NDArray[np.int64], counts: npt.NDArray[np.float64], tokens: int) -> Self:
         """Raises ProfileError on cells out of range, bad counts or no tokens."""
     @property
-    def experts_per_layer(self) -> float: ...
-    @property
     def layer_ids(self) -> list[int]:
         """MoE layers (rows of the prefill counts) the profile spans."""
     @property
@@ -250,7 +248,6 @@ class Router:
     def load_factor(self, value: float | None) -> None: ...
     def route_dense(self, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_sparse(self, index: npt.NDArray, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
-    def route_topk(self, ids: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_counts(self, counts: DecodedCounts, explain: bool = False, signature: bool = False) -> int | Decision:
         """Route from decoded payload counts (signature read from the packed data, GIL released);
         with explain and signature, the Decision keeps the unit signature."""
@@ -260,8 +257,6 @@ class Router:
     def profile_dense(self, counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
         """Profile from raw dense [L, E] prefill counts over the centroid file's selected layers;
         NoSignature on bad counts, ValueError without a centroid file."""
-    def profile_sparse(self, index: npt.NDArray[Any], counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
-        """profile_dense from sparse (l*E+e, count) pairs."""
     def expert_distinct(self) -> list[float] | None:
         """Locality balancer: expected distinct experts per layer per step in flight per worker; None otherwise."""
     def route_profile(self, profile: ExpertProfile, explain: bool = False) -> int | Decision:
@@ -273,7 +268,9 @@ class Router:
         """This router's own in-flight requests per worker (without external reports)."""
     def loads(self) -> list[int]: ...
     def tokens(self) -> list[int]: ...
-    def report_load(self, worker: int, running: int, tokens: int = 0) -> None: ...
+    def report_load(self, worker: int, running: int) -> None:
+        """A decode worker's own count of the requests it holds (its /v1/loads); the load the
+        policies see is the larger of it and this router's in-flight count, for load_report_ttl_ms."""
     def set_healthy(self, worker: int, healthy: bool) -> None: ...
     def healthy(self) -> list[bool]: ...
     def reload(self) -> bool:

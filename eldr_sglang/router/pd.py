@@ -476,7 +476,7 @@ class PDRouter:
             return self.router.acquire(w, 0)
         try:
             return self.router.acquire(w, 0, profile=profile)
-        except ValueError as exc:
+        except _core_errors().ProfileError as exc:
             self._log.warning("stale-profile", "expert profile not counted: %s", safe(str(exc)))
             return self.router.acquire(w, 0)
 

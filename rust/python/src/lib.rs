@@ -695,10 +695,6 @@ impl PyExpertProfile {
         let c = counts.as_array().to_vec();
         ExpertProfile::from_sparse(num_layers, num_experts, &idx, &c, tokens).map(|p| PyExpertProfile { inner: Arc::new(p) }).map_err(py_err)
     }
-    #[getter]
-    fn experts_per_layer(&self) -> f64 {
-        self.inner.experts_per_layer()
-    }
     /// MoE layers (rows of the prefill counts) the profile spans.
     #[getter]
     fn layer_ids(&self) -> Vec<u32> {
@@ -770,23 +766,6 @@ fn route_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl 
     r.finish(py, routed, explain)
 }
 
-fn route_topk_t<T: Element + ExpertId>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
-    let sh = v.shape().to_vec();
-    let ids = v.slice();
-    let routed = py.detach(|| {
-        r.inner.route(
-            |set| {
-                if sh.len() != 3 || sh[1] != set.num_layers() {
-                    return Err(NoSignature::Shape);
-                }
-                distance::from_signature(set, &set.spec().from_topk(ids, sh[2])?)
-            },
-            explain,
-        )
-    });
-    r.finish(py, routed, explain)
-}
-
 // ---- locality balancer: profiles from raw prefill counts (one block) ----
 
 fn profile_out(r: Option<Result<ExpertProfile, NoSignature>>) -> PyResult<PyExpertProfile> {
@@ -800,16 +779,6 @@ fn profile_out(r: Option<Result<ExpertProfile, NoSignature>>) -> PyResult<PyExpe
 fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
     let c = v.slice();
     let p = py.detach(|| r.inner.profile::<u32, T>(Counts::Dense(c), tokens));
-    profile_out(p)
-}
-
-fn profile_sparse_i<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
-    dispatch!(counts, "counts", profile_sparse_it, [f32, u32, u16, i64, i32, f64], &idx, r, py, tokens)
-}
-
-fn profile_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
-    let (i, c) = (idx.slice(), c.slice());
-    let p = py.detach(|| r.inner.profile(Counts::Sparse(i, c), tokens));
     profile_out(p)
 }
 
@@ -867,10 +836,6 @@ impl PyRouter {
     fn route_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
         dispatch!(index, "index", route_sparse_i, [i64, i32, u32, u16], counts, self, py, explain)
     }
-    #[pyo3(signature = (ids, explain=false))]
-    fn route_topk(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
-        dispatch!(ids, "ids", route_topk_t, [u8, i16, i32, i64, u16, u32], self, py, explain)
-    }
     /// Route from a signature in the centroids' D-dim space; None = the signature is missing.
     #[pyo3(signature = (signature, explain=false))]
     fn route_signature(&self, py: Python<'_>, signature: Option<PyReadonlyArrayDyn<'_, f32>>, explain: bool) -> PyResult<Py<PyAny>> {
@@ -915,10 +880,6 @@ impl PyRouter {
     fn profile_dense(&self, py: Python<'_>, counts: &Bound<'_, PyAny>, tokens: u64) -> PyResult<PyExpertProfile> {
         dispatch!(counts, "counts", profile_dense_t, [u16, u32, f32, i64, i32, f64, u8], self, py, tokens)
     }
-    /// [`Router.profile_dense`] from sparse `(index l*E+e, count)` pairs.
-    fn profile_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, tokens: u64) -> PyResult<PyExpertProfile> {
-        dispatch!(index, "index", profile_sparse_i, [i64, i32, u32, u16], counts, self, py, tokens)
-    }
     /// The locality balancer's expected distinct experts per layer per step of each worker's
     /// in-flight requests (zeros before its first profile); None for other policies.
     fn expert_distinct(&self) -> Option<Vec<f64>> {
@@ -949,10 +910,10 @@ impl PyRouter {
     fn tokens(&self) -> Vec<i64> {
         (0..self.inner.num_workers()).map(|w| self.inner.tracker().tokens(w)).collect()
     }
-    #[pyo3(signature = (worker, running, tokens=0))]
-    fn report_load(&self, worker: usize, running: i64, tokens: i64) -> PyResult<()> {
+    /// A worker's own count of the requests it holds (its /v1/loads), kept for the report TTL.
+    fn report_load(&self, worker: usize, running: i64) -> PyResult<()> {
         self.check_worker(worker)?;
-        self.inner.tracker().report(worker, running, tokens);
+        self.inner.tracker().report(worker, running);
         Ok(())
     }
     fn set_healthy(&self, worker: usize, healthy: bool) -> PyResult<()> {
