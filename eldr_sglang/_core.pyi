@@ -20,14 +20,16 @@ from typing_extensions import Self
 # The classes are frozen PyO3 classes, which cannot be subclassed (final).
 
 __all__ = [
-    "__version__", "FORMAT_VERSION", "POLICIES", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
+    "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
     "count_topk", "distinct_per_layer", "write_centroids", "band_sizes",
 ]
 __version__: str
 FORMAT_VERSION: int
-POLICIES: tuple[str, ...]
+POLICIES: tuple[str, ...]  # every decode policy the Router builds
+COUNTS_POLICIES: tuple[str, ...]  # those routing on the prefill's counts: late binding, a centroid file, fallbacks
+FALLBACK_REASONS: tuple[str, ...]  # why a counts policy routed without a signature (NoSignature reasons + 'no_centroids')
 PAYLOAD_KEY: str  # "eldr_signature": the stream-event field that carries the counts payload
 PAYLOAD_MAX_ENTRIES: int  # largest L*E a payload may claim
 PAYLOAD_MAX_LAYERS: int
@@ -74,8 +76,8 @@ class NoHealthyWorker(RuntimeError):
     """Every decode worker is marked unhealthy."""
 
 class NoSignature(ValueError):
-    """No usable signature: `reason` is one of 'missing', 'empty', 'non_finite',
-    'negative', 'out_of_range', 'shape'."""
+    """No usable signature: `reason` is one of FALLBACK_REASONS other than 'no_centroids'
+    (raised with 'empty', 'non_finite', 'negative', 'out_of_range' or 'shape')."""
 
     reason: str
 
@@ -175,7 +177,7 @@ def write_centroids(
 @final
 class Decision:
     worker: int
-    reason: str  # 'band', 'no_signature:<why>', 'no_centroids', 'policy'
+    reason: str  # 'band', 'no_signature:<why>' (why: a FALLBACK_REASONS name), 'no_centroids', 'policy', 'profile'
     distances: list[float] | None
     band: list[int] | None
     d_star: float | None
@@ -253,7 +255,9 @@ class Router:
         with explain and signature, the Decision keeps the unit signature."""
     def route_signature(self, signature: npt.NDArray[np.float32] | None, explain: bool = False) -> int | Decision: ...
     def route_fallback(self, reason: str, explain: bool = False) -> int | Decision:
-        """Route a request known to have no usable signature (reason as in NoSignature)."""
+        """Route a request known to have no usable signature; reason: a FALLBACK_REASONS name other
+        than 'no_centroids' (the decision's reason is then 'no_signature:<reason>', or 'no_centroids'
+        without a centroid file). ValueError for any other name."""
     def profile_dense(self, counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
         """Profile from raw dense [L, E] prefill counts over the centroid file's selected layers;
         NoSignature on bad counts, ValueError without a centroid file."""

@@ -9,12 +9,26 @@
 use thiserror::Error;
 
 /// Why a request has no usable signature. The router then falls back to shortest queue.
-/// The message is the reason's name ([`NoSignature::as_str`]).
+/// The message is the reason's name ([`NoSignature::as_str`]): together with `no_centroids`
+/// these names are the one fallback vocabulary, of decisions (`no_signature:<name>`), of the
+/// `eldr_router_fallbacks_total{reason}` label and of both data planes.
 #[derive(Debug, Error, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NoSignature {
-    /// No signature arrived (prefill did not send one, or it timed out).
+    /// No signature arrived, for no reason known to the router.
     #[error("missing")]
     Missing,
+    /// The prefill's signature did not arrive within the signature timeout.
+    #[error("timeout")]
+    Timeout,
+    /// The payload (or the stream line carrying it) was refused: see `PayloadError`.
+    #[error("malformed")]
+    Malformed,
+    /// The prefill said it sent no counts (its reason goes to the log, not the label).
+    #[error("prefill_none")]
+    PrefillNone,
+    /// The prefill worker does not send signatures (unpatched, or started without the flag).
+    #[error("prefill_no_signature")]
+    PrefillNoSignature,
     /// Nothing left after masking and weighting (all zero, or only masked layers).
     #[error("empty")]
     Empty,
@@ -51,6 +65,10 @@ impl NoSignature {
     pub fn as_str(&self) -> &'static str {
         match self {
             NoSignature::Missing => "missing",
+            NoSignature::Timeout => "timeout",
+            NoSignature::Malformed => "malformed",
+            NoSignature::PrefillNone => "prefill_none",
+            NoSignature::PrefillNoSignature => "prefill_no_signature",
             NoSignature::Empty => "empty",
             NoSignature::NonFinite => "non_finite",
             NoSignature::Negative => "negative",
@@ -61,8 +79,18 @@ impl NoSignature {
 }
 
 impl NoSignature {
-    pub const ALL: [NoSignature; 6] =
-        [NoSignature::Missing, NoSignature::Empty, NoSignature::NonFinite, NoSignature::Negative, NoSignature::OutOfRange, NoSignature::Shape];
+    pub const ALL: [NoSignature; 10] = [
+        NoSignature::Missing,
+        NoSignature::Timeout,
+        NoSignature::Malformed,
+        NoSignature::PrefillNone,
+        NoSignature::PrefillNoSignature,
+        NoSignature::Empty,
+        NoSignature::NonFinite,
+        NoSignature::Negative,
+        NoSignature::OutOfRange,
+        NoSignature::Shape,
+    ];
 
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|w| w.as_str() == s)

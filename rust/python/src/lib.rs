@@ -40,7 +40,7 @@ impl ToPyErr for NoSignature {
     fn to_py(self) -> PyErr {
         use NoSignature::*;
         match self {
-            Missing | Empty | NonFinite | Negative | OutOfRange | Shape => Python::attach(|py| {
+            Missing | Timeout | Malformed | PrefillNone | PrefillNoSignature | Empty | NonFinite | Negative | OutOfRange | Shape => Python::attach(|py| {
                 let err = NoSignatureError::new_err(format!("no usable signature: {self}"));
                 let _ = err.value(py).setattr("reason", self.as_str());
                 err
@@ -961,7 +961,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", eldr_core::FORMAT_VERSION)?;
+    // the one policy list and the one fallback vocabulary (config, CLI and simulator read them)
     m.add("POLICIES", pyo3::types::PyTuple::new(py, eldr_core::POLICY_NAMES)?)?;
+    m.add("COUNTS_POLICIES", pyo3::types::PyTuple::new(py, eldr_core::POLICIES.iter().filter(|p| p.uses_counts).map(|p| p.name).collect::<Vec<_>>())?)?;
+    m.add("FALLBACK_REASONS", pyo3::types::PyTuple::new(py, eldr_core::fallback_reasons())?)?;
     m.add("CentroidFileError", py.get_type::<CentroidFileError>())?;
     m.add("NoSignature", py.get_type::<NoSignatureError>())?;
     m.add("NoHealthyWorker", py.get_type::<NoHealthyWorker>())?;

@@ -24,7 +24,45 @@ use thiserror::Error;
 
 use crate::signature::NoSignature;
 
-pub const POLICY_NAMES: [&str; 6] = ["eldr", "locality", "random", "round_robin", "shortest_queue", "power_of_two"];
+/// A routing policy by name, and whether it routes on the prefill's expert counts: such a
+/// policy binds late, needs a centroid file (eldr its centroids, locality its layer selection)
+/// and counts fallbacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyInfo {
+    pub name: &'static str,
+    pub uses_counts: bool,
+}
+
+/// Every policy [`make_policy`] builds: the one list the router's config and CLI and the
+/// simulator read (`_core.POLICIES`, `_core.COUNTS_POLICIES`).
+pub const POLICIES: [PolicyInfo; 6] = [
+    PolicyInfo { name: "eldr", uses_counts: true },
+    PolicyInfo { name: "locality", uses_counts: true },
+    PolicyInfo { name: "random", uses_counts: false },
+    PolicyInfo { name: "round_robin", uses_counts: false },
+    PolicyInfo { name: "shortest_queue", uses_counts: false },
+    PolicyInfo { name: "power_of_two", uses_counts: false },
+];
+
+/// The names of [`POLICIES`], in order.
+pub const POLICY_NAMES: [&str; POLICIES.len()] = {
+    let mut out = [""; POLICIES.len()];
+    let mut i = 0;
+    while i < POLICIES.len() {
+        out[i] = POLICIES[i].name;
+        i += 1;
+    }
+    out
+};
+
+/// The fallback vocabulary: why a counts policy routed without a usable signature. The names
+/// of [`NoSignature`] and `no_centroids` ([`Reason::NoCentroids`]); a fallback decision's
+/// label is `no_signature:<name>` or `no_centroids`.
+pub fn fallback_reasons() -> Vec<&'static str> {
+    NoSignature::ALL.iter().map(|w| w.as_str()).chain(std::iter::once(NO_CENTROIDS)).collect()
+}
+
+const NO_CENTROIDS: &str = "no_centroids";
 
 
 /// Why a worker was chosen.
@@ -47,7 +85,7 @@ impl Reason {
         match self {
             Reason::Band => "band".into(),
             Reason::NoSignature(w) => format!("no_signature:{w}"),
-            Reason::NoCentroids => "no_centroids".into(),
+            Reason::NoCentroids => NO_CENTROIDS.into(),
             Reason::Policy => "policy".into(),
             Reason::Profile => "profile".into(),
         }

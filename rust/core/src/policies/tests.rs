@@ -139,6 +139,30 @@ fn power_of_two_picks_lighter_of_two_and_random_covers_all() {
 }
 
 #[test]
+fn the_policy_list_says_which_policies_use_counts() {
+    assert_eq!(POLICY_NAMES.to_vec(), POLICIES.iter().map(|p| p.name).collect::<Vec<_>>());
+    for info in POLICIES {
+        let p = make_policy(info.name, 0).unwrap();
+        assert_eq!(p.name(), info.name);
+        assert_eq!(p.uses_signature() || p.uses_profile(), info.uses_counts, "{}", info.name);
+    }
+}
+
+#[test]
+fn one_fallback_vocabulary() {
+    let names = fallback_reasons();
+    let unique: std::collections::HashSet<_> = names.iter().collect();
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+    for w in NoSignature::ALL {
+        assert_eq!(NoSignature::parse(w.as_str()), Some(w));
+        assert_eq!(w.to_string(), w.as_str());
+        assert_eq!(Reason::NoSignature(w).label(), format!("no_signature:{w}"));
+    }
+    assert!(names.contains(&Reason::NoCentroids.label().as_str()));
+    assert_eq!(NoSignature::parse("no_centroids"), None);
+}
+
+#[test]
 fn unknown_policy_is_named() {
     let err = make_policy("fastest", 0).err().unwrap();
     assert_eq!(err.name, "fastest");
