@@ -79,7 +79,8 @@ def iter_chunks(
         j = e
 
 
-def _dense_to_csr(a: np.ndarray) -> sp.csr_matrix:
+def dense_to_csr(a: np.ndarray) -> sp.csr_matrix:
+    """Dense signature rows -> CSR float32 of their nonzeros (the same values, bit for bit)."""
     mask = a != 0
     counts = mask.sum(axis=1)
     indptr = np.zeros(a.shape[0] + 1, dtype=np.int64)
@@ -112,7 +113,7 @@ def compute_signatures(
     with progress_bar(n_req, desc=desc, unit="req", leave=False, enabled=progress) as bar:
         for idx, ids, offsets, prefix in iter_chunks(trace, requests, "prefill", chunk_tokens):
             sig, valid = spec.batch_from_topk(ids, offsets, prefix)
-            blocks.append(_dense_to_csr(np.asarray(sig, dtype=np.float32)))
+            blocks.append(dense_to_csr(np.asarray(sig, dtype=np.float32)))
             valids.append(np.asarray(valid, dtype=bool))
             bar.update(len(idx))
     if not blocks:

@@ -4,7 +4,7 @@ The fit needs, of every calibration request, its prompt counts (for document fre
 and signatures), and of a sample, its decode routing (layer selection, the report). Both
 sources give these through the same few methods, and both send every signature through the
 Rust normalizer (`SignatureSpec`), the router's own path: from top-k ids for v1
-(`batch_from_topk`), from the stored counts for v2 (`from_sparse`).
+(`batch_from_topk`), from the stored counts for v2 (`from_sparse_batch`, one call a chunk).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import scipy.sparse as sp
 from eldr_sglang.offline import report as rpt
 from eldr_sglang.offline.signatures import (
     DEFAULT_CHUNK_TOKENS,
+    dense_to_csr,
     compute_signatures,
     decode_profiles,
     document_frequency,
@@ -73,45 +74,24 @@ class TokenSource:
         return h.hexdigest()
 
 
-def _spec_rows(spec, counts: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
-    """Signatures of each row of a counts CSR through the Rust normalizer: (CSR float32, valid)."""
-    n = counts.shape[0]
-    indptr, index, data = counts.indptr, counts.indices.astype(np.int64), counts.data
-    out_ptr = np.zeros(n + 1, dtype=np.int64)
-    cols, vals = [], []
-    valid = np.zeros(n, dtype=bool)
-    for j in range(n):
-        s, e = int(indptr[j]), int(indptr[j + 1])
-        nnz = 0
-        if e > s:
-            try:
-                sig = spec.from_sparse(index[s:e], data[s:e])
-            except ValueError:  # NoSignature: only zero-weight layers
-                sig = None
-            if sig is not None:
-                nz = np.flatnonzero(sig)
-                cols.append(nz.astype(np.int32))
-                vals.append(sig[nz])
-                nnz = nz.size
-                valid[j] = nnz > 0
-        out_ptr[j + 1] = out_ptr[j] + nnz
-    S = sp.csr_matrix((np.concatenate(vals) if vals else np.zeros(0, np.float32),
-                       np.concatenate(cols) if cols else np.zeros(0, np.int32), out_ptr), shape=(n, spec.dim))
-    return S, valid
+def _spec_rows(spec, rows: "_Rows") -> tuple[sp.csr_matrix, np.ndarray]:
+    """Signatures of count rows through the Rust normalizer, one batched call
+    (`SignatureSpec.from_sparse_batch`, the single-request path row by row): (CSR float32, valid)."""
+    S, valid = spec.from_sparse_batch(rows.indptr, rows.index, rows.count)
+    return dense_to_csr(S), valid
 
 
-def _spec_dense(spec, counts: sp.csr_matrix, out: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> None:
-    """_spec_rows written straight into rows `rows` of a dense [N, D] array (no CSR on the way:
-    at DeepSeek-V3 density the CSR would be larger than the dense matrix)."""
-    indptr, index, data = counts.indptr, counts.indices.astype(np.int64), counts.data
-    for j, row in enumerate(rows):
-        s, e = int(indptr[j]), int(indptr[j + 1])
-        if e > s:
-            try:
-                out[row] = spec.from_sparse(index[s:e], data[s:e])
-                valid[row] = True
-            except ValueError:  # NoSignature: only zero-weight layers
-                pass
+class _Rows:
+    """CSR arrays of some requests' prompt counts (column l*E + e): the stored arrays when the
+    requests are a whole chunk in order, else the selected rows."""
+
+    __slots__ = ("indptr", "index", "count")
+
+    def __init__(self, indptr: np.ndarray, index: np.ndarray, count: np.ndarray):
+        self.indptr, self.index, self.count = indptr.astype(np.int64, copy=False), index, count
+
+    def __len__(self) -> int:
+        return len(self.indptr) - 1
 
 
 class CountsSource:
@@ -124,15 +104,25 @@ class CountsSource:
         self._digest = None
 
     def _by_chunk(self, req: np.ndarray):
-        """(positions in req, counts CSR of those requests) per chunk holding any of req."""
-        firsts = np.array([c["first"] for c in self.trace.chunks], dtype=np.int64)
+        """(positions in req, _Rows of those requests) per chunk holding any of req. A chunk
+        read whole and in order is passed as stored (no CSR built, no dtype converted)."""
+        t = self.trace
+        firsts = np.array([c["first"] for c in t.chunks], dtype=np.int64)
         which = np.searchsorted(firsts, req, side="right") - 1
         order = np.argsort(which, kind="stable")
         bounds = np.searchsorted(which[order], np.arange(len(firsts) + 1))
         for i in range(len(firsts)):
             pos = order[bounds[i] : bounds[i + 1]]
-            if len(pos):
-                yield pos, self.trace.chunk_counts(i)[req[pos] - firsts[i]]
+            if not len(pos):
+                continue
+            local = req[pos] - firsts[i]
+            arrays = t.chunk_arrays(i)
+            if len(local) == t.chunks[i]["requests"] and np.array_equal(local, np.arange(len(local))):
+                yield pos, _Rows(*arrays)
+            else:
+                shape = (len(arrays[0]) - 1, t.num_layers * t.num_experts)
+                m = sp.csr_matrix((arrays[2], arrays[1], arrays[0]), shape=shape)[local]
+                yield pos, _Rows(m.indptr, m.indices, m.data)
 
     def _map(self, req: np.ndarray, fn, dim: int, progress: bool, desc: str):
         """fn(counts CSR) -> (CSR rows, valid) over req, chunk by chunk, rows in req's order."""
@@ -162,13 +152,16 @@ class CountsSource:
         whole = np.array_equal(req, np.arange(self.trace.num_requests))  # then the pass reads every chunk in order
         h = self._digest_start() if whole else None
         with progress_bar(len(req), desc="prefill counts", unit="req", leave=False, enabled=progress) as bar:
-            for pos, counts in self._by_chunk(req):
+            for pos, rows in self._by_chunk(req):
                 if h is not None:
-                    self._digest_chunk(h, counts)
-                counts.eliminate_zeros()
-                ok = np.diff(counts.indptr) > 0
-                valid[pos] = ok
-                df += np.bincount(counts.indices, minlength=L * E)  # rows without counts add nothing
+                    self._digest_chunk(h, rows)
+                index = rows.index
+                if rows.count.size and rows.count.min() == 0:  # stored zeros count for nothing
+                    m = sp.csr_matrix((rows.count, index, rows.indptr), shape=(len(rows), L * E))
+                    m.eliminate_zeros()
+                    rows, index = _Rows(m.indptr, m.indices, m.data), m.indices
+                valid[pos] = np.diff(rows.indptr) > 0
+                df += np.bincount(index, minlength=L * E)  # rows without counts add nothing
                 bar.update(len(pos))
         if h is not None:
             self._digest = h.hexdigest()
@@ -189,11 +182,16 @@ class CountsSource:
         valid [N])."""
         if not dense:
             return self._map(req, lambda c: _spec_rows(spec, c), spec.dim, progress, "signatures")
-        out = np.zeros((len(req), spec.dim), dtype=np.float32)
+        out = np.empty((len(req), spec.dim), dtype=np.float32)  # every row is written below
         valid = np.zeros(len(req), dtype=bool)
         with progress_bar(len(req), desc="signatures", unit="req", leave=False, enabled=progress) as bar:
-            for pos, counts in self._by_chunk(req):
-                _spec_dense(spec, counts, out, pos, valid)
+            for pos, rows in self._by_chunk(req):
+                a = int(pos[0])
+                if np.array_equal(pos, np.arange(a, a + len(pos))):  # in place, no chunk-sized copy
+                    _, valid[a : a + len(pos)] = spec.from_sparse_batch(rows.indptr, rows.index, rows.count,
+                                                                         out=out[a : a + len(pos)])
+                else:
+                    out[pos], valid[pos] = spec.from_sparse_batch(rows.indptr, rows.index, rows.count)
                 bar.update(len(pos))
         return out, valid
 
@@ -226,8 +224,8 @@ class CountsSource:
         return h
 
     @staticmethod
-    def _digest_chunk(h, c: sp.csr_matrix) -> None:
-        for a in (c.indptr.astype(np.int64), c.indices.astype(np.uint32), c.data.astype(np.uint32)):
+    def _digest_chunk(h, c: "_Rows") -> None:
+        for a in (c.indptr.astype(np.int64), c.index.astype(np.uint32), c.count.astype(np.uint32)):
             h.update(np.ascontiguousarray(a).tobytes())
 
     def digest(self) -> str:
@@ -235,8 +233,8 @@ class CountsSource:
         during the prefill pass when that read every chunk, else by reading them again."""
         if getattr(self, "_digest", None) is None:
             h = self._digest_start()
-            for _, c in self.trace.iter_counts():
-                self._digest_chunk(h, c)
+            for i in range(len(self.trace.chunks)):
+                self._digest_chunk(h, _Rows(*self.trace.chunk_arrays(i)))
             self._digest = h.hexdigest()
         return self._digest
 

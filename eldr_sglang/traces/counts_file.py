@@ -236,8 +236,9 @@ class CountsTrace:
         except Exception as exc:  # noqa: BLE001 - a truncated or corrupt member
             raise TraceError(f"{self.path}: member {name!r} is unreadable ({exc})") from None
 
-    def chunk_counts(self, i: int) -> sp.csr_matrix:
-        """Chunk i's prefill counts, CSR [n_i, L*E] (column l*E + e), validated."""
+    def chunk_arrays(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Chunk i's prefill counts as the stored CSR arrays (indptr int64 [n_i+1], index and
+        count unsigned [nnz], column l*E + e), validated; no conversion, no copy beyond the read."""
         c = self.chunks[i]
         n, cols = int(c["requests"]), self.num_layers * self.num_experts
         indptr, index, count = (self._member(f"c{i}_{x}") for x in ("indptr", "index", "count"))
@@ -248,7 +249,12 @@ class CountsTrace:
             raise TraceError(f"{self.path}: chunk {i} has a column {int(index.max())} outside num_layers*num_experts = {cols}")
         if not (np.issubdtype(index.dtype, np.unsignedinteger) and np.issubdtype(count.dtype, np.unsignedinteger)):
             raise TraceError(f"{self.path}: chunk {i}'s index and count must be unsigned integers")
-        return sp.csr_matrix((count, index, indptr), shape=(n, cols))
+        return indptr.astype(np.int64, copy=False), index, count
+
+    def chunk_counts(self, i: int) -> sp.csr_matrix:
+        """Chunk i's prefill counts, CSR [n_i, L*E] (column l*E + e), validated."""
+        indptr, index, count = self.chunk_arrays(i)
+        return sp.csr_matrix((count, index, indptr), shape=(len(indptr) - 1, self.num_layers * self.num_experts))
 
     def iter_counts(self) -> Iterator[tuple[int, sp.csr_matrix]]:
         """(first request, counts CSR) of each chunk, in order."""
