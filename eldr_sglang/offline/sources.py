@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import numpy as np
 import scipy.sparse as sp
@@ -27,6 +28,28 @@ from eldr_sglang.offline.signatures import (
 from eldr_sglang.progress import progress as progress_bar
 from eldr_sglang.traces.counts_file import CountsTrace
 from eldr_sglang.traces.format import Trace
+
+
+# np.bincount converts its input to intp first; in slices that temporary stays in cache
+_BINCOUNT_SLICE = 1 << 16
+_HASH_POOL = None
+
+
+def _hash_pool():
+    global _HASH_POOL
+    if _HASH_POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eldr-sha256")
+    return _HASH_POOL
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class TokenSource:
@@ -73,6 +96,9 @@ class TokenSource:
             h.update(np.ascontiguousarray(t.expert_ids[s : s + step]).tobytes())
         return h.hexdigest()
 
+    def file_digest(self, path) -> str:
+        return file_sha256(path)
+
 
 def _spec_rows(spec, rows: "_Rows") -> tuple[sp.csr_matrix, np.ndarray]:
     """Signatures of count rows through the Rust normalizer, one batched call
@@ -101,7 +127,9 @@ class CountsSource:
         self.trace = trace
         self._dtrace = None
         self._dreq = trace.decode_requests()
-        self._digest = None
+        # The digest of a v2 trace is its file's sha256: one sequential read in a background
+        # thread (hashlib and file reads release the GIL), overlapping the fit's own passes.
+        self._digest = _hash_pool().submit(file_sha256, trace.path)
 
     def _by_chunk(self, req: np.ndarray):
         """(positions in req, _Rows of those requests) per chunk holding any of req. A chunk
@@ -149,22 +177,17 @@ class CountsSource:
         L, E = self.trace.num_layers, self.trace.num_experts
         df = np.zeros(L * E, dtype=np.int64)
         valid = np.zeros(len(req), dtype=bool)
-        whole = np.array_equal(req, np.arange(self.trace.num_requests))  # then the pass reads every chunk in order
-        h = self._digest_start() if whole else None
         with progress_bar(len(req), desc="prefill counts", unit="req", leave=False, enabled=progress) as bar:
             for pos, rows in self._by_chunk(req):
-                if h is not None:
-                    self._digest_chunk(h, rows)
                 index = rows.index
                 if rows.count.size and rows.count.min() == 0:  # stored zeros count for nothing
                     m = sp.csr_matrix((rows.count, index, rows.indptr), shape=(len(rows), L * E))
                     m.eliminate_zeros()
                     rows, index = _Rows(m.indptr, m.indices, m.data), m.indices
                 valid[pos] = np.diff(rows.indptr) > 0
-                df += np.bincount(index, minlength=L * E)  # rows without counts add nothing
+                for a in range(0, len(index), _BINCOUNT_SLICE):  # rows without counts add nothing
+                    df += np.bincount(index[a : a + _BINCOUNT_SLICE], minlength=L * E)
                 bar.update(len(pos))
-        if h is not None:
-            self._digest = h.hexdigest()
         return valid, df.reshape(L, E)
 
     def _ones_spec(self):
@@ -215,28 +238,12 @@ class CountsSource:
         dt, pos = self._decode(req[keep])
         return rpt.decode_locality(dt, pos, assign[keep], rng)
 
-    def _digest_start(self):
-        t = self.trace
-        h = hashlib.sha256()
-        h.update(json.dumps([t.num_layers, t.num_experts, t.top_k, "counts-v2"]).encode())
-        for a in (t.prefill_len.astype(np.int32), t.decode_len_.astype(np.int32)):
-            h.update(np.ascontiguousarray(a).tobytes())
-        return h
-
-    @staticmethod
-    def _digest_chunk(h, c: "_Rows") -> None:
-        for a in (c.indptr.astype(np.int64), c.index.astype(np.uint32), c.count.astype(np.uint32)):
-            h.update(np.ascontiguousarray(a).tobytes())
-
     def digest(self) -> str:
-        """sha256 of the trace's counts content (shape meta, lengths, every chunk's CSR); taken
-        during the prefill pass when that read every chunk, else by reading them again."""
-        if getattr(self, "_digest", None) is None:
-            h = self._digest_start()
-            for i in range(len(self.trace.chunks)):
-                self._digest_chunk(h, _Rows(*self.trace.chunk_arrays(i)))
-            self._digest = h.hexdigest()
-        return self._digest
+        """sha256 of the trace file (a v2 file holds nothing but the trace)."""
+        return self._digest.result()
+
+    def file_digest(self, path) -> str:
+        return self.digest() if os.path.samefile(path, self.trace.path) else file_sha256(path)
 
 
 def prefill_source(trace, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
