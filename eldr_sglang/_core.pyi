@@ -117,6 +117,19 @@ class SignatureSpec:
         ids [T, L, k]; request r is rows offsets[r]:offsets[r]+prefix_len[r] (whole
         request when prefix_len is None). Returns ([R, D] signatures, [R] valid mask);
         rows without a usable signature are zero and valid=False."""
+    def from_sparse_batch(
+        self,
+        indptr: npt.NDArray[np.int64],
+        index: npt.NDArray[np.uint16 | np.uint32 | np.int32 | np.int64],
+        counts: npt.NDArray[np.uint16 | np.uint32 | np.float32 | np.int64 | np.int32 | np.float64],
+        out: npt.NDArray[np.float32] | None = None,
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_]]:
+        """Signatures of a CSR batch of count rows at once (GIL released): row r is the flat
+        indices index[indptr[r]:indptr[r+1]] with their counts, each row exactly as
+        from_sparse makes it. Returns ([n, D] signatures, written into `out` when given, a
+        C-contiguous [n, D] float32 array; [n] valid mask). Rows with no usable signature
+        (no counts, or only masked layers) are zero and valid=False; a bad row (index out of
+        range, negative or NaN count) raises NoSignature naming it; a bad indptr, ValueError."""
 
 def distinct_per_layer(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
     """Top-k ids [N, L, k] of the tokens of one decode step -> distinct experts per layer [L]."""
