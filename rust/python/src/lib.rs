@@ -16,6 +16,8 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+mod dataplane;
+
 create_exception!(_core, CentroidFileError, PyValueError, "A centroid file is truncated, corrupt, of another version or mismatched.");
 create_exception!(_core, NoSignatureError, PyValueError, "No usable signature; `reason` says why.");
 create_exception!(_core, NoHealthyWorker, PyRuntimeError, "Every decode worker is marked unhealthy.");
@@ -616,8 +618,9 @@ impl PyExpertProfile {
 
 /// Band router + baseline policies + queue tracker + hot-reloadable centroids.
 #[pyclass(name = "Router", module = "eldr_sglang._core", frozen)]
-struct PyRouter {
-    inner: eldr_core::Router,
+pub(crate) struct PyRouter {
+    /// Shared with the Rust data plane (`DataPlane`), which routes on the same instance.
+    pub(crate) inner: Arc<eldr_core::Router>,
 }
 
 impl PyRouter {
@@ -732,7 +735,7 @@ impl PyRouter {
                 e => PyValueError::new_err(e.to_string()),
             })?;
         inner.set_load_factor(load_factor).map_err(PyValueError::new_err)?;
-        Ok(PyRouter { inner })
+        Ok(PyRouter { inner: Arc::new(inner) })
     }
     #[getter]
     fn get_load_factor(&self) -> Option<f64> {
@@ -914,6 +917,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExpertProfile>()?;
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecodedCounts>()?;
+    m.add_class::<dataplane::PyDataPlane>()?;
     m.add_function(wrap_pyfunction!(decode_payload, m)?)?;
     m.add_function(wrap_pyfunction!(decode_event, m)?)?;
     m.add_function(wrap_pyfunction!(count_topk, m)?)?;
