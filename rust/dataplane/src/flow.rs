@@ -14,6 +14,7 @@
 //!
 //! Early binding (the baselines): decode is picked first and both legs are sent at once.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,10 +23,11 @@ use bytes::Bytes;
 use eldr_core::distance::Counts;
 use eldr_core::payload::{DecodeLimits, DecodedCounts, DEFAULT_MAX_BYTES};
 use eldr_core::{ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -128,80 +130,193 @@ pub fn json_response(status: u16, body: Bytes) -> Response<Body> {
 
 // ------------------------------------------------------------------ client body
 
+/// Most of an over-limit body read (and dropped) so the client can finish sending and read
+/// its 413; past it the connection is closed on the client.
+const MAX_DISCARD_BYTES: usize = 64 << 20;
+
 /// The client's body, within the body timeout and the size limit.
-pub async fn read_body(plane: &Plane, body: Incoming, content_length: Option<u64>) -> Result<Bytes, BadRequest> {
+pub async fn read_body(plane: &Plane, mut body: Incoming, content_length: Option<u64>) -> Result<Bytes, BadRequest> {
     let max = plane.cfg.max_payload_size;
-    let too_large = || BadRequest::with_status(413, format!("the request body is larger than {max} bytes (the router's --max-payload-size)"));
-    if content_length.is_some_and(|n| n > max as u64) {
-        return Err(too_large());
-    }
-    match timeout(secs(plane.cfg.client_body_timeout_s), Limited::new(body, max).collect()).await {
+    let limit = secs(plane.cfg.client_body_timeout_s);
+    let mut buf: Vec<u8> = Vec::with_capacity(content_length.map_or(0, |n| n.min(max as u64) as usize));
+    let mut over = content_length.is_some_and(|n| n > max as u64);
+    let mut seen = 0usize;
+    let read = async {
+        while let Some(chunk) = next_chunk(&mut body).await? {
+            seen += chunk.len();
+            if seen > max {
+                over = true;
+            }
+            if over {
+                buf = Vec::new();
+                if seen > MAX_DISCARD_BYTES {
+                    break;
+                }
+            } else {
+                buf.extend_from_slice(&chunk);
+            }
+        }
+        Ok::<(), hyper::Error>(())
+    };
+    match timeout(limit, read).await {
         Err(_) => Err(BadRequest::with_status(408, format!("the request body did not arrive within {} s", plane.cfg.client_body_timeout_s))),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
+        _ if over => Err(BadRequest::with_status(413, format!("the request body is larger than {max} bytes (the router's --max-payload-size)"))),
         Ok(Err(_)) => Err(BadRequest::with_status(499, "the client went away while sending its body")),
-        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Ok(())) => Ok(Bytes::from(buf)),
     }
 }
 
 /// Parse and validate a client body: (its JSON without the router's own fields, compact;
-/// its stream flag).
+/// its stream flag). Values are kept as the client wrote them (raw JSON: a number no
+/// machine type holds passes through unchanged, as Python's int does); only the fields the
+/// router checks are looked into.
 pub fn parse_body(kind: Kind, raw: &[u8]) -> Result<(Vec<u8>, bool), BadRequest> {
-    let value: Value = serde_json::from_slice(raw).map_err(|e| {
+    let syntax = |e: serde_json::Error| {
         if e.to_string().contains("recursion limit") {
             BadRequest::new("the request body is nested too deeply")
         } else {
             BadRequest::new("the request body is not valid JSON")
         }
-    })?;
-    let Value::Object(mut body) = value else { return Err(BadRequest::new("the request body must be a JSON object")) };
-    validate(kind, &body)?;
-    let stream = matches!(body.get("stream"), Some(Value::Bool(true)));
-    for k in ROUTER_FIELDS {
-        body.remove(k);
+    };
+    if nesting_depth(raw) > MAX_BODY_DEPTH {
+        return Err(BadRequest::new("the request body is nested too deeply"));
     }
-    Ok((serde_json::to_vec(&body).expect("json"), stream))
+    let body: HashMap<String, Box<RawValue>> = match serde_json::from_slice(raw) {
+        Ok(b) => b,
+        Err(e) => {
+            let first = raw.iter().find(|b| !b.is_ascii_whitespace()).copied();
+            if first != Some(b'{') {
+                // valid JSON of another kind, or not JSON (Value's parse bounds the depth)
+                return Err(match serde_json::from_slice::<Value>(raw) {
+                    Ok(_) => BadRequest::new("the request body must be a JSON object"),
+                    Err(e) => syntax(e),
+                });
+            }
+            return Err(syntax(e));
+        }
+    };
+    validate(kind, &body)?;
+    let stream = body.get("stream").is_some_and(|v| v.get() == "true");
+    let mut out = Vec::with_capacity(raw.len() + 2);
+    out.push(b'{');
+    for (k, v) in body.iter().filter(|(k, _)| !ROUTER_FIELDS.contains(&k.as_str())) {
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, k).expect("json");
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+    }
+    out.push(b'}');
+    Ok((out, stream))
 }
 
-fn validate(kind: Kind, body: &Map<String, Value>) -> Result<(), BadRequest> {
+/// Deepest nesting a client body may have (raw values are not parsed, so serde's own
+/// recursion limit does not see inside them; Python's json refuses about 1000 levels).
+const MAX_BODY_DEPTH: usize = 512;
+
+/// The deepest `[`/`{` nesting of a JSON text (brackets inside strings do not count).
+fn nesting_depth(raw: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_str, mut esc) = (0usize, 0usize, false, false);
+    for &b in raw {
+        if in_str {
+            match (esc, b) {
+                (true, _) => esc = false,
+                (false, b'\\') => esc = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+#[derive(PartialEq, Clone, Copy)]
+enum Json {
+    Null,
+    Bool,
+    Number,
+    String,
+    Array,
+    Object,
+}
+
+fn json_kind(v: &RawValue) -> Json {
+    match v.get().as_bytes().first() {
+        Some(b'n') => Json::Null,
+        Some(b't') | Some(b'f') => Json::Bool,
+        Some(b'"') => Json::String,
+        Some(b'[') => Json::Array,
+        Some(b'{') => Json::Object,
+        _ => Json::Number,
+    }
+}
+
+fn items(v: &RawValue) -> Vec<&RawValue> {
+    serde_json::from_str(v.get()).unwrap_or_default()
+}
+
+fn is_integer(v: &RawValue) -> bool {
+    json_kind(v) == Json::Number && !v.get().bytes().any(|b| matches!(b, b'.' | b'e' | b'E'))
+}
+
+fn validate(kind: Kind, body: &HashMap<String, Box<RawValue>>) -> Result<(), BadRequest> {
     let bad = |m: &str| Err(BadRequest::new(m));
-    if body.get("stream").is_some_and(|v| !v.is_boolean()) {
+    let field = |k: &str| body.get(k).map(|v| (v.as_ref(), json_kind(v))).filter(|(_, t)| *t != Json::Null);
+    if body.get("stream").is_some_and(|v| json_kind(v) != Json::Bool) {
         return bad("'stream' must be true or false");
     }
-    let present = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
     match kind {
         Kind::Generate => {
-            let Some(key) = ["text", "input_ids", "input_embeds"].into_iter().find(|k| present(k)) else {
+            let Some(key) = ["text", "input_ids", "input_embeds"].into_iter().find(|k| field(k).is_some()) else {
                 return bad("/generate needs 'text' or 'input_ids'");
             };
-            let v = &body[key];
-            if key == "text" && !v.is_string() {
-                return if v.is_array() { bad("batch requests (a list of texts) are not supported: send one prompt per request") } else { bad("'text' must be a string") };
+            let (v, t) = field(key).expect("present");
+            if key == "text" && t != Json::String {
+                return if t == Json::Array { bad("batch requests (a list of texts) are not supported: send one prompt per request") } else { bad("'text' must be a string") };
             }
             if key == "input_ids" {
-                let Some(ids) = v.as_array().filter(|a| !a.is_empty()) else { return bad("'input_ids' must be a non-empty list of token ids") };
-                if ids[0].is_array() {
+                let ids = if t == Json::Array { items(v) } else { Vec::new() };
+                if ids.is_empty() {
+                    return bad("'input_ids' must be a non-empty list of token ids");
+                }
+                if json_kind(ids[0]) == Json::Array {
                     return bad("batch requests (a list of id lists) are not supported: send one prompt per request");
                 }
-                if !ids.iter().all(|t| t.is_i64() || t.is_u64()) {
+                if !ids.iter().all(|t| is_integer(t)) {
                     return bad("'input_ids' must hold integers");
                 }
             }
-            if body.get("sampling_params").is_some_and(|s| !s.is_null() && !s.is_object()) {
+            if field("sampling_params").is_some_and(|(_, t)| t != Json::Object) {
                 return bad("'sampling_params' must be an object");
             }
         }
-        Kind::Completions => match body.get("prompt") {
-            None | Some(Value::Null) => return bad("/v1/completions needs 'prompt'"),
-            Some(Value::Array(p)) if !p.is_empty() && (p[0].is_string() || p[0].is_array()) => {
-                if p.len() != 1 {
+        Kind::Completions => match field("prompt") {
+            None => return bad("/v1/completions needs 'prompt'"),
+            Some((v, Json::Array)) => {
+                let p = items(v);
+                if !p.is_empty() && matches!(json_kind(p[0]), Json::String | Json::Array) && p.len() != 1 {
                     return bad("batch prompts are not supported: send one prompt per request");
                 }
             }
-            Some(Value::Array(_)) | Some(Value::String(_)) => {}
+            Some((_, Json::String)) => {}
             Some(_) => return bad("'prompt' must be a string or a list of token ids"),
         },
         Kind::Chat => {
-            let ok = body.get("messages").and_then(Value::as_array).is_some_and(|m| !m.is_empty() && m.iter().all(Value::is_object));
+            let ok = field("messages").is_some_and(|(v, t)| {
+                let m = if t == Json::Array { items(v) } else { Vec::new() };
+                !m.is_empty() && m.iter().all(|x| json_kind(x) == Json::Object)
+            });
             if !ok {
                 return bad("/v1/chat/completions needs 'messages', a non-empty list of objects");
             }
@@ -209,9 +324,11 @@ fn validate(kind: Kind, body: &Map<String, Value>) -> Result<(), BadRequest> {
     }
     let n_ok = match body.get("n") {
         None => true,
-        Some(Value::Number(n)) => n.as_f64() == Some(1.0),
-        Some(Value::Bool(b)) => *b, // Python: True == 1
-        Some(_) => false,
+        Some(v) => match json_kind(v) {
+            Json::Number => v.get().parse::<f64>().ok() == Some(1.0),
+            Json::Bool => v.get() == "true", // Python: True == 1
+            _ => false,
+        },
     };
     if !n_ok {
         return bad("n > 1 is not supported by the PD router");
@@ -970,11 +1087,17 @@ mod tests {
         assert!(err(Kind::Generate, "{").contains("not valid JSON"));
         let deep = format!("{}{}", "[".repeat(5000), "]".repeat(5000));
         assert!(err(Kind::Generate, &deep).contains("nested too deeply"));
+        let deep = format!(r#"{{"text":"a","x":{}{}}}"#, "[".repeat(1_000_000), "]".repeat(1_000_000));
+        assert_eq!(nesting_depth(br#"{"a":"[[[[\"{{","b":[{}]}"#), 3);
+        assert!(err(Kind::Generate, &deep).contains("nested too deeply"));
         assert!(err(Kind::Completions, r#"{"prompt":["a","b"]}"#).contains("batch prompts"));
         assert!(ok(Kind::Completions, r#"{"prompt":["a"]}"#).is_ok());
         assert!(ok(Kind::Completions, r#"{"prompt":[1,2,3]}"#).is_ok());
         assert!(err(Kind::Chat, r#"{"messages":[]}"#).contains("messages"));
         assert!(ok(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":1}"#).is_ok());
+        // a number no machine type holds passes through as written
+        let big = format!(r#"{{"text":"a","x":1{}}}"#, "0".repeat(400));
+        assert!(String::from_utf8(parse_body(Kind::Generate, big.as_bytes()).unwrap().0).unwrap().contains(&"0".repeat(400)));
     }
 
     #[test]
