@@ -172,10 +172,32 @@ def test_client_disconnect_mid_stream_releases_the_slot(router):
     assert metric(_metrics(router), "eldr_router_client_disconnects_total") == m0 + 1
 
 
-def test_a_config_the_rust_plane_cannot_serve_is_refused_at_start(cluster, trace_files):
+def test_drift_monitor_is_fed_from_the_rust_plane(cluster, trace_files, workdir):
+    """Drift handling on (the default for eldr): the monitor sees every routed request with
+    its distances, and the refit reservoir gets unit signatures, drained off the request path."""
     _, _, cpath = trace_files
+    proc, base = start_router(cluster, workdir, [*RUST, "--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+                                                 "--load-monitor-interval", "0"])
+    try:
+        for i in range(6):
+            assert post(base + "/generate", {"text": f"d{i}", "sampling_params": {"max_new_tokens": 2},
+                                             "emulator": {"trace_request": i}})[0] == 200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = _metrics(base)
+            if metric(text, "eldr_drift_observations_total") >= 6:
+                break
+            time.sleep(0.1)
+        assert metric(text, "eldr_drift_observations_total") == 6
+        assert metric(text, "eldr_reservoir_signatures") == 6
+        assert metric(text, "eldr_drift_hook_signature_errors") == 0
+    finally:
+        proc.stop()
+
+
+def test_a_worker_url_the_rust_plane_cannot_reach_is_refused_at_start(cluster):
     argv = [sys.executable, "-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
-            "--port", str(free_port()), "--prefill", cluster["prefill"][0][0], "--decode", cluster["decode"][0],
-            "--disagg-router", "eldr", "--eldr-centroids", str(cpath), *RUST]
+            "--port", str(free_port()), "--prefill", "https://127.0.0.1:1", "--decode", cluster["decode"][0],
+            "--disagg-router", "round_robin", *RUST]
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--no-eldr-drift" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode != 0 and "http://" in out.stderr and "Traceback" not in out.stderr

@@ -13,8 +13,9 @@ prefill signature probe, load polling, centroid hot reload and the admin endpoin
 reads the data plane's counters at scrape time (RustRequestMetrics): nothing runs in Python
 per request.
 
-Not ported to the Rust plane (it refuses them at start, with this message): the drift
-monitor's per-request feed. Run with --no-eldr-drift, or --data-plane python.
+The drift monitor (eldr_sglang.drift) gets every counts-policy decision, with its distances
+and unit signature, from a bounded queue in the data plane that a background task here drains
+a few times a second (`feed_drift`): off the request path, batched.
 """
 
 from __future__ import annotations
@@ -38,14 +39,20 @@ DATA_PLANE_THREADS = 2
 
 def unsupported(cfg: RouterConfig) -> str | None:
     """Why the Rust data plane cannot serve this configuration (None: it can)."""
-    drift_on = cfg.policy in COUNTS_POLICIES and cfg.centroids and (cfg.drift or {}).get("enabled", True)
-    if drift_on:
-        return ("--data-plane rust does not feed the drift monitor yet (its per-request signatures): "
-                "add --no-eldr-drift, or use --data-plane python")
     for url in [w.url for w in cfg.prefill] + list(cfg.decode):
         if not url.startswith("http://"):
             return f"--data-plane rust speaks plain http:// to workers only, got {url}"
     return None
+
+
+# Decisions the data plane queues for the drift monitor between two drains (the oldest are
+# dropped past it, and counted); drained every DRIFT_DRAIN_S.
+DRIFT_QUEUE = 8192
+DRIFT_DRAIN_S = 0.25
+
+
+def _drift_on(cfg: RouterConfig) -> bool:
+    return bool(cfg.policy in COUNTS_POLICIES and cfg.centroids and (cfg.drift or {}).get("enabled", True))
 
 
 def plane_config(cfg: RouterConfig, control_url: str) -> str:
@@ -63,7 +70,46 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "client_header_timeout_s": cfg.client_header_timeout_s, "client_body_timeout_s": cfg.client_body_timeout_s,
         "max_payload_size": cfg.max_payload_size, "explain_headers": cfg.explain_headers,
         "threads": DATA_PLANE_THREADS,
+        "signature_reservoir": DRIFT_QUEUE if _drift_on(cfg) else 0,
     })
+
+
+class _DriftView:
+    """One data-plane decision as DriftHook.on_route reads it."""
+
+    __slots__ = ("generation", "reason", "distances", "_sig", "_dim")
+
+    def __init__(self, generation: int, reason: str, distances, sig, dim: int):
+        self.generation, self.reason, self.distances, self._sig, self._dim = generation, reason, distances, sig, dim
+
+    def unit_signature(self):
+        if self._sig is None:
+            return None
+        import numpy as np
+
+        index, value, norm = self._sig
+        out = np.zeros(self._dim, dtype=np.float32)
+        out[index] = value / np.float32(norm)
+        return out
+
+
+async def feed_drift(pd: "RustPDRouter") -> None:
+    """Drain the data plane's decision queue into the drift monitor, a batch at a time."""
+    dim_of: dict[int, int] = {}
+    while True:
+        await asyncio.sleep(DRIFT_DRAIN_S)
+        hook, dp = pd.drift, pd.dataplane
+        if hook is None or dp is None:
+            continue
+        try:
+            for gen, reason, distances, sig in dp.take_drift(DRIFT_QUEUE):
+                dim = dim_of.get(gen)
+                if dim is None:
+                    cs = pd.router.centroid_set()
+                    dim = dim_of[gen] = cs.dim if cs is not None else 0
+                hook.on_route(_DriftView(gen, reason, distances, sig, dim), None)
+        except Exception as exc:  # never let the feed die
+            logger.error("drift feed failed: %s", exc)
 
 
 class _SignsList(list):
@@ -138,8 +184,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
     await site.start()
     control_port = runner.addresses[0][1]
-    dp = None
-    prom = None
+    dp = prom = drift_task = None
     try:
         dp = pd.attach(f"http://127.0.0.1:{control_port}")
         port = await asyncio.get_running_loop().run_in_executor(None, dp.start)
@@ -152,6 +197,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
             "policy %s, %s binding", cfg.host, port, control_port, len(cfg.prefill), len(cfg.decode), cfg.policy,
             "late" if cfg.late_binding else "early",
         )
+        drift_task = asyncio.ensure_future(feed_drift(pd)) if _drift_on(cfg) else None
         if ready is not None:
             ready.set()
         if stop is None:
@@ -164,6 +210,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asy
                     loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
+        if drift_task is not None:
+            drift_task.cancel()
         if prom is not None:
             prom[0].shutdown()
         if dp is not None:

@@ -36,7 +36,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 use crate::config::{secs, Role};
 use crate::counters::names;
 use crate::errors::{error_json, BadRequest, FlowError, UpstreamError};
-use crate::plane::Plane;
+use crate::plane::{DriftSample, Plane};
 use crate::server::{full, Body, ChannelBody};
 use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_EVENT_BYTES};
 use crate::upstream::{self, next_chunk, Leg, Refused};
@@ -675,7 +675,7 @@ impl Plane {
         let t0 = std::time::Instant::now();
         let (routed, profile) = if self.router.policy().uses_profile() { self.locality_route(sig) } else {
             let r = match &sig.counts {
-                Some(c) => self.router.route_counts(c, false, true),
+                Some(c) => self.router.route_counts(c, self.drift.is_some() && tried.is_empty(), true),
                 None => self.router.route(|_| Err(NoSignature::Missing), true),
             };
             (r, None)
@@ -706,7 +706,28 @@ impl Plane {
             };
             self.counters.inc(names::FALLBACKS, &[&why]);
         }
+        if let (Some(feed), true) = (&self.drift, choice.reason != "retry") {
+            feed.push(self.drift_sample(sig, &choice, r));
+        }
         Ok(choice)
+    }
+
+    /// What the drift monitor reads of a decision. It measures how far traffic is from the
+    /// fitted centroids, which the band rule's decision carries; under the locality balancer
+    /// the distances of the same counts are computed here for the monitor alone.
+    fn drift_sample(&self, sig: &Sig, choice: &Choice, r: eldr_core::router::Routed) -> DriftSample {
+        if r.distances.is_some() || !self.router.policy().uses_profile() {
+            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: r.distances, signature: r.signature };
+        }
+        let (Some(c), Some(store)) = (&sig.counts, self.router.store()) else {
+            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None };
+        };
+        let snap = store.snapshot();
+        let mut kept = eldr_core::SparseSignature::default();
+        match eldr_core::distance::from_fill(&snap.set, Some(&mut kept), |spec, out| c.fill_signature(spec, out)) {
+            Ok(d) => DriftSample { generation: snap.generation, reason: "band".into(), distances: Some(d), signature: Some(kept) },
+            Err(_) => DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None },
+        }
     }
 
     /// The locality balancer: the request's expert profile over the centroid file's

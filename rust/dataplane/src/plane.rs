@@ -2,11 +2,12 @@
 //! the upstream client, worker pools, the prefill policy, counters and the retry budget.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use eldr_core::rng::AtomicRng;
-use eldr_core::{make_policy, Policy, Reason, RouteContext, Router};
+use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
 
 use crate::config::{secs, Config, Role};
 use crate::counters::{names, Counters};
@@ -28,6 +29,44 @@ pub struct Plane {
     pub budget: RetryBudget,
     epoch: Instant,
     last_warn_ms: AtomicU64,
+    /// Decisions for the Python drift monitor (None: drift handling off).
+    pub drift: Option<DriftFeed>,
+}
+
+/// One counts-policy decision as the drift monitor reads it.
+pub struct DriftSample {
+    pub generation: u64,
+    pub reason: String,
+    /// `1 - cos(signature, centroid_k)` over all K centroids, when a signature was usable.
+    pub distances: Option<Vec<f64>>,
+    pub signature: Option<SparseSignature>,
+}
+
+/// A bounded queue of decisions the control plane drains (`DataPlane.take_drift`); when it
+/// is full the oldest are dropped (and counted).
+pub struct DriftFeed {
+    queue: Mutex<VecDeque<DriftSample>>,
+    capacity: usize,
+    pub dropped: AtomicU64,
+}
+
+impl DriftFeed {
+    pub fn new(capacity: usize) -> Self {
+        DriftFeed { queue: Mutex::new(VecDeque::with_capacity(capacity.min(1 << 16))), capacity, dropped: AtomicU64::new(0) }
+    }
+    pub fn push(&self, s: DriftSample) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() >= self.capacity {
+            q.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        q.push_back(s);
+    }
+    pub fn take(&self, n: usize) -> Vec<DriftSample> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let n = n.min(q.len());
+        q.drain(..n).collect()
+    }
 }
 
 impl Plane {
@@ -43,6 +82,7 @@ impl Plane {
         let prefill = WorkerPool::new(Role::Prefill, &purls, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, None, Arc::clone(&counters));
         let decode = WorkerPool::new(Role::Decode, &cfg.decode, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, Some(Arc::clone(router.tracker())), Arc::clone(&counters));
         let prefill_policy = make_policy(&cfg.prefill_policy, cfg.seed).map_err(ConfigError::Invalid)?;
+        let cfg_reservoir = if cfg.counts_policy() { cfg.signature_reservoir } else { 0 };
         Ok(Plane {
             client: upstream::client(secs(cfg.connect_timeout_s)),
             prefill_signs: cfg.prefill.iter().map(|_| AtomicU8::new(0)).collect(),
@@ -56,6 +96,7 @@ impl Plane {
             budget: RetryBudget::default(),
             epoch: Instant::now(),
             last_warn_ms: AtomicU64::new(0),
+            drift: (cfg_reservoir > 0).then(|| DriftFeed::new(cfg_reservoir)),
         })
     }
 

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use eldr_dataplane::{Config, DataPlane, Role};
 use pyo3::exceptions::{PyOSError, PyValueError};
+use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -117,6 +118,26 @@ impl PyDataPlane {
         out.set_item("counters", counters)?;
         out.set_item("histograms", hists)?;
         Ok(out)
+    }
+    /// Up to `n` of the oldest decisions not taken yet, for the drift monitor: (centroid
+    /// generation, reason, distances to all K centroids or None, signature or None as
+    /// (index uint32[nnz], value float32[nnz], norm): value / norm is the unit signature).
+    fn take_drift<'py>(&self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        let Some(feed) = &self.plane.drift else { return Ok(out) };
+        for s in py.detach(|| feed.take(n)) {
+            let sig = match s.signature {
+                Some(sig) => Some((sig.index.into_pyarray(py), sig.value.into_pyarray(py), sig.norm).into_pyobject(py)?.into_any()),
+                None => None,
+            };
+            out.append((s.generation, s.reason, s.distances, sig))?;
+        }
+        Ok(out)
+    }
+    /// Decisions the drift queue dropped because the control plane did not drain it in time.
+    #[getter]
+    fn drift_dropped(&self) -> u64 {
+        self.plane.drift.as_ref().map_or(0, |f| f.dropped.load(std::sync::atomic::Ordering::Relaxed))
     }
     fn __repr__(&self) -> String {
         let cfg = &self.plane.cfg;
