@@ -19,6 +19,8 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+mod dataplane;
+
 // ---------------------------------------------------------------- errors
 //
 // Every eldr-core error type maps onto one Python class, with one match arm per variant: a
@@ -807,8 +809,9 @@ impl PyExpertProfile {
 
 /// Band router + baseline policies + queue tracker + hot-reloadable centroids.
 #[pyclass(name = "Router", module = "eldr_sglang._core", frozen)]
-struct PyRouter {
-    inner: eldr_core::Router,
+pub(crate) struct PyRouter {
+    /// Shared with the Rust data plane (`DataPlane`), which routes on the same instance.
+    pub(crate) inner: Arc<eldr_core::Router>,
 }
 
 impl PyRouter {
@@ -893,7 +896,7 @@ impl PyRouter {
             .detach(|| eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
             .map_err(py_err)?;
         inner.set_load_factor(load_factor).map_err(py_err)?;
-        Ok(PyRouter { inner })
+        Ok(PyRouter { inner: Arc::new(inner) })
     }
     #[getter]
     fn get_load_factor(&self) -> Option<f64> {
@@ -1072,6 +1075,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExpertProfile>()?;
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecodedCounts>()?;
+    m.add_class::<dataplane::PyDataPlane>()?;
     m.add_function(wrap_pyfunction!(decode_payload, m)?)?;
     m.add_function(wrap_pyfunction!(decode_event, m)?)?;
     m.add_function(wrap_pyfunction!(count_topk, m)?)?;
