@@ -425,7 +425,7 @@ fn sparse_batch_rows<'py, T: Element + CountValue>(
             arr
         }
         None => {
-            let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", rows, d).map_err(size_err)?;
+            let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", rows, d).map_err(py_err)?;
             run(&mut sigs, &mut valid)?;
             numpy::ndarray::Array2::from_shape_vec((rows, d), sigs).expect("shape").into_pyarray(py)
         }
