@@ -23,7 +23,7 @@ __all__ = [
     "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
-    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes",
+    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane",
 ]
 __version__: str
 FORMAT_VERSION: int
@@ -305,11 +305,12 @@ class Router:
     def last_reload_error(self) -> str | None: ...
     def centroid_set(self) -> CentroidSet | None: ...
 
+@final
 class DataPlane:
     """The Rust request path (crate rust/dataplane): a tokio/hyper server on its own threads,
     routing on the given Router (shared, not copied). See eldr_sglang.router.dataplane."""
 
-    def __init__(self, config_json: str, router: Router) -> None: ...
+    def __new__(cls, config_json: str, router: Router) -> Self: ...
     def start(self) -> int: ...
     def stop(self) -> None: ...
     @property
@@ -319,3 +320,7 @@ class DataPlane:
     def workers(self, role: Literal["prefill", "decode"]) -> list[dict[str, object]]: ...
     def routable(self, role: Literal["prefill", "decode"]) -> list[bool]: ...
     def counters(self) -> dict[str, dict[str, object]]: ...
+    def take_drift(self, n: int) -> list[tuple[int, str, list[float] | None, tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], float] | None]]:
+        """Up to n queued counts-policy decisions for the drift monitor, oldest first."""
+    @property
+    def drift_dropped(self) -> int: ...  # decisions dropped because the queue was not drained in time
