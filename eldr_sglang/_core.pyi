@@ -23,7 +23,7 @@ __all__ = [
     "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
-    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes",
+    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane",
 ]
 __version__: str
 FORMAT_VERSION: int
@@ -117,6 +117,19 @@ class SignatureSpec:
         ids [T, L, k]; request r is rows offsets[r]:offsets[r]+prefix_len[r] (whole
         request when prefix_len is None). Returns ([R, D] signatures, [R] valid mask);
         rows without a usable signature are zero and valid=False."""
+    def from_sparse_batch(
+        self,
+        indptr: npt.NDArray[np.int64],
+        index: npt.NDArray[np.uint16 | np.uint32 | np.int32 | np.int64],
+        counts: npt.NDArray[np.uint16 | np.uint32 | np.float32 | np.int64 | np.int32 | np.float64],
+        out: npt.NDArray[np.float32] | None = None,
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_]]:
+        """Signatures of a CSR batch of count rows at once (GIL released): row r is the flat
+        indices index[indptr[r]:indptr[r+1]] with their counts, each row exactly as
+        from_sparse makes it. Returns ([n, D] signatures, written into `out` when given, a
+        C-contiguous [n, D] float32 array; [n] valid mask). Rows with no usable signature
+        (no counts, or only masked layers) are zero and valid=False; a bad row (index out of
+        range, negative or NaN count) raises NoSignature naming it; a bad indptr, ValueError."""
 
 def distinct_per_layer(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
     """Top-k ids [N, L, k] of the tokens of one decode step -> distinct experts per layer [L]."""
@@ -291,3 +304,23 @@ class Router:
     @property
     def last_reload_error(self) -> str | None: ...
     def centroid_set(self) -> CentroidSet | None: ...
+
+@final
+class DataPlane:
+    """The Rust request path (crate rust/dataplane): a tokio/hyper server on its own threads,
+    routing on the given Router (shared, not copied). See eldr_sglang.router.dataplane."""
+
+    def __new__(cls, config_json: str, router: Router) -> Self: ...
+    def start(self) -> int: ...
+    def stop(self) -> None: ...
+    @property
+    def running(self) -> bool: ...
+    def set_healthy(self, role: Literal["prefill", "decode"], worker: int, healthy: bool) -> None: ...
+    def set_prefill_signature(self, worker: int, signs: bool | None) -> None: ...
+    def workers(self, role: Literal["prefill", "decode"]) -> list[dict[str, object]]: ...
+    def routable(self, role: Literal["prefill", "decode"]) -> list[bool]: ...
+    def counters(self) -> dict[str, dict[str, object]]: ...
+    def take_drift(self, n: int) -> list[tuple[int, str, list[float] | None, tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], float] | None]]:
+        """Up to n queued counts-policy decisions for the drift monitor, oldest first."""
+    @property
+    def drift_dropped(self) -> int: ...  # decisions dropped because the queue was not drained in time

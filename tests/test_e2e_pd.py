@@ -165,7 +165,7 @@ def test_fallback_to_shortest_queue_without_a_usable_signature(router, cluster, 
                         "emulator": {"trace_request": 5, "signature": mode}}
                 async with s.post(router + "/generate", json=body) as r:
                     await r.read()
-                    return busy_worker, r.status, dict(r.headers)
+                    return busy_worker, r.status, r.headers.copy()  # names case-insensitive
 
     busy_worker, status, headers = asyncio.run(asyncio.wait_for(run(), 60))
     assert status == 200

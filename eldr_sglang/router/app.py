@@ -78,6 +78,10 @@ async def _lifecycle(pd: PDRouter, cfg: RouterConfig):
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever). Client disconnects cancel their handlers."""
+    if cfg.data_plane == "rust":  # the request path in the extension; this process keeps the control plane
+        from eldr_sglang.router.dataplane import serve as serve_rust
+
+        return await serve_rust(cfg, ready, stop)
     app = build_app(cfg)
     # keepalive_timeout doubles as the request-head timeout: aiohttp arms it when a
     # connection opens and closes one that has no complete request head by then (slowloris).

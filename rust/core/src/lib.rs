@@ -34,5 +34,5 @@ pub use distance::Counts;
 pub use limits::SizeError;
 pub use payload::{DecodeLimits, DecodedCounts, Payload, PayloadError};
 pub use router::{BuildError, RouteError, Router};
-pub use signature::{CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
+pub use signature::{BatchError, CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
 pub use store::{CentroidStore, Snapshot};

@@ -153,11 +153,35 @@ impl SparseSignature {
 
     pub fn to_dense(&self, dim: usize) -> Vec<f32> {
         let mut out = vec![0f32; dim];
-        for (&i, &v) in self.index.iter().zip(&self.value) {
-            out[i as usize] = (v as f64 / self.norm) as f32;
-        }
+        self.write_unit(&mut out);
         out
     }
+
+    /// Write the unit signature into a dense row (its nonzeros only; the caller zeroes the
+    /// row). The one place a sparse signature becomes dense f32 values, so every dense
+    /// output (one request or a batch) holds the same bits.
+    pub fn write_unit(&self, row: &mut [f32]) {
+        for (&i, &v) in self.index.iter().zip(&self.value) {
+            row[i as usize] = (v as f64 / self.norm) as f32;
+        }
+    }
+}
+
+/// Why a CSR batch of count rows ([`SignatureSpec::fill_sparse_batch`]) was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// `indptr` is empty, does not start at 0, decreases, or does not end at `index.len()`.
+    #[error("indptr must hold n+1 non-decreasing offsets from 0 to len(index) = {entries}; {what}")]
+    Indptr { entries: usize, what: String },
+    /// `index` and `counts` differ in length.
+    #[error("index has {index} entries and counts {counts}")]
+    Lengths { index: usize, counts: usize },
+    /// The output does not hold `rows * dim` values and `rows` valid flags.
+    #[error("the output holds {values} values and {flags} flags, expected {rows} x {dim} and {rows}")]
+    Output { values: usize, flags: usize, rows: usize, dim: usize },
+    /// A row is bad input (out-of-range index, negative or non-finite count), not just empty.
+    #[error("row {row}: {why}")]
+    Row { row: usize, why: NoSignature },
 }
 
 /// Layer weights and IDF: how raw counts become a signature.
@@ -323,6 +347,55 @@ impl SignatureSpec {
         Err(if c < 0.0 { NoSignature::Negative } else { NoSignature::NonFinite })
     }
 
+    /// Unit signatures of a CSR batch of count rows, into dense rows of `out` (`[n, dim]`,
+    /// row-major; every value is overwritten) with `valid[r]` telling which rows have one.
+    /// Row r is the pairs `index[indptr[r]..indptr[r+1]]`, `counts[..]`, as for
+    /// [`Self::fill_sparse`], which each row goes through (the per-request path), so a batch
+    /// row holds exactly the bits of the single-request signature. A row with no usable
+    /// signature ([`NoSignature::Empty`]: no counts, or only masked layers) is zero with
+    /// `valid` false; any other reason is bad input and fails the batch, naming the row.
+    pub fn fill_sparse_batch<I: SparseIndex, T: CountValue>(
+        &self,
+        indptr: &[i64],
+        index: &[I],
+        counts: &[T],
+        out: &mut [f32],
+        valid: &mut [bool],
+    ) -> Result<(), BatchError> {
+        let entries = index.len();
+        if counts.len() != entries {
+            return Err(BatchError::Lengths { index: entries, counts: counts.len() });
+        }
+        let bad = |what: String| Err(BatchError::Indptr { entries, what });
+        let (Some(&first), Some(&last)) = (indptr.first(), indptr.last()) else {
+            return bad("it is empty".into());
+        };
+        if first != 0 || last != entries as i64 {
+            return bad(format!("it runs from {first} to {last}"));
+        }
+        if let Some(r) = indptr.windows(2).position(|w| w[1] < w[0]) {
+            return bad(format!("it decreases at row {r}"));
+        }
+        let (rows, dim) = (indptr.len() - 1, self.dim());
+        if out.len() != rows * dim || valid.len() != rows {
+            return Err(BatchError::Output { values: out.len(), flags: valid.len(), rows, dim });
+        }
+        let mut sig = SparseSignature::default();
+        for (r, (row, ok)) in out.chunks_exact_mut(dim).zip(valid.iter_mut()).enumerate() {
+            row.fill(0.0);
+            let (a, b) = (indptr[r] as usize, indptr[r + 1] as usize);
+            *ok = match self.fill_sparse(&index[a..b], &counts[a..b], &mut sig) {
+                Ok(()) => {
+                    sig.write_unit(row);
+                    true
+                }
+                Err(NoSignature::Empty) => false,
+                Err(why) => return Err(BatchError::Row { row: r, why }),
+            };
+        }
+        Ok(())
+    }
+
     /// Dense `[L, E]` counts -> signature.
     pub fn from_dense<T: CountValue>(&self, counts: &[T]) -> Result<SparseSignature, NoSignature> {
         let mut sig = SparseSignature::default();
@@ -429,6 +502,42 @@ mod tests {
         assert_eq!(sp.from_sparse(&[6i64], &[1u32]), Err(NoSignature::OutOfRange));
         assert_eq!(sp.from_sparse(&[-1i64], &[1u32]), Err(NoSignature::OutOfRange));
         assert_eq!(sp.from_topk(&[0i32, 1, 7], 1), Err(NoSignature::OutOfRange));
+    }
+
+    #[test]
+    fn batch_rows_are_the_single_request_bits() {
+        let sp = spec();
+        // rows: a normal one, unsorted with repeats, empty, masked layer only, one entry
+        let indptr = [0i64, 3, 7, 7, 9, 10];
+        let index = [2u16, 3, 4, 4, 2, 3, 2, 0, 1, 5];
+        let counts = [2u32, 4, 1, 1, 1, 4, 1, 9, 9, 3];
+        let mut out = vec![f32::NAN; 5 * sp.dim()];
+        let mut valid = vec![true; 5];
+        sp.fill_sparse_batch(&indptr, &index, &counts, &mut out, &mut valid).unwrap();
+        assert_eq!(valid, [true, true, false, false, true]);
+        for r in 0..5 {
+            let (a, b) = (indptr[r] as usize, indptr[r + 1] as usize);
+            let want = sp.from_sparse(&index[a..b], &counts[a..b]).map_or(vec![0f32; sp.dim()], |s| s.to_dense(sp.dim()));
+            let got = &out[r * sp.dim()..(r + 1) * sp.dim()];
+            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "row {r}");
+        }
+    }
+
+    #[test]
+    fn batch_refuses_bad_input_naming_it() {
+        let sp = spec();
+        let (mut out, mut valid) = (vec![0f32; 2 * sp.dim()], vec![false; 2]);
+        let mut run = |indptr: &[i64], index: &[i64], counts: &[f32]| sp.fill_sparse_batch(indptr, index, counts, &mut out, &mut valid);
+        assert_eq!(run(&[0, 1, 2], &[2, 6], &[1.0, 1.0]), Err(BatchError::Row { row: 1, why: NoSignature::OutOfRange }));
+        assert_eq!(run(&[0, 1, 2], &[2, 3], &[-1.0, 1.0]), Err(BatchError::Row { row: 0, why: NoSignature::Negative }));
+        assert_eq!(run(&[0, 1, 2], &[2, 3], &[1.0, f32::NAN]), Err(BatchError::Row { row: 1, why: NoSignature::NonFinite }));
+        assert!(matches!(run(&[0, 2, 1], &[2, 3], &[1.0, 1.0]), Err(BatchError::Indptr { .. })));
+        assert!(matches!(run(&[0, 1, 3], &[2, 3], &[1.0, 1.0]), Err(BatchError::Indptr { .. })));
+        assert!(matches!(run(&[], &[], &[]), Err(BatchError::Indptr { .. })));
+        assert!(matches!(run(&[0, 1, 2], &[2, 3], &[1.0]), Err(BatchError::Lengths { .. })));
+        assert!(matches!(run(&[0, 2], &[2, 3], &[1.0, 1.0]), Err(BatchError::Output { rows: 1, .. })));
+        assert_eq!(run(&[0, 1, 2], &[2, 6], &[1.0, 1.0]).unwrap_err().to_string(), "row 1: out_of_range");
+        assert_eq!(run(&[0, 1, 2], &[2, 3], &[1.0, 1.0]), Ok(()));
     }
 
     #[test]

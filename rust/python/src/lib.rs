@@ -19,6 +19,8 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+mod dataplane;
+
 // ---------------------------------------------------------------- errors
 //
 // Every eldr-core error type maps onto one Python class, with one match arm per variant: a
@@ -285,6 +287,19 @@ impl PySignatureSpec {
         let pre = prefix_len.map(View::new);
         dispatch!(ids, "ids", batch_topk, [u8, i16, i32, i64, u16, u32], py, &self.spec, off.slice(), pre.as_ref().map(|p| p.slice()))
     }
+    /// Signatures of a CSR batch of count rows (GIL released); see the "batched sparse
+    /// signatures" block below.
+    #[pyo3(signature = (indptr, index, counts, out=None))]
+    fn from_sparse_batch<'py>(
+        &self,
+        py: Python<'py>,
+        indptr: PyReadonlyArrayDyn<'py, i64>,
+        index: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+        out: Option<Bound<'py, PyArray2<f32>>>,
+    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>)> {
+        sparse_batch(py, &self.spec, indptr, index, counts, out)
+    }
 }
 
 fn batch_topk<'py, T: Element + ExpertId>(
@@ -340,6 +355,84 @@ fn batch_topk<'py, T: Element + ExpertId>(
     let arr = numpy::ndarray::Array2::from_shape_vec((r, d), sigs).expect("shape");
     Ok((arr.into_pyarray(py), valid.into_pyarray(py)))
 }
+
+// ---------------------------------------------------------------- batched sparse signatures
+// (scale branch, issue 13: `eldr fit` from a trace v2 chunk in one call.) Each row goes through
+// eldr-core's `SignatureSpec::fill_sparse_batch`, i.e. the single-request `fill_sparse`.
+
+type SigBatch<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>);
+
+fn sparse_batch<'py>(
+    py: Python<'py>,
+    spec: &SignatureSpec,
+    indptr: PyReadonlyArrayDyn<'py, i64>,
+    index: &Bound<'py, PyAny>,
+    counts: &Bound<'py, PyAny>,
+    out: Option<Bound<'py, PyArray2<f32>>>,
+) -> PyResult<SigBatch<'py>> {
+    let indptr = View::new(indptr);
+    if indptr.shape().len() != 1 {
+        return Err(PyValueError::new_err(format!("indptr must be 1-D [n+1], got shape {:?}", indptr.shape())));
+    }
+    dispatch!(index, "index", sparse_batch_index, [u16, u32, i32, i64], py, spec, indptr.slice(), counts, out)
+}
+
+fn sparse_batch_index<'py, I: Element + SparseIndex>(
+    index: View<'_, I>,
+    py: Python<'py>,
+    spec: &SignatureSpec,
+    indptr: &[i64],
+    counts: &Bound<'py, PyAny>,
+    out: Option<Bound<'py, PyArray2<f32>>>,
+) -> PyResult<SigBatch<'py>> {
+    dispatch!(counts, "counts", sparse_batch_rows, [u16, u32, f32, i64, i32, f64], &index, py, spec, indptr, out)
+}
+
+fn sparse_batch_rows<'py, T: Element + CountValue>(
+    counts: View<'_, T>,
+    index: &View<'_, impl Element + SparseIndex>,
+    py: Python<'py>,
+    spec: &SignatureSpec,
+    indptr: &[i64],
+    out: Option<Bound<'py, PyArray2<f32>>>,
+) -> PyResult<SigBatch<'py>> {
+    let (rows, d) = (indptr.len().saturating_sub(1), spec.dim());
+    let (index, counts) = (index.slice(), counts.slice());
+    let mut valid = vec![false; rows];
+    let run = |sigs: &mut [f32], valid: &mut [bool]| {
+        py.detach(|| spec.fill_sparse_batch(indptr, index, counts, sigs, valid)).map_err(|e| match e {
+            eldr_core::BatchError::Row { row, why } => {
+                let err = NoSignatureError::new_err(format!("row {row}: no usable signature: {why}"));
+                let _ = err.value(py).setattr("reason", why.as_str());
+                err
+            }
+            other => PyValueError::new_err(other.to_string()),
+        })
+    };
+    let sigs = match out {
+        Some(arr) => {
+            if arr.shape() != [rows, d] {
+                return Err(PyValueError::new_err(format!("out must be [{rows}, {d}] float32, got shape {:?}", arr.shape())));
+            }
+            if !arr.is_c_contiguous() {  // as_slice_mut accepts Fortran order too, which would scramble rows
+                return Err(PyValueError::new_err("out must be C-contiguous"));
+            }
+            {
+                let mut rw = numpy::PyArrayMethods::try_readwrite(&arr).map_err(|e| PyValueError::new_err(format!("out is not writable: {e}")))?;
+                let slice = rw.as_slice_mut().map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+                run(slice, &mut valid)?;
+            }
+            arr
+        }
+        None => {
+            let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", rows, d).map_err(py_err)?;
+            run(&mut sigs, &mut valid)?;
+            numpy::ndarray::Array2::from_shape_vec((rows, d), sigs).expect("shape").into_pyarray(py)
+        }
+    };
+    Ok((sigs, valid.into_pyarray(py)))
+}
+// ---------------------------------------------------------------- end of batched sparse signatures
 
 fn count_t<T: Element + ExpertId>(v: View<'_, T>, py: Python<'_>, num_experts: usize, distinct: bool) -> PyResult<Py<PyAny>> {
     let sh = v.shape().to_vec();
@@ -716,8 +809,9 @@ impl PyExpertProfile {
 
 /// Band router + baseline policies + queue tracker + hot-reloadable centroids.
 #[pyclass(name = "Router", module = "eldr_sglang._core", frozen)]
-struct PyRouter {
-    inner: eldr_core::Router,
+pub(crate) struct PyRouter {
+    /// Shared with the Rust data plane (`DataPlane`), which routes on the same instance.
+    pub(crate) inner: Arc<eldr_core::Router>,
 }
 
 impl PyRouter {
@@ -802,7 +896,7 @@ impl PyRouter {
             .detach(|| eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
             .map_err(py_err)?;
         inner.set_load_factor(load_factor).map_err(py_err)?;
-        Ok(PyRouter { inner })
+        Ok(PyRouter { inner: Arc::new(inner) })
     }
     #[getter]
     fn get_load_factor(&self) -> Option<f64> {
@@ -981,6 +1075,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExpertProfile>()?;
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecodedCounts>()?;
+    m.add_class::<dataplane::PyDataPlane>()?;
     m.add_function(wrap_pyfunction!(decode_payload, m)?)?;
     m.add_function(wrap_pyfunction!(decode_event, m)?)?;
     m.add_function(wrap_pyfunction!(count_topk, m)?)?;
