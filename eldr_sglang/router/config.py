@@ -41,10 +41,12 @@ DECODE_POLICIES = ("eldr", "locality", "random", "round_robin", "shortest_queue"
 # (eldr: its centroids; locality: its layer selection) and count fallbacks.
 COUNTS_POLICIES = ("eldr", "locality")
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
-# Which server runs the request path: the aiohttp one (python) or the tokio/hyper one in the
-# Rust extension (rust; Python keeps the control plane: admin endpoints, health, reload, drift).
+# Which server runs the request path: the tokio/hyper one in the Rust extension (rust, the
+# default: it passes the same HTTP suites at a fifth of the CPU per request,
+# benchmarks/results/dataplane_rust.md; Python keeps the control plane: admin endpoints,
+# health, reload, drift) or the aiohttp one (python).
 DATA_PLANES = ("python", "rust")
-DEFAULT_DATA_PLANE = "python"
+DEFAULT_DATA_PLANE = "rust"
 
 
 class ConfigError(ValueError):
