@@ -106,6 +106,9 @@ def distinct_per_layer(ids: npt.NDArray[np.integer], num_experts: int) -> npt.ND
 def count_topk(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
     """Top-k ids [T, L, k] -> counts [L, E]. Raises ValueError on out-of-range ids."""
 
+def band_sizes(distances: npt.NDArray[np.float64], tau: float) -> npt.NDArray[np.uint32]:
+    """Band size of each row of distances [n, K] at tau, every worker eligible (d_k <= d* + tau)."""
+
 class CentroidSet:
     """A validated centroid file, held as a private read-only copy of its bytes.
 

@@ -11,7 +11,7 @@ use eldr_core::distance::{self, Counts};
 use eldr_core::limits;
 use eldr_core::payload::{self, DecodeLimits, DecodedCounts, Payload};
 use eldr_core::{BuildError, CentroidSet, CentroidWriter, CountValue, ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError, SignatureSpec, SizeError, SparseIndex, SparseSignature};
-use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -291,6 +291,23 @@ fn count_topk(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize) -> PyR
 #[pyfunction]
 fn distinct_per_layer(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize) -> PyResult<Py<PyAny>> {
     dispatch!(ids, "ids", count_t, [u8, i16, i32, i64, u16, u32], py, num_experts, true)
+}
+
+// ---------------------------------------------------------------- band statistics (lead, issue 14)
+
+/// Band size of each row of `distances` `[n, K]` (d = 1 - cos) at `tau`, every worker eligible:
+/// the calibration statistic the drift baseline keeps, by the router's own band bound.
+#[pyfunction]
+fn band_sizes<'py>(py: Python<'py>, distances: PyReadonlyArray2<'py, f64>, tau: f64) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    if !(tau.is_finite() && tau >= 0.0) {
+        return Err(PyValueError::new_err(format!("tau must be finite and >= 0, got {tau}")));
+    }
+    let d = distances.as_array();
+    let out: Vec<u32> = d.rows().into_iter().map(|r| match r.as_slice() {
+        Some(s) => eldr_core::band_size(s, tau) as u32,
+        None => eldr_core::band_size(&r.to_vec(), tau) as u32,
+    }).collect();
+    Ok(out.into_pyarray(py))
 }
 
 // ---------------------------------------------------------------- centroid file
@@ -921,6 +938,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_payload, m)?)?;
     m.add_function(wrap_pyfunction!(decode_event, m)?)?;
     m.add_function(wrap_pyfunction!(count_topk, m)?)?;
+    m.add_function(wrap_pyfunction!(band_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(distinct_per_layer, m)?)?;
     m.add_function(wrap_pyfunction!(write_centroids, m)?)?;
     Ok(())

@@ -11,7 +11,7 @@ mod random;
 mod round_robin;
 mod shortest_queue;
 
-pub use eldr::Eldr;
+pub use eldr::{band_size, Eldr};
 pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
