@@ -4,6 +4,7 @@ the up-front memory refusal."""
 
 from __future__ import annotations
 
+import struct
 import zipfile
 
 import numpy as np
@@ -153,6 +154,18 @@ def test_bad_v2_files_are_clear_errors(v1, tmp_path):
     with open_counts_trace(bad) as t:
         t.chunk_counts(0)
         with pytest.raises(TraceError, match="'c1_count' is missing"):
+            t.chunk_counts(1)
+    flipped = tmp_path / "f.npz"  # one byte of chunk 1's counts changed: the member's CRC says so
+    with zipfile.ZipFile(good) as zin:
+        info = zin.getinfo("c1_count.npy")
+    data = bytearray(good.read_bytes())
+    name_len, extra_len = struct.unpack_from("<2H", data, info.header_offset + 26)  # the local header's
+    at = info.header_offset + 30 + name_len + extra_len + info.file_size - 1  # last byte of the member
+    data[at] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    with open_counts_trace(flipped) as t:
+        t.chunk_counts(0)
+        with pytest.raises(TraceError, match="'c1_count' is corrupt"):
             t.chunk_counts(1)
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(TraceError, match="not a readable trace"):

@@ -10,7 +10,6 @@ Domain labels are never read to fit; the report uses them only to score.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -77,14 +76,6 @@ class FitResult:
 def trace_digest(trace) -> str:
     """sha256 of the trace's routing content (see sources.TokenSource/CountsSource.digest)."""
     return prefill_source(trace).digest()
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_inputs(trace: Trace, workers, tau, requests):
@@ -320,7 +311,7 @@ def fit_trace(
     }
     if source_path is not None:
         provenance["trace_path"] = str(source_path)
-        provenance["trace_file_sha256"] = file_sha256(source_path)
+        provenance["trace_file_sha256"] = src.file_digest(source_path)
     return FitResult(
         centroids=km.centroids,
         layer_weights=weights.astype(np.float32),

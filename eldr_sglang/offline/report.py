@@ -13,17 +13,31 @@ from eldr_sglang.offline.layers import overlap_distance, sample_pairs, spearman
 from eldr_sglang.traces import Trace
 
 
+_BLOCK_ROWS = 4096
+
+
 def cosine_stats(S, assign: np.ndarray, centroids: np.ndarray) -> dict:
     """Exact mean pairwise cosine within and across clusters (from cluster sums), and the
     mean cosine of a point to its own centroid."""
     K = centroids.shape[0]
     N = S.shape[0]
-    onehot = sp.csr_matrix((np.ones(N), (assign, np.arange(N))), shape=(K, N))
-    sums = onehot @ S
-    sums = np.asarray(sums.toarray() if sp.issparse(sums) else sums, dtype=np.float64)
+    sums = np.zeros((K, S.shape[1]), dtype=np.float64)
+    sq = np.empty(N, dtype=np.float64)
+    own = np.empty(N, dtype=np.float64)
+    # in row blocks: a float64 copy of a dense S (or centroids[assign]) would be N x D
+    for a in range(0, N, _BLOCK_ROWS):
+        b = min(N, a + _BLOCK_ROWS)
+        blk, asg = S[a:b], assign[a:b]
+        blk64 = blk.astype(np.float64)  # a block: the sums below are float64 throughout
+        onehot = sp.csr_matrix((np.ones(b - a), (asg, np.arange(b - a))), shape=(K, b - a))
+        part = onehot @ blk64
+        sums += part.toarray() if sp.issparse(part) else part
+        if sp.issparse(blk):
+            sq[a:b] = np.asarray(blk64.multiply(blk64).sum(axis=1)).ravel()
+        else:
+            sq[a:b] = np.einsum("ij,ij->i", blk64, blk64)
+        own[a:b] = np.asarray(blk64 @ centroids.T.astype(np.float64))[np.arange(b - a), asg]
     sizes = np.bincount(assign, minlength=K).astype(np.float64)
-    sq = S.multiply(S).sum(axis=1) if sp.issparse(S) else (np.asarray(S, dtype=np.float64) ** 2).sum(axis=1)
-    sq = np.asarray(sq, dtype=np.float64).ravel()
     self_k = np.bincount(assign, weights=sq, minlength=K)
     intra_sum = float(((sums**2).sum(axis=1) - self_k).sum())
     intra_pairs = float((sizes * (sizes - 1)).sum())
@@ -31,9 +45,6 @@ def cosine_stats(S, assign: np.ndarray, centroids: np.ndarray) -> dict:
     all_sum = float(tot @ tot - sq.sum())
     inter_sum = all_sum - intra_sum
     inter_pairs = float(N * (N - 1)) - intra_pairs
-    own = np.asarray(
-        (S.multiply(centroids[assign]).sum(axis=1)) if sp.issparse(S) else (S * centroids[assign]).sum(axis=1)
-    ).ravel()
     cc = centroids.astype(np.float64) @ centroids.astype(np.float64).T
     off = cc[~np.eye(K, dtype=bool)] if K > 1 else np.array([np.nan])
     return {
@@ -83,9 +94,9 @@ def _distinct_per_step(steps: np.ndarray, num_experts: int) -> np.ndarray:
     """steps [S, B, L, k] ids -> distinct experts per layer per step [S, L]."""
     S_, B, L, k = steps.shape
     key = (np.arange(S_)[:, None, None, None] * L + np.arange(L)[None, None, :, None]) * num_experts + steps
-    flat = np.unique(key.ravel())
-    step_layer = flat // num_experts
-    return np.bincount(step_layer, minlength=S_ * L).reshape(S_, L)
+    used = np.zeros(S_ * L * num_experts, dtype=bool)  # a presence table: no sort
+    used[key.ravel()] = True
+    return used.reshape(S_, L, num_experts).sum(axis=2)
 
 
 def decode_locality(

@@ -79,7 +79,8 @@ def iter_chunks(
         j = e
 
 
-def _dense_to_csr(a: np.ndarray) -> sp.csr_matrix:
+def dense_to_csr(a: np.ndarray) -> sp.csr_matrix:
+    """Dense signature rows -> CSR float32 of their nonzeros (the same values, bit for bit)."""
     mask = a != 0
     counts = mask.sum(axis=1)
     indptr = np.zeros(a.shape[0] + 1, dtype=np.int64)
@@ -112,7 +113,7 @@ def compute_signatures(
     with progress_bar(n_req, desc=desc, unit="req", leave=False, enabled=progress) as bar:
         for idx, ids, offsets, prefix in iter_chunks(trace, requests, "prefill", chunk_tokens):
             sig, valid = spec.batch_from_topk(ids, offsets, prefix)
-            blocks.append(_dense_to_csr(np.asarray(sig, dtype=np.float32)))
+            blocks.append(dense_to_csr(np.asarray(sig, dtype=np.float32)))
             valids.append(np.asarray(valid, dtype=bool))
             bar.update(len(idx))
     if not blocks:
@@ -165,18 +166,17 @@ def decode_profiles(trace: Trace, requests=None, chunk_tokens=DEFAULT_CHUNK_TOKE
     """Per-request decode expert usage: ([R, L, E] float32, each layer's row sums to 1
     over the experts the decode tokens chose; has_decode [R] bool)."""
     L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    core = _core()
     req = np.arange(trace.num_requests) if requests is None else np.asarray(requests, dtype=np.int64)
     out = np.zeros((len(req), L, E), dtype=np.float32)
     has = np.zeros(len(req), dtype=bool)
     pos = 0
     for idx, ids, offsets, _ in iter_chunks(trace, req, "decode", chunk_tokens):
         lens = np.diff(offsets)
-        r_of_tok = np.repeat(np.arange(len(idx)), lens)
-        lay = np.broadcast_to(np.arange(L)[None, :, None], ids.shape)
-        key = (r_of_tok[:, None, None] * L + lay) * E + ids.astype(np.int64)
-        cnt = np.bincount(key.ravel(), minlength=len(idx) * L * E).reshape(len(idx), L, E)
-        denom = np.maximum(lens, 1)[:, None, None] * k
-        out[pos : pos + len(idx)] = cnt / denom
+        for j in range(len(idx)):  # the Rust counter: no [tokens, L, k] int64 key array
+            if lens[j]:
+                cnt = np.asarray(core.count_topk(ids[offsets[j] : offsets[j + 1]], E), dtype=np.int64)
+                out[pos + j] = cnt / (int(lens[j]) * k)
         has[pos : pos + len(idx)] = lens > 0
         pos += len(idx)
     return out, has

@@ -4,13 +4,14 @@ The fit needs, of every calibration request, its prompt counts (for document fre
 and signatures), and of a sample, its decode routing (layer selection, the report). Both
 sources give these through the same few methods, and both send every signature through the
 Rust normalizer (`SignatureSpec`), the router's own path: from top-k ids for v1
-(`batch_from_topk`), from the stored counts for v2 (`from_sparse`).
+(`batch_from_topk`), from the stored counts for v2 (`from_sparse_batch`, one call a chunk).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import numpy as np
 import scipy.sparse as sp
@@ -18,6 +19,7 @@ import scipy.sparse as sp
 from eldr_sglang.offline import report as rpt
 from eldr_sglang.offline.signatures import (
     DEFAULT_CHUNK_TOKENS,
+    dense_to_csr,
     compute_signatures,
     decode_profiles,
     document_frequency,
@@ -26,6 +28,28 @@ from eldr_sglang.offline.signatures import (
 from eldr_sglang.progress import progress as progress_bar
 from eldr_sglang.traces.counts_file import CountsTrace
 from eldr_sglang.traces.format import Trace
+
+
+# np.bincount converts its input to intp first; in slices that temporary stays in cache
+_BINCOUNT_SLICE = 1 << 16
+_HASH_POOL = None
+
+
+def _hash_pool():
+    global _HASH_POOL
+    if _HASH_POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eldr-sha256")
+    return _HASH_POOL
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class TokenSource:
@@ -72,46 +96,28 @@ class TokenSource:
             h.update(np.ascontiguousarray(t.expert_ids[s : s + step]).tobytes())
         return h.hexdigest()
 
-
-def _spec_rows(spec, counts: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
-    """Signatures of each row of a counts CSR through the Rust normalizer: (CSR float32, valid)."""
-    n = counts.shape[0]
-    indptr, index, data = counts.indptr, counts.indices.astype(np.int64), counts.data
-    out_ptr = np.zeros(n + 1, dtype=np.int64)
-    cols, vals = [], []
-    valid = np.zeros(n, dtype=bool)
-    for j in range(n):
-        s, e = int(indptr[j]), int(indptr[j + 1])
-        nnz = 0
-        if e > s:
-            try:
-                sig = spec.from_sparse(index[s:e], data[s:e])
-            except ValueError:  # NoSignature: only zero-weight layers
-                sig = None
-            if sig is not None:
-                nz = np.flatnonzero(sig)
-                cols.append(nz.astype(np.int32))
-                vals.append(sig[nz])
-                nnz = nz.size
-                valid[j] = nnz > 0
-        out_ptr[j + 1] = out_ptr[j] + nnz
-    S = sp.csr_matrix((np.concatenate(vals) if vals else np.zeros(0, np.float32),
-                       np.concatenate(cols) if cols else np.zeros(0, np.int32), out_ptr), shape=(n, spec.dim))
-    return S, valid
+    def file_digest(self, path) -> str:
+        return file_sha256(path)
 
 
-def _spec_dense(spec, counts: sp.csr_matrix, out: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> None:
-    """_spec_rows written straight into rows `rows` of a dense [N, D] array (no CSR on the way:
-    at DeepSeek-V3 density the CSR would be larger than the dense matrix)."""
-    indptr, index, data = counts.indptr, counts.indices.astype(np.int64), counts.data
-    for j, row in enumerate(rows):
-        s, e = int(indptr[j]), int(indptr[j + 1])
-        if e > s:
-            try:
-                out[row] = spec.from_sparse(index[s:e], data[s:e])
-                valid[row] = True
-            except ValueError:  # NoSignature: only zero-weight layers
-                pass
+def _spec_rows(spec, rows: "_Rows") -> tuple[sp.csr_matrix, np.ndarray]:
+    """Signatures of count rows through the Rust normalizer, one batched call
+    (`SignatureSpec.from_sparse_batch`, the single-request path row by row): (CSR float32, valid)."""
+    S, valid = spec.from_sparse_batch(rows.indptr, rows.index, rows.count)
+    return dense_to_csr(S), valid
+
+
+class _Rows:
+    """CSR arrays of some requests' prompt counts (column l*E + e): the stored arrays when the
+    requests are a whole chunk in order, else the selected rows."""
+
+    __slots__ = ("indptr", "index", "count")
+
+    def __init__(self, indptr: np.ndarray, index: np.ndarray, count: np.ndarray):
+        self.indptr, self.index, self.count = indptr.astype(np.int64, copy=False), index, count
+
+    def __len__(self) -> int:
+        return len(self.indptr) - 1
 
 
 class CountsSource:
@@ -121,18 +127,30 @@ class CountsSource:
         self.trace = trace
         self._dtrace = None
         self._dreq = trace.decode_requests()
-        self._digest = None
+        # The digest of a v2 trace is its file's sha256: one sequential read in a background
+        # thread (hashlib and file reads release the GIL), overlapping the fit's own passes.
+        self._digest = _hash_pool().submit(file_sha256, trace.path)
 
     def _by_chunk(self, req: np.ndarray):
-        """(positions in req, counts CSR of those requests) per chunk holding any of req."""
-        firsts = np.array([c["first"] for c in self.trace.chunks], dtype=np.int64)
+        """(positions in req, _Rows of those requests) per chunk holding any of req. A chunk
+        read whole and in order is passed as stored (no CSR built, no dtype converted)."""
+        t = self.trace
+        firsts = np.array([c["first"] for c in t.chunks], dtype=np.int64)
         which = np.searchsorted(firsts, req, side="right") - 1
         order = np.argsort(which, kind="stable")
         bounds = np.searchsorted(which[order], np.arange(len(firsts) + 1))
         for i in range(len(firsts)):
             pos = order[bounds[i] : bounds[i + 1]]
-            if len(pos):
-                yield pos, self.trace.chunk_counts(i)[req[pos] - firsts[i]]
+            if not len(pos):
+                continue
+            local = req[pos] - firsts[i]
+            arrays = t.chunk_arrays(i)
+            if len(local) == t.chunks[i]["requests"] and np.array_equal(local, np.arange(len(local))):
+                yield pos, _Rows(*arrays)
+            else:
+                shape = (len(arrays[0]) - 1, t.num_layers * t.num_experts)
+                m = sp.csr_matrix((arrays[2], arrays[1], arrays[0]), shape=shape)[local]
+                yield pos, _Rows(m.indptr, m.indices, m.data)
 
     def _map(self, req: np.ndarray, fn, dim: int, progress: bool, desc: str):
         """fn(counts CSR) -> (CSR rows, valid) over req, chunk by chunk, rows in req's order."""
@@ -159,19 +177,17 @@ class CountsSource:
         L, E = self.trace.num_layers, self.trace.num_experts
         df = np.zeros(L * E, dtype=np.int64)
         valid = np.zeros(len(req), dtype=bool)
-        whole = np.array_equal(req, np.arange(self.trace.num_requests))  # then the pass reads every chunk in order
-        h = self._digest_start() if whole else None
         with progress_bar(len(req), desc="prefill counts", unit="req", leave=False, enabled=progress) as bar:
-            for pos, counts in self._by_chunk(req):
-                if h is not None:
-                    self._digest_chunk(h, counts)
-                counts.eliminate_zeros()
-                ok = np.diff(counts.indptr) > 0
-                valid[pos] = ok
-                df += np.bincount(counts.indices, minlength=L * E)  # rows without counts add nothing
+            for pos, rows in self._by_chunk(req):
+                index = rows.index
+                if rows.count.size and rows.count.min() == 0:  # stored zeros count for nothing
+                    m = sp.csr_matrix((rows.count, index, rows.indptr), shape=(len(rows), L * E))
+                    m.eliminate_zeros()
+                    rows, index = _Rows(m.indptr, m.indices, m.data), m.indices
+                valid[pos] = np.diff(rows.indptr) > 0
+                for a in range(0, len(index), _BINCOUNT_SLICE):  # rows without counts add nothing
+                    df += np.bincount(index[a : a + _BINCOUNT_SLICE], minlength=L * E)
                 bar.update(len(pos))
-        if h is not None:
-            self._digest = h.hexdigest()
         return valid, df.reshape(L, E)
 
     def _ones_spec(self):
@@ -189,11 +205,16 @@ class CountsSource:
         valid [N])."""
         if not dense:
             return self._map(req, lambda c: _spec_rows(spec, c), spec.dim, progress, "signatures")
-        out = np.zeros((len(req), spec.dim), dtype=np.float32)
+        out = np.empty((len(req), spec.dim), dtype=np.float32)  # every row is written below
         valid = np.zeros(len(req), dtype=bool)
         with progress_bar(len(req), desc="signatures", unit="req", leave=False, enabled=progress) as bar:
-            for pos, counts in self._by_chunk(req):
-                _spec_dense(spec, counts, out, pos, valid)
+            for pos, rows in self._by_chunk(req):
+                a = int(pos[0])
+                if np.array_equal(pos, np.arange(a, a + len(pos))):  # in place, no chunk-sized copy
+                    _, valid[a : a + len(pos)] = spec.from_sparse_batch(rows.indptr, rows.index, rows.count,
+                                                                         out=out[a : a + len(pos)])
+                else:
+                    out[pos], valid[pos] = spec.from_sparse_batch(rows.indptr, rows.index, rows.count)
                 bar.update(len(pos))
         return out, valid
 
@@ -217,28 +238,12 @@ class CountsSource:
         dt, pos = self._decode(req[keep])
         return rpt.decode_locality(dt, pos, assign[keep], rng)
 
-    def _digest_start(self):
-        t = self.trace
-        h = hashlib.sha256()
-        h.update(json.dumps([t.num_layers, t.num_experts, t.top_k, "counts-v2"]).encode())
-        for a in (t.prefill_len.astype(np.int32), t.decode_len_.astype(np.int32)):
-            h.update(np.ascontiguousarray(a).tobytes())
-        return h
-
-    @staticmethod
-    def _digest_chunk(h, c: sp.csr_matrix) -> None:
-        for a in (c.indptr.astype(np.int64), c.indices.astype(np.uint32), c.data.astype(np.uint32)):
-            h.update(np.ascontiguousarray(a).tobytes())
-
     def digest(self) -> str:
-        """sha256 of the trace's counts content (shape meta, lengths, every chunk's CSR); taken
-        during the prefill pass when that read every chunk, else by reading them again."""
-        if getattr(self, "_digest", None) is None:
-            h = self._digest_start()
-            for _, c in self.trace.iter_counts():
-                self._digest_chunk(h, c)
-            self._digest = h.hexdigest()
-        return self._digest
+        """sha256 of the trace file (a v2 file holds nothing but the trace)."""
+        return self._digest.result()
+
+    def file_digest(self, path) -> str:
+        return self.digest() if os.path.samefile(path, self.trace.path) else file_sha256(path)
 
 
 def prefill_source(trace, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):

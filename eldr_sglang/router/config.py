@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 # The default decode policy and bounded-load factor are the ones the protocol study supports
 # (eldr_sglang.defaults: locality/0.05; benchmarks/results/tpot_study_protocol.md). The load
 # cost of locality at DeepSeek-V3 shape is in benchmarks/results/bench_router_locality.md.
+from eldr_sglang import _core
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
 
 
@@ -36,10 +37,11 @@ DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
 DAY_S = 86400.0
 
-DECODE_POLICIES = ("eldr", "locality", "random", "round_robin", "shortest_queue", "power_of_two")
-# Policies that route on the prefill's expert counts: they bind late, need the centroid file
-# (eldr: its centroids; locality: its layer selection) and count fallbacks.
-COUNTS_POLICIES = ("eldr", "locality")
+# The one policy list, from the Rust core (rust/core/src/policies/mod.rs POLICIES). The counts
+# policies route on the prefill's expert counts: they bind late, need the centroid file (eldr:
+# its centroids; locality: its layer selection) and count fallbacks.
+DECODE_POLICIES = _core.POLICIES
+COUNTS_POLICIES = _core.COUNTS_POLICIES
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
 # Which server runs the request path: the tokio/hyper one in the Rust extension (rust, the
 # default: it passes the same HTTP suites at a fifth of the CPU per request,

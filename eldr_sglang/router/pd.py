@@ -99,7 +99,7 @@ class CountsResult:
     """What the prefill's stream gave: its decoded counts (routed from in place), or why none."""
 
     counts: object | None  # eldr_sglang._core.DecodedCounts
-    reason: str  # 'ok' or why there is none
+    reason: str  # 'ok', or why there is none: a _core.FALLBACK_REASONS name
     wait_s: float
     data_bytes: int = 0
     tokens: int = 0  # prompt tokens behind the counts (the locality balancer's denominator)
@@ -404,7 +404,7 @@ class PDRouter:
         if self.cfg.policy == "locality":
             d = self._locality_route(sig)
         elif sig is None or sig.counts is None:
-            d = self.router.route_signature(None, explain=True)
+            d = self._fallback(sig)
         else:  # the signature is read straight from the packed counts, GIL released
             keep = self.drift is not None and self.drift.wants_signature()
             d = self.router.route_counts(sig.counts, explain=True, signature=keep)
@@ -422,8 +422,8 @@ class PDRouter:
             self.metrics.d_star.observe(d.d_star)
             self.metrics.d_chosen.observe(d.distances[d.worker])
         elif self.cfg.policy in COUNTS_POLICIES and reason not in ("retry", "profile"):
-            why = sig.reason if (sig is not None and sig.counts is None) else reason
-            self.metrics.fallbacks.labels(why).inc()
+            # the decision names the fallback: 'no_signature:<why>' or 'no_centroids'
+            self.metrics.fallbacks.labels(reason.partition(":")[2] or reason).inc()
         if self.drift is not None and reason != "retry":  # O(K) monitor update; never raises
             self.drift.on_route(self._drift_view(d, sig), None if sig is None else sig.counts)
         return d
@@ -453,7 +453,7 @@ class PDRouter:
         same profile on its next worker; counts it cannot use fall back to shortest queue
         with the same reasons as a signature."""
         if sig is None or sig.counts is None:
-            return self.router.route_signature(None, explain=True)
+            return self._fallback(sig)
         if sig.profile is None:
             try:
                 dense = sig.counts.to_layout(*self._layout)  # decoded wire counts -> [L, E]
@@ -467,6 +467,13 @@ class PDRouter:
                 return self.router.route_fallback(sig.reason, True)
         return self.router.route_profile(sig.profile, explain=True)
 
+    def _fallback(self, sig: CountsResult | None):
+        """The decision for a request without usable counts. Its reason comes from the one
+        fallback vocabulary (_core.FALLBACK_REASONS): 'no_signature:<why>', or 'no_centroids',
+        which the Rust router names itself when it has no centroid file."""
+        why = "missing" if sig is None or sig.reason == "no_centroids" else sig.reason
+        return self.router.route_fallback(why, True)
+
     def _lease(self, w: int, profile):
         """A queue slot on decode worker w, counting the request's experts there too when
         the locality balancer routed it. A profile from before a centroid reload changed the
@@ -476,7 +483,7 @@ class PDRouter:
             return self.router.acquire(w, 0)
         try:
             return self.router.acquire(w, 0, profile=profile)
-        except ValueError as exc:
+        except _core_errors().ProfileError as exc:
             self._log.warning("stale-profile", "expert profile not counted: %s", safe(str(exc)))
             return self.router.acquire(w, 0)
 
@@ -505,8 +512,9 @@ class PDRouter:
     def _counts_result(self, found, t0: float) -> CountsResult:
         """found: DecodedCounts, the prefill's reason for sending none (str), or PayloadError."""
         wait = time.perf_counter() - t0
-        if isinstance(found, str):
-            return CountsResult(None, f"prefill_none:{safe(found, 60)}", wait)
+        if isinstance(found, str):  # its reason goes to the log: a label takes no free text
+            self._log.warning("prefill_none", "the prefill sent no counts: %s", safe(found, 200))
+            return CountsResult(None, "prefill_none", wait)
         if self._layout is None:
             return CountsResult(None, "no_centroids", wait)
         if isinstance(found, PayloadError):

@@ -59,10 +59,14 @@ def _env() -> dict:
 
 
 class Proc:
-    def __init__(self, args: list[str], log: Path):
+    """`python args...` with its output in `log` (python: this interpreter unless given, e.g. the
+    private virtualenv of a peer router; env: extra environment variables)."""
+
+    def __init__(self, args: list[str], log: Path, python: str | None = None, env: dict | None = None):
         self.log = log
         self.fh = open(log, "w")
-        self.p = subprocess.Popen([sys.executable, *args], stdout=self.fh, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        self.p = subprocess.Popen([python or sys.executable, *args], stdout=self.fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                  env={**_env(), **(env or {})})
 
     def stop(self) -> None:
         if self.p.poll() is None:

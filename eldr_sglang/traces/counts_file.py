@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import zipfile
+import zlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -193,6 +196,9 @@ class CountsTrace:
     subdomain: np.ndarray | None
     arrival_s: np.ndarray | None
     _z: object
+    _fh: object = None  # the file, for reading stored members straight into arrays
+    _verified: set = dataclasses.field(default_factory=set)  # members whose CRC was checked
+    _stat: tuple = ()  # (size, mtime) of the file when they were
 
     @property
     def num_requests(self) -> int:
@@ -230,14 +236,29 @@ class CountsTrace:
 
     def _member(self, name: str) -> np.ndarray:
         try:
-            return self._z[name]
+            info = self._z.zip.getinfo(name + ".npy")
         except KeyError:
             raise TraceError(f"{self.path}: member {name!r} is missing") from None
+        try:
+            if self._fh is not None and info.compress_type == zipfile.ZIP_STORED:
+                # a fit reads every chunk twice (IDF, then signatures): the CRC is checked on the
+                # first read, and again only if the file changed since it was opened
+                st = os.fstat(self._fh.fileno())
+                if (st.st_size, st.st_mtime_ns) != self._stat:
+                    self._verified, self._stat = set(), (st.st_size, st.st_mtime_ns)
+                a = _read_stored(self._fh, info, verify=name not in self._verified)
+                if a is not None:
+                    self._verified.add(name)
+                    return a
+            return self._z[name]
+        except TraceError as exc:
+            raise TraceError(f"{self.path}: member {name!r} {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a truncated or corrupt member
             raise TraceError(f"{self.path}: member {name!r} is unreadable ({exc})") from None
 
-    def chunk_counts(self, i: int) -> sp.csr_matrix:
-        """Chunk i's prefill counts, CSR [n_i, L*E] (column l*E + e), validated."""
+    def chunk_arrays(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Chunk i's prefill counts as the stored CSR arrays (indptr int64 [n_i+1], index and
+        count unsigned [nnz], column l*E + e), validated; no conversion, no copy beyond the read."""
         c = self.chunks[i]
         n, cols = int(c["requests"]), self.num_layers * self.num_experts
         indptr, index, count = (self._member(f"c{i}_{x}") for x in ("indptr", "index", "count"))
@@ -248,7 +269,12 @@ class CountsTrace:
             raise TraceError(f"{self.path}: chunk {i} has a column {int(index.max())} outside num_layers*num_experts = {cols}")
         if not (np.issubdtype(index.dtype, np.unsignedinteger) and np.issubdtype(count.dtype, np.unsignedinteger)):
             raise TraceError(f"{self.path}: chunk {i}'s index and count must be unsigned integers")
-        return sp.csr_matrix((count, index, indptr), shape=(n, cols))
+        return indptr.astype(np.int64, copy=False), index, count
+
+    def chunk_counts(self, i: int) -> sp.csr_matrix:
+        """Chunk i's prefill counts, CSR [n_i, L*E] (column l*E + e), validated."""
+        indptr, index, count = self.chunk_arrays(i)
+        return sp.csr_matrix((count, index, indptr), shape=(len(indptr) - 1, self.num_layers * self.num_experts))
 
     def iter_counts(self) -> Iterator[tuple[int, sp.csr_matrix]]:
         """(first request, counts CSR) of each chunk, in order."""
@@ -314,12 +340,51 @@ class CountsTrace:
 
     def close(self) -> None:
         self._z.close()
+        if self._fh is not None:
+            self._fh.close()
 
     def __enter__(self) -> "CountsTrace":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a ZIP local file header (zipfile.sizeFileHeader bytes)
+
+
+def _read_stored(fh, info: zipfile.ZipInfo, verify: bool = True) -> np.ndarray | None:
+    """A stored (uncompressed) `.npy` member read with one `readinto` into its array, CRC-checked
+    against the ZIP directory: what `np.load`'s member read does, without its copy through
+    small buffers (a DeepSeek-V3 chunk is 130 MB). None for a dtype that needs pickle."""
+    fh.seek(info.header_offset)
+    head = fh.read(_LOCAL_HEADER.size)
+    if len(head) != _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        raise TraceError("has a bad ZIP local header")
+    fields = _LOCAL_HEADER.unpack(head)
+    start = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+    fh.seek(start)
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+    else:
+        return None
+    if dtype.hasobject:
+        return None
+    header_len = fh.tell() - start
+    arr = np.empty(shape, dtype=dtype, order="F" if fortran else "C")
+    if header_len + arr.nbytes != info.file_size:
+        raise TraceError(f"holds {info.file_size} bytes, its header says {header_len + arr.nbytes}")
+    fh.seek(start)
+    crc = zlib.crc32(fh.read(header_len))
+    buf = memoryview(arr.reshape(-1, order="A")).cast("B") if arr.size else memoryview(b"")
+    if arr.size and fh.readinto(buf) != arr.nbytes:
+        raise TraceError("is truncated")
+    if verify and zlib.crc32(buf, crc) != info.CRC:
+        raise TraceError("is corrupt (CRC mismatch)")
+    return arr
 
 
 def open_counts_trace(path: str | os.PathLike) -> CountsTrace:
@@ -374,7 +439,8 @@ def open_counts_trace(path: str | os.PathLike) -> CountsTrace:
             decode_len_=arrays["decode_len"].astype(np.int32, copy=False),
             counts_exact=arrays.get("counts_exact", np.ones(R, dtype=bool)).astype(bool, copy=False),
             domain=arrays.get("domain"), subdomain=arrays.get("subdomain"),
-            arrival_s=None if "arrival_s" not in arrays else arrays["arrival_s"].astype(np.float64, copy=False), _z=z)
+            arrival_s=None if "arrival_s" not in arrays else arrays["arrival_s"].astype(np.float64, copy=False), _z=z,
+            _fh=open(path, "rb"))
     except BaseException:
         z.close()
         raise

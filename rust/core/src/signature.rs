@@ -6,29 +6,69 @@
 //! DeepSeek-V3 prompt touches most of the 58x256 experts, but shorter prompts touch far fewer,
 //! and the router never needs the dense vector (it dots straight into the centroids).
 
-use std::fmt;
+use thiserror::Error;
 
 /// Why a request has no usable signature. The router then falls back to shortest queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The message is the reason's name ([`NoSignature::as_str`]): together with `no_centroids`
+/// these names are the one fallback vocabulary, of decisions (`no_signature:<name>`), of the
+/// `eldr_router_fallbacks_total{reason}` label and of both data planes.
+#[derive(Debug, Error, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NoSignature {
-    /// No signature arrived (prefill did not send one, or it timed out).
+    /// No signature arrived, for no reason known to the router.
+    #[error("missing")]
     Missing,
+    /// The prefill's signature did not arrive within the signature timeout.
+    #[error("timeout")]
+    Timeout,
+    /// The payload (or the stream line carrying it) was refused: see `PayloadError`.
+    #[error("malformed")]
+    Malformed,
+    /// The prefill said it sent no counts (its reason goes to the log, not the label).
+    #[error("prefill_none")]
+    PrefillNone,
+    /// The prefill worker does not send signatures (unpatched, or started without the flag).
+    #[error("prefill_no_signature")]
+    PrefillNoSignature,
     /// Nothing left after masking and weighting (all zero, or only masked layers).
+    #[error("empty")]
     Empty,
     /// A NaN or infinite count.
+    #[error("non_finite")]
     NonFinite,
     /// A negative count.
+    #[error("negative")]
     Negative,
     /// A sparse index or expert id outside `L * E`.
+    #[error("out_of_range")]
     OutOfRange,
     /// The input's shape does not match the spec's `[L, E]`.
+    #[error("shape")]
     Shape,
+}
+
+/// Why layer weights and IDF do not make a [`SignatureSpec`].
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum SpecError {
+    #[error("layer_weights is empty")]
+    NoLayers,
+    #[error("idf has {len} values, not a multiple of L={layers}")]
+    IdfShape { len: usize, layers: usize },
+    #[error("layer weight {layer} is {value}; weights must be finite and >= 0")]
+    BadWeight { layer: usize, value: f32 },
+    #[error("idf[{layer}][{expert}] is {value}; IDF must be finite and >= 0")]
+    BadIdf { layer: usize, expert: usize, value: f32 },
+    #[error("no layer is selected: every layer weight is 0")]
+    NoneSelected,
 }
 
 impl NoSignature {
     pub fn as_str(&self) -> &'static str {
         match self {
             NoSignature::Missing => "missing",
+            NoSignature::Timeout => "timeout",
+            NoSignature::Malformed => "malformed",
+            NoSignature::PrefillNone => "prefill_none",
+            NoSignature::PrefillNoSignature => "prefill_no_signature",
             NoSignature::Empty => "empty",
             NoSignature::NonFinite => "non_finite",
             NoSignature::Negative => "negative",
@@ -39,21 +79,23 @@ impl NoSignature {
 }
 
 impl NoSignature {
-    pub const ALL: [NoSignature; 6] =
-        [NoSignature::Missing, NoSignature::Empty, NoSignature::NonFinite, NoSignature::Negative, NoSignature::OutOfRange, NoSignature::Shape];
+    pub const ALL: [NoSignature; 10] = [
+        NoSignature::Missing,
+        NoSignature::Timeout,
+        NoSignature::Malformed,
+        NoSignature::PrefillNone,
+        NoSignature::PrefillNoSignature,
+        NoSignature::Empty,
+        NoSignature::NonFinite,
+        NoSignature::Negative,
+        NoSignature::OutOfRange,
+        NoSignature::Shape,
+    ];
 
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|w| w.as_str() == s)
     }
 }
-
-impl fmt::Display for NoSignature {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::error::Error for NoSignature {}
 
 /// A count value read from numpy (integer counts or float weights).
 pub trait CountValue: Copy + Send + Sync {
@@ -111,11 +153,35 @@ impl SparseSignature {
 
     pub fn to_dense(&self, dim: usize) -> Vec<f32> {
         let mut out = vec![0f32; dim];
-        for (&i, &v) in self.index.iter().zip(&self.value) {
-            out[i as usize] = (v as f64 / self.norm) as f32;
-        }
+        self.write_unit(&mut out);
         out
     }
+
+    /// Write the unit signature into a dense row (its nonzeros only; the caller zeroes the
+    /// row). The one place a sparse signature becomes dense f32 values, so every dense
+    /// output (one request or a batch) holds the same bits.
+    pub fn write_unit(&self, row: &mut [f32]) {
+        for (&i, &v) in self.index.iter().zip(&self.value) {
+            row[i as usize] = (v as f64 / self.norm) as f32;
+        }
+    }
+}
+
+/// Why a CSR batch of count rows ([`SignatureSpec::fill_sparse_batch`]) was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// `indptr` is empty, does not start at 0, decreases, or does not end at `index.len()`.
+    #[error("indptr must hold n+1 non-decreasing offsets from 0 to len(index) = {entries}; {what}")]
+    Indptr { entries: usize, what: String },
+    /// `index` and `counts` differ in length.
+    #[error("index has {index} entries and counts {counts}")]
+    Lengths { index: usize, counts: usize },
+    /// The output does not hold `rows * dim` values and `rows` valid flags.
+    #[error("the output holds {values} values and {flags} flags, expected {rows} x {dim} and {rows}")]
+    Output { values: usize, flags: usize, rows: usize, dim: usize },
+    /// A row is bad input (out-of-range index, negative or non-finite count), not just empty.
+    #[error("row {row}: {why}")]
+    Row { row: usize, why: NoSignature },
 }
 
 /// Layer weights and IDF: how raw counts become a signature.
@@ -136,24 +202,24 @@ pub struct SignatureSpec {
 
 impl SignatureSpec {
     /// `layer_weights` has `L` entries (0 masks a layer); `idf` is `[L, E]` row-major.
-    pub fn new(layer_weights: &[f32], idf: &[f32]) -> Result<Self, String> {
+    pub fn new(layer_weights: &[f32], idf: &[f32]) -> Result<Self, SpecError> {
         let layers = layer_weights.len();
         if layers == 0 {
-            return Err("layer_weights is empty".into());
+            return Err(SpecError::NoLayers);
         }
         if idf.is_empty() || idf.len() % layers != 0 {
-            return Err(format!("idf has {} values, not a multiple of L={layers}", idf.len()));
+            return Err(SpecError::IdfShape { len: idf.len(), layers });
         }
         let experts = idf.len() / layers;
-        if let Some((l, w)) = layer_weights.iter().enumerate().find(|(_, w)| !w.is_finite() || **w < 0.0) {
-            return Err(format!("layer weight {l} is {w}; weights must be finite and >= 0"));
+        if let Some((layer, &value)) = layer_weights.iter().enumerate().find(|(_, w)| !w.is_finite() || **w < 0.0) {
+            return Err(SpecError::BadWeight { layer, value });
         }
-        if let Some((i, v)) = idf.iter().enumerate().find(|(_, v)| !v.is_finite() || **v < 0.0) {
-            return Err(format!("idf[{}][{}] is {v}; IDF must be finite and >= 0", i / experts, i % experts));
+        if let Some((i, &value)) = idf.iter().enumerate().find(|(_, v)| !v.is_finite() || **v < 0.0) {
+            return Err(SpecError::BadIdf { layer: i / experts, expert: i % experts, value });
         }
         let selected: Vec<usize> = (0..layers).filter(|&l| layer_weights[l] > 0.0).collect();
         if selected.is_empty() {
-            return Err("no layer is selected: every layer weight is 0".into());
+            return Err(SpecError::NoneSelected);
         }
         let mut scale = vec![0f32; layers * experts];
         let mut out_index = vec![u32::MAX; layers * experts];
@@ -281,6 +347,55 @@ impl SignatureSpec {
         Err(if c < 0.0 { NoSignature::Negative } else { NoSignature::NonFinite })
     }
 
+    /// Unit signatures of a CSR batch of count rows, into dense rows of `out` (`[n, dim]`,
+    /// row-major; every value is overwritten) with `valid[r]` telling which rows have one.
+    /// Row r is the pairs `index[indptr[r]..indptr[r+1]]`, `counts[..]`, as for
+    /// [`Self::fill_sparse`], which each row goes through (the per-request path), so a batch
+    /// row holds exactly the bits of the single-request signature. A row with no usable
+    /// signature ([`NoSignature::Empty`]: no counts, or only masked layers) is zero with
+    /// `valid` false; any other reason is bad input and fails the batch, naming the row.
+    pub fn fill_sparse_batch<I: SparseIndex, T: CountValue>(
+        &self,
+        indptr: &[i64],
+        index: &[I],
+        counts: &[T],
+        out: &mut [f32],
+        valid: &mut [bool],
+    ) -> Result<(), BatchError> {
+        let entries = index.len();
+        if counts.len() != entries {
+            return Err(BatchError::Lengths { index: entries, counts: counts.len() });
+        }
+        let bad = |what: String| Err(BatchError::Indptr { entries, what });
+        let (Some(&first), Some(&last)) = (indptr.first(), indptr.last()) else {
+            return bad("it is empty".into());
+        };
+        if first != 0 || last != entries as i64 {
+            return bad(format!("it runs from {first} to {last}"));
+        }
+        if let Some(r) = indptr.windows(2).position(|w| w[1] < w[0]) {
+            return bad(format!("it decreases at row {r}"));
+        }
+        let (rows, dim) = (indptr.len() - 1, self.dim());
+        if out.len() != rows * dim || valid.len() != rows {
+            return Err(BatchError::Output { values: out.len(), flags: valid.len(), rows, dim });
+        }
+        let mut sig = SparseSignature::default();
+        for (r, (row, ok)) in out.chunks_exact_mut(dim).zip(valid.iter_mut()).enumerate() {
+            row.fill(0.0);
+            let (a, b) = (indptr[r] as usize, indptr[r + 1] as usize);
+            *ok = match self.fill_sparse(&index[a..b], &counts[a..b], &mut sig) {
+                Ok(()) => {
+                    sig.write_unit(row);
+                    true
+                }
+                Err(NoSignature::Empty) => false,
+                Err(why) => return Err(BatchError::Row { row: r, why }),
+            };
+        }
+        Ok(())
+    }
+
     /// Dense `[L, E]` counts -> signature.
     pub fn from_dense<T: CountValue>(&self, counts: &[T]) -> Result<SparseSignature, NoSignature> {
         let mut sig = SparseSignature::default();
@@ -387,6 +502,42 @@ mod tests {
         assert_eq!(sp.from_sparse(&[6i64], &[1u32]), Err(NoSignature::OutOfRange));
         assert_eq!(sp.from_sparse(&[-1i64], &[1u32]), Err(NoSignature::OutOfRange));
         assert_eq!(sp.from_topk(&[0i32, 1, 7], 1), Err(NoSignature::OutOfRange));
+    }
+
+    #[test]
+    fn batch_rows_are_the_single_request_bits() {
+        let sp = spec();
+        // rows: a normal one, unsorted with repeats, empty, masked layer only, one entry
+        let indptr = [0i64, 3, 7, 7, 9, 10];
+        let index = [2u16, 3, 4, 4, 2, 3, 2, 0, 1, 5];
+        let counts = [2u32, 4, 1, 1, 1, 4, 1, 9, 9, 3];
+        let mut out = vec![f32::NAN; 5 * sp.dim()];
+        let mut valid = vec![true; 5];
+        sp.fill_sparse_batch(&indptr, &index, &counts, &mut out, &mut valid).unwrap();
+        assert_eq!(valid, [true, true, false, false, true]);
+        for r in 0..5 {
+            let (a, b) = (indptr[r] as usize, indptr[r + 1] as usize);
+            let want = sp.from_sparse(&index[a..b], &counts[a..b]).map_or(vec![0f32; sp.dim()], |s| s.to_dense(sp.dim()));
+            let got = &out[r * sp.dim()..(r + 1) * sp.dim()];
+            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "row {r}");
+        }
+    }
+
+    #[test]
+    fn batch_refuses_bad_input_naming_it() {
+        let sp = spec();
+        let (mut out, mut valid) = (vec![0f32; 2 * sp.dim()], vec![false; 2]);
+        let mut run = |indptr: &[i64], index: &[i64], counts: &[f32]| sp.fill_sparse_batch(indptr, index, counts, &mut out, &mut valid);
+        assert_eq!(run(&[0, 1, 2], &[2, 6], &[1.0, 1.0]), Err(BatchError::Row { row: 1, why: NoSignature::OutOfRange }));
+        assert_eq!(run(&[0, 1, 2], &[2, 3], &[-1.0, 1.0]), Err(BatchError::Row { row: 0, why: NoSignature::Negative }));
+        assert_eq!(run(&[0, 1, 2], &[2, 3], &[1.0, f32::NAN]), Err(BatchError::Row { row: 1, why: NoSignature::NonFinite }));
+        assert!(matches!(run(&[0, 2, 1], &[2, 3], &[1.0, 1.0]), Err(BatchError::Indptr { .. })));
+        assert!(matches!(run(&[0, 1, 3], &[2, 3], &[1.0, 1.0]), Err(BatchError::Indptr { .. })));
+        assert!(matches!(run(&[], &[], &[]), Err(BatchError::Indptr { .. })));
+        assert!(matches!(run(&[0, 1, 2], &[2, 3], &[1.0]), Err(BatchError::Lengths { .. })));
+        assert!(matches!(run(&[0, 2], &[2, 3], &[1.0, 1.0]), Err(BatchError::Output { rows: 1, .. })));
+        assert_eq!(run(&[0, 1, 2], &[2, 6], &[1.0, 1.0]).unwrap_err().to_string(), "row 1: out_of_range");
+        assert_eq!(run(&[0, 1, 2], &[2, 3], &[1.0, 1.0]), Ok(()));
     }
 
     #[test]

@@ -81,7 +81,7 @@ impl Plane {
         let purls: Vec<String> = cfg.prefill.iter().map(|p| p.url.clone()).collect();
         let prefill = WorkerPool::new(Role::Prefill, &purls, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, None, Arc::clone(&counters));
         let decode = WorkerPool::new(Role::Decode, &cfg.decode, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, Some(Arc::clone(router.tracker())), Arc::clone(&counters));
-        let prefill_policy = make_policy(&cfg.prefill_policy, cfg.seed).map_err(ConfigError::Invalid)?;
+        let prefill_policy = make_policy(&cfg.prefill_policy, cfg.seed).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let cfg_reservoir = if cfg.counts_policy() { cfg.signature_reservoir } else { 0 };
         Ok(Plane {
             client: upstream::client(secs(cfg.connect_timeout_s)),
