@@ -18,19 +18,11 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from eldr_sglang import _core  # noqa: E402
-from eldr_sglang.testing.pd_cluster import Proc, free_port, get_json, make_trace_files, metric, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import Proc, free_port, get_json, metric, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("failures")
-
-
-@pytest.fixture(scope="module")
-def trace_files(workdir):
-    return make_trace_files(workdir, requests=120, seed=5, workers=3)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+TRACE = dict(requests=120, seed=5, workers=3)
 
 
 def start_decode(tpath, workdir, port: int) -> Proc:

@@ -20,28 +20,13 @@ pytest.importorskip("prometheus_client")
 from eldr_sglang import _core  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
 from eldr_sglang.testing.reference import band_route  # noqa: E402
-from eldr_sglang.testing.pd_cluster import get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
+# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+TRACE = dict(requests=160, seed=3, workers=4)
+CLUSTER = dict(prefill=2, decode=4)
 SIG_TIMEOUT = 0.5
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("e2e")
-
-
-@pytest.fixture(scope="module")
-def trace_files(workdir):
-    return make_trace_files(workdir, requests=160, seed=3, workers=4)
-
-
-@pytest.fixture(scope="module")
-def cluster(trace_files, workdir):
-    _, tpath, _ = trace_files
-    proc, urls = start_cluster(tpath, workdir, time_scale=TIME_SCALE)
-    yield urls
-    proc.stop()
 
 
 @pytest.fixture(scope="module")

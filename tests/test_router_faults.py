@@ -26,32 +26,17 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from eldr_sglang.testing.pd_cluster import free_port, get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import free_port, get_json, metric, post, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 N_TRACE = 120
+# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+TRACE = dict(requests=N_TRACE, seed=11, workers=3)
+CLUSTER = dict(prefill=2, decode=3)
 # Short timeouts so a test sees many of them; the client's own limit is far above them.
 FAST = ["--first-byte-timeout-secs", "1.5", "--stall-timeout-secs", "1.5", "--request-timeout-secs", "20",
         "--eject-after-failures", "2", "--eject-base-secs", "60", "--upstream-connect-timeout-secs", "2"]
 CLIENT_TIMEOUT = 40.0
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("faults")
-
-
-@pytest.fixture(scope="module")
-def trace_files(workdir):
-    return make_trace_files(workdir, requests=N_TRACE, seed=11, workers=3)
-
-
-@pytest.fixture(scope="module")
-def cluster(trace_files, workdir):
-    _, tpath, _ = trace_files
-    proc, urls = start_cluster(tpath, workdir, prefill=2, decode=3, time_scale=TIME_SCALE)
-    yield urls
-    proc.stop()
 
 
 def set_fault(url: str, mode: str) -> None:

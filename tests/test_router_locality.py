@@ -21,29 +21,14 @@ pytest.importorskip("prometheus_client")
 from eldr_sglang import _core  # noqa: E402
 from eldr_sglang.router.config import ConfigError, parse_config  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
-from eldr_sglang.testing.pd_cluster import get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_router  # noqa: E402
 from test_router_faults import FAST, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
+# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+TRACE = dict(requests=120, seed=11, workers=3)
+CLUSTER = dict(prefill=2, decode=3)
 LOAD_FACTOR = 0.5  # loose enough that the cap leaves a choice among 3 workers with a few in flight
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("locality")
-
-
-@pytest.fixture(scope="module")
-def trace_files(workdir):
-    return make_trace_files(workdir, requests=120, seed=11, workers=3)
-
-
-@pytest.fixture(scope="module")
-def cluster(trace_files, workdir):
-    _, tpath, _ = trace_files
-    proc, urls = start_cluster(tpath, workdir, prefill=2, decode=3, time_scale=TIME_SCALE)
-    yield urls
-    proc.stop()
 
 
 def locality_router(urls, trace_files, workdir, extra=()):

@@ -20,28 +20,13 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from eldr_sglang.testing.pd_cluster import get_json, make_trace_files, metric, post, start_cluster  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, metric, post  # noqa: E402
 from test_router_faults import FAST, eldr_router, metrics, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("reliability")
-
-
-@pytest.fixture(scope="module")
-def trace_files(workdir):
-    return make_trace_files(workdir, requests=60, seed=5, workers=3)
-
-
-@pytest.fixture(scope="module")
-def cluster(trace_files, workdir):
-    _, tpath, _ = trace_files
-    proc, urls = start_cluster(tpath, workdir, prefill=1, decode=3, time_scale=TIME_SCALE)
-    yield urls
-    proc.stop()
+# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+TRACE = dict(requests=60, seed=5, workers=3)
+CLUSTER = dict(prefill=1, decode=3)
 
 
 def test_slow_status_answers_are_waited_for_not_ejected(cluster, trace_files, workdir):

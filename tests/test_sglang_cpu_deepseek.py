@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import numpy as np
 import pytest
@@ -72,9 +73,16 @@ def test_deepseek_v3_signature_counts_equal_return_routed_experts_dense_layer_ma
         assert status == 200, raw[:2000]
         assert len(json.loads(raw)["output_ids"]) == 3
         room = int(headers["X-ELDR-Bootstrap-Room"])
-        events = [e for e in tap.snapshot() if e["room"] == room]
+        # the prefill's last event may trail the decode's answer (the router drains it after
+        # answering): wait for it, bounded
+        deadline = time.monotonic() + 120
+        while True:
+            events = [e for e in tap.snapshot() if e["room"] == room]
+            end = [e for e in events if e["event"] == "stream_end"]
+            if end or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         sig = [e for e in events if e["event"] == "signature"]
-        end = [e for e in events if e["event"] == "stream_end"]
         assert len(sig) == 1 and len(end) == 1, events
         payload = sig[0]["payload"]
         dec = decode_payload(payload[0] if isinstance(payload, list) else payload)

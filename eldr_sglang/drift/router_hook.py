@@ -162,13 +162,22 @@ class DriftHook:
         if not isinstance(force, bool) or not isinstance(reason, str):
             return web.json_response({"error": {"message": "force must be a boolean and reason a string"}}, status=400)
         reason = safe(reason, 200)  # it reaches log lines and the file's provenance: one escaped line
+        self._sync()  # the reservoir holds every signature served so far
         r = await asyncio.to_thread(self.ctl.request, reason, force)
         status = 202 if r["accepted"] else {"running": 409, "cooldown": 409, "too_few": 422}.get(r.get("why"), 409)
         return web.json_response(r, status=status)
 
+    def _sync(self) -> None:
+        """Take in the decisions a data plane has queued but not handed over yet (the Rust
+        data plane's feed is batched), so a report counts every request served so far."""
+        sync = getattr(self.pd, "sync_drift", None)
+        if sync is not None:
+            sync()
+
     async def handle_status(self, _request):
         from aiohttp import web
 
+        self._sync()
         st = await asyncio.to_thread(self.ctl.poll)
         st["signature_errors"] = self.signature_errors
         return web.json_response(json.loads(json.dumps(st, default=_json_safe)))
@@ -177,6 +186,7 @@ class DriftHook:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        self._sync()
         st = self.ctl.status()
         m = st["monitor"]
 

@@ -43,10 +43,12 @@ DAY_S = 86400.0
 DECODE_POLICIES = _core.POLICIES
 COUNTS_POLICIES = _core.COUNTS_POLICIES
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
-# Which server runs the request path: the aiohttp one (python) or the tokio/hyper one in the
-# Rust extension (rust; Python keeps the control plane: admin endpoints, health, reload, drift).
+# Which server runs the request path: the tokio/hyper one in the Rust extension (rust, the
+# default: it passes the same HTTP suites at a fifth of the CPU per request,
+# benchmarks/results/dataplane_rust.md; Python keeps the control plane: admin endpoints,
+# health, reload, drift) or the aiohttp one (python).
 DATA_PLANES = ("python", "rust")
-DEFAULT_DATA_PLANE = "python"
+DEFAULT_DATA_PLANE = "rust"
 
 
 class ConfigError(ValueError):

@@ -95,19 +95,10 @@ class _DriftView:
 
 async def feed_drift(pd: "RustPDRouter") -> None:
     """Drain the data plane's decision queue into the drift monitor, a batch at a time."""
-    dim_of: dict[int, int] = {}
     while True:
         await asyncio.sleep(DRIFT_DRAIN_S)
-        hook, dp = pd.drift, pd.dataplane
-        if hook is None or dp is None:
-            continue
         try:
-            for gen, reason, distances, sig in dp.take_drift(DRIFT_QUEUE):
-                dim = dim_of.get(gen)
-                if dim is None:
-                    cs = pd.router.centroid_set()
-                    dim = dim_of[gen] = cs.dim if cs is not None else 0
-                hook.on_route(_DriftView(gen, reason, distances, sig, dim), None)
+            pd.sync_drift()
         except Exception as exc:  # never let the feed die
             logger.error("drift feed failed: %s", exc)
 
@@ -137,6 +128,7 @@ class RustPDRouter(PDRouter):
         super().__init__(cfg)
         self.dataplane = None
         self._early_health: dict[tuple[str, int], bool] = {}
+        self._drift_dims: dict[int, int] = {}  # centroid generation -> signature dim
         self.metrics = RouterMetrics(self.state, request_path=RustRequestMetrics(self._counters))
         self.prefill_signs = _SignsList(self, self.prefill_signs)
 
@@ -154,6 +146,19 @@ class RustPDRouter(PDRouter):
             dp.set_prefill_signature(i, signs)
         self.dataplane = dp
         return dp
+
+    def sync_drift(self) -> None:
+        """Hand the drift monitor every decision the data plane made so far (the feed calls
+        it periodically, the drift hook before it reports)."""
+        hook, dp = self.drift, self.dataplane
+        if hook is None or dp is None:
+            return
+        for gen, reason, distances, sig in dp.take_drift(DRIFT_QUEUE):
+            dim = self._drift_dims.get(gen)
+            if dim is None:
+                cs = self.router.centroid_set()
+                dim = self._drift_dims[gen] = cs.dim if cs is not None else 0
+            hook.on_route(_DriftView(gen, reason, distances, sig, dim), None)
 
     def set_healthy(self, role: str, i: int, ok: bool) -> None:
         if self.dataplane is None:

@@ -637,7 +637,10 @@ async fn await_signature(plane: &Plane, body: &mut Incoming, t0: Instant) -> Res
         };
         let wait = t0.elapsed().as_secs_f64();
         return Ok(match found {
-            Found::NoCounts(why) => Sig::none(Some(&format!("prefill_none:{}", label_safe(&why, 60))), wait),
+            Found::NoCounts(why) => {
+                plane.warn_malformed(&format!("the prefill sent no counts: {}", label_safe(&why, 200)));
+                Sig::none(Some("prefill_none"), wait) // its reason goes to the log, not the label
+            }
             _ if layout.is_none() => Sig::none(Some("no_centroids"), wait),
             Found::Malformed(e) => {
                 plane.counters.inc(names::MALFORMED, &[]);
@@ -676,7 +679,7 @@ impl Plane {
         let (routed, profile) = if self.router.policy().uses_profile() { self.locality_route(sig) } else {
             let r = match &sig.counts {
                 Some(c) => self.router.route_counts(c, self.drift.is_some() && tried.is_empty(), true),
-                None => self.router.route(|_| Err(NoSignature::Missing), true),
+                None => self.router.route(|_| Err(fallback_why(sig)), true),
             };
             (r, None)
         };
@@ -700,10 +703,8 @@ impl Plane {
                 self.counters.d_chosen.observe(ds[choice.worker]);
             }
         } else if self.cfg.counts_policy() && choice.reason != "retry" && choice.reason != "profile" {
-            let why = match (&sig.counts, &sig.reason) {
-                (None, Some(reason)) => reason.clone(),
-                _ => choice.reason.clone(),
-            };
+            // the decision names the fallback: 'no_signature:<why>' or 'no_centroids'
+            let why = choice.reason.split_once(':').map_or(choice.reason.as_str(), |(_, w)| w).to_owned();
             self.counters.inc(names::FALLBACKS, &[&why]);
         }
         if let (Some(feed), true) = (&self.drift, choice.reason != "retry") {
@@ -737,7 +738,7 @@ impl Plane {
             return (self.router.route_profiled(|_| Err(NoSignature::Missing), Some(p), true), Some(Arc::clone(p)));
         }
         let (Some(c), Some((l, e))) = (&sig.counts, self.layout()) else {
-            return (self.router.route(|_| Err(NoSignature::Missing), true), None);
+            return (self.router.route(|_| Err(fallback_why(sig)), true), None);
         };
         let why = match c.to_layout(l, e) {
             Err(_) => NoSignature::Shape, // the centroid layout changed under a reload
@@ -751,6 +752,15 @@ impl Plane {
             },
         };
         (self.router.route(|_| Err(why), true), None)
+    }
+}
+
+/// Why a request without usable counts falls back, in the one fallback vocabulary
+/// (`NoSignature`; 'no_centroids' the router names itself when it has no centroid file).
+fn fallback_why(sig: &Sig) -> NoSignature {
+    match sig.reason.as_deref() {
+        None | Some("no_centroids") => NoSignature::Missing,
+        Some(r) => NoSignature::parse(r).unwrap_or(NoSignature::Missing),
     }
 }
 
