@@ -43,7 +43,7 @@ CASES = {
 }
 
 
-def run_step(argv: list[str]) -> dict:
+def run_step(argv: list[str], timeout_s: float | None = None) -> dict:
     """Run one command; its wall time, CPU time, peak RSS and exit status, and the machine's
     1-minute load average sampled every 5 s while it ran (the machine is shared)."""
     load = os.getloadavg()[0]
@@ -58,9 +58,15 @@ def run_step(argv: list[str]) -> dict:
     sampler.start()
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
+    if killer is not None:
+        killer.start()
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
+    timed_out = killer is not None and not killer.is_alive() and wall >= timeout_s
+    if killer is not None:
+        killer.cancel()
     stop.set()
     sampler.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -68,7 +74,7 @@ def run_step(argv: list[str]) -> dict:
     return {"argv": argv, "rc": proc.returncode, "wall_s": wall, "peak_rss_gib": usage.ru_maxrss * 1024 / GIB,
             "cpu_s": usage.ru_utime + usage.ru_stime, "load_before": load, "load_after": os.getloadavg()[0],
             "load_during": {"min": min(samples), "mean": sum(samples) / len(samples), "max": max(samples)},
-            "output_tail": out[-2000:]}
+            "timed_out": bool(timed_out), "output_tail": out[-2000:]}
 
 
 def main() -> int:
@@ -80,6 +86,8 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="keep a trace already in --dir and the synth row of the same case from the --json file "
                          "(re-measure the fit only)")
+    ap.add_argument("--step-timeout", type=float, default=None,
+                    help="kill a step after this many seconds (it is then reported as timed out)")
     args = ap.parse_args()
     eldr = [sys.executable, "-m", "eldr_sglang"]
     work = args.dir or tempfile.mkdtemp(prefix="bench_scale.")
@@ -96,9 +104,9 @@ def main() -> int:
         if args.reuse and os.path.exists(trace) and name in previous:
             synth = dict(previous[name]["synth"], reused=True)
         else:
-            synth = run_step([*eldr, "synth", *case["synth"], "--out", trace, "--no-progress"])
+            synth = run_step([*eldr, "synth", *case["synth"], "--out", trace, "--no-progress"], args.step_timeout)
         size = os.path.getsize(trace) / GIB if os.path.exists(trace) else float("nan")
-        fit = run_step([*eldr, "fit", trace, *case["fit"], "--out", cent, "--json", cent + ".json", "-q"])
+        fit = run_step([*eldr, "fit", trace, *case["fit"], "--out", cent, "--json", cent + ".json", "-q"], args.step_timeout)
         rep = {}
         if fit["rc"] == 0:
             with open(cent + ".json") as fh:
@@ -113,7 +121,9 @@ def main() -> int:
             print(f"  {name:14s} {step:5s}: rc {r['rc']}  wall {r['wall_s']:7.1f} s  cpu {r['cpu_s']:7.1f} s  "
                   f"peak RSS {r['peak_rss_gib']:5.2f} GiB  load {r['load_before']:.1f} -> {r['load_after']:.1f} "
                   f"(during: mean {ld['mean']:.1f}, max {ld['max']:.1f})")
-            if r["rc"] != 0:
+            if r.get("timed_out"):
+                print(f"    killed after {args.step_timeout:.0f} s (--step-timeout): did not finish")
+            elif r["rc"] != 0:
                 print("    " + r["output_tail"].strip().replace("\n", "\n    "))
         fr = row["fit_report"]
         print(f"  {name:14s} trace {size:.2f} GiB on disk; fit: {fr['n_fitted']} requests, D={fr['dim']}, sizes "
