@@ -6,7 +6,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup setup-test demo test test-rust test-python test-sglang-cpu bench
+.PHONY: setup setup-test demo test test-rust test-stubs test-python test-sglang-cpu bench
 
 setup:
 	$(PIP) install -q "maturin>=1.7,<2"
@@ -19,10 +19,14 @@ setup-test:
 demo: setup
 	$(PYTHON) -m eldr_sglang demo
 
-test: setup-test test-rust test-python
+test: setup-test test-rust test-stubs test-python
 
 test-rust:
 	cargo test --workspace
+
+# the type stubs of the Rust extension (eldr_sglang/_core.pyi) against the built module
+test-stubs:
+	$(PYTHON) -m mypy.stubtest eldr_sglang._core
 
 test-python:
 	$(PYTHON) -m pytest -q

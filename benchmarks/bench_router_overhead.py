@@ -24,81 +24,22 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
+from eldr_sglang.testing import loadgen  # noqa: E402
 from eldr_sglang.testing.pd_cluster import start_cluster, start_router  # noqa: E402
 
 
-async def _direct(s: aiohttp.ClientSession, prefill: str, bport: int, decode: str, body: dict) -> None:
-    room = random.getrandbits(63)
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": room}
-    presp = await s.post(prefill + "/generate", json={**body, **boot, "stream": True})
-    try:
-        async for line in presp.content:
-            if b"eldr_signature" in line:
-                json.loads(line[5:])  # the router parses it too
-                break
-        drain = asyncio.ensure_future(presp.read())
-        async with s.post(decode + "/generate", json={**body, **boot}) as d:
-            await d.read()
-            assert d.status == 200
-        await drain
-    finally:
-        presp.release()
-
-
-async def _via_router(s: aiohttp.ClientSession, router: str, body: dict) -> None:
-    async with s.post(router + "/generate", json=body) as r:
-        await r.read()
-        assert r.status == 200, r.status
-
-
-async def _phase(fn, n: int, rate: float, rng: random.Random) -> list[float]:
-    """n requests: open-loop Poisson at `rate`, or one after another when rate is 0."""
-    lat: list[float] = []
-    tasks = []
-    t_next = time.perf_counter()
-
-    async def one(i):
-        body = {"text": f"bench {i}", "sampling_params": {"max_new_tokens": 1}, "emulator": {"trace_request": i % 50}}
-        t0 = time.perf_counter()
-        await fn(body)
-        lat.append(time.perf_counter() - t0)
-
-    if rate <= 0:
-        for i in range(n):
-            await one(i)
-        return lat
-    for i in range(n):
-        t_next += rng.expovariate(rate)
-        delay = t_next - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(one(i)))
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
-    return lat
-
-
-def _stats(x: list[float]) -> dict:
-    a = np.asarray(x) * 1e3
-    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-            "mean_ms": float(a.mean())}
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+async def _phase(send, n: int, rate: float, rng: random.Random) -> list[float]:
+    ph = await loadgen.run_phase(send, n, rate, rng)
+    if ph.errors:
+        raise RuntimeError(f"{ph.errors} of {ph.sent} requests failed; the first: {ph.first_error}")
+    return ph.latencies_s
 
 
 async def _run(args, urls, router, router_pid) -> dict:
@@ -109,16 +50,16 @@ async def _run(args, urls, router, router_pid) -> dict:
     res = {"direct": [], "router": []}
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
         warm = max(50, args.requests // 20)
-        await _phase(lambda b: _direct(s, prefill, bport, decode, b), warm, args.rate, rng)
-        await _phase(lambda b: _via_router(s, router, b), warm, args.rate, rng)
+        await _phase(lambda b: loadgen.direct_late(s, prefill, bport, decode, b), warm, args.rate, rng)
+        await _phase(lambda b: loadgen.via_router(s, router, b), warm, args.rate, rng)
         per = args.requests // args.rounds
         cpu = 0.0
         for _ in range(args.rounds):
-            res["direct"] += await _phase(lambda b: _direct(s, prefill, bport, decode, b), per, args.rate, rng)
-            c0 = _cpu_s(router_pid)
-            res["router"] += await _phase(lambda b: _via_router(s, router, b), per, args.rate, rng)
-            cpu += _cpu_s(router_pid) - c0
-    d, r = _stats(res["direct"]), _stats(res["router"])
+            res["direct"] += await _phase(lambda b: loadgen.direct_late(s, prefill, bport, decode, b), per, args.rate, rng)
+            c0 = loadgen.cpu_seconds(router_pid)
+            res["router"] += await _phase(lambda b: loadgen.via_router(s, router, b), per, args.rate, rng)
+            cpu += loadgen.cpu_seconds(router_pid) - c0
+    d, r = loadgen.latency_stats(res["direct"]), loadgen.latency_stats(res["router"])
     added = {k: r[k] - d[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
     return {"rate_rps": args.rate, "requests_per_mode": per * args.rounds, "direct": d, "router": r, "added": added,
             "router_cpu_ms_per_request": 1e3 * cpu / (per * args.rounds),

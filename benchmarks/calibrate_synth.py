@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from eldr_sglang.traces import synth, stats as ts  # noqa: E402
 from eldr_sglang.traces import Trace, load_trace  # noqa: E402
+from eldr_sglang.testing.synth_tolerances import TOLERANCES  # noqa: E402
 
 FIT_SEEDS = (11, 12, 13, 14, 15, 16, 17, 18)
 EVAL_SEEDS = (100, 101, 102, 103, 104, 105, 106, 107)
@@ -250,7 +251,7 @@ def write_markdown(path: Path, real_stats, syn, uni, params, tolerances):
     path.write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(REPO.parent / "shared" / "traces" / "gptoss20b.npz"))
     ap.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
@@ -263,68 +264,84 @@ def main(argv=None) -> int:
     ap.add_argument("--spread-grid", default="0,1.0")
     ap.add_argument("--focus-grid", default="0")
     ap.add_argument("--mix-grid", default="1.0,0.9,0.8,0.7")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def _rounded(v) -> tuple:
+    return tuple(float(x) for x in np.round(v, 4))
+
+
+def search_grid(real, real_stats: dict, base, seeds, args, t0: float, fit_log: list):
+    """The (alpha_domain, request_concentration, spread, focus) cell whose refitted layer
+    profiles match the real request entropy and shuffled gap best (decode_mix held at 1)."""
+    best, best_loss = None, np.inf
+    grid = [(a, rc, sp, fo) for a in _floats(args.alpha_grid) for rc in _floats(args.concentration_grid)
+            for sp in _floats(args.spread_grid) for fo in _floats(args.focus_grid)]
+    for a, rc, sp, fo in grid:
+        p = dataclasses.replace(base, alpha_domain=a, request_concentration=rc, concentration_spread=sp,
+                                domain_focus=fo, decode_mix=1.0)
+        ctxs = [LayerFitContext(real, p, s) for s in seeds]
+        g, s = fit_profiles(real_stats, ctxs)
+        e_hr, e_sh, e_hit, _ = global_loss(real_stats, ctxs, g, s)
+        fit_log.append({"alpha_domain": a, "request_concentration": rc, "concentration_spread": sp,
+                        "domain_focus": fo, "req_entropy_err": e_hr, "shuffled_gap_err": e_sh, "hit_miss_err": e_hit})
+        print(f"alpha_domain={a} request_concentration={rc} spread={sp} focus={fo}: req-entropy err {e_hr:.3f}, "
+              f"shuffled-gap err {e_sh:.3f}, miss err {e_hit:.3f}  [{time.time() - t0:.0f}s]", flush=True)
+        if e_hr + e_sh < best_loss:
+            best_loss = e_hr + e_sh
+            best = dataclasses.replace(p, base_scale=_rounded(g), concept_scale=_rounded(s))
+    return best
+
+
+def fit_decode_mix(real, real_stats: dict, best, seeds, args, fit_log: list):
+    """decode_mix on the own hit rate (miss rate), the profiles refitted at the chosen value."""
+    best_mix, best_e, best_g, best_s = 1.0, np.inf, None, None
+    for mix in _floats(args.mix_grid):
+        p = dataclasses.replace(best, decode_mix=mix)
+        ctxs = [LayerFitContext(real, p, s) for s in seeds]
+        g, s = fit_profiles(real_stats, ctxs)
+        e_hr, e_sh, e_hit, _ = global_loss(real_stats, ctxs, g, s)
+        fit_log.append({"alpha_domain": p.alpha_domain, "request_concentration": p.request_concentration,
+                        "decode_mix": mix, "req_entropy_err": e_hr, "shuffled_gap_err": e_sh, "hit_miss_err": e_hit})
+        print(f"decode_mix={mix}: miss err {e_hit:.3f} (req-entropy {e_hr:.3f}, shuffled {e_sh:.3f})", flush=True)
+        if e_hit < best_e:
+            best_e, best_mix, best_g, best_s = e_hit, mix, g, s
+    return dataclasses.replace(best, decode_mix=best_mix, base_scale=_rounded(best_g), concept_scale=_rounded(best_s))
+
+
+def print_constants(best) -> None:
+    print("constants for synth.py:")
+    for name, value in (("CONCEPTS", best.concepts), ("ALPHA_DOMAIN", best.alpha_domain),
+                        ("REQUEST_CONCENTRATION", best.request_concentration), ("DECODE_MIX", best.decode_mix),
+                        ("CONCENTRATION_SPREAD", best.concentration_spread), ("DOMAIN_FOCUS", best.domain_focus),
+                        ("BASE_SCALE", tuple(best.base_scale)), ("CONCEPT_SCALE", tuple(best.concept_scale))):
+        print(f"CALIBRATED_{name} = {value}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     t0 = time.time()
     real = load_trace(args.trace)
     real_stats = ts.summarize(real)
     print(f"real trace: {real.num_requests} requests, {real.expert_ids.shape[0]} tokens", flush=True)
-
     base = synth.SynthParams()
     if args.concepts:
         base = dataclasses.replace(base, concepts=args.concepts)
+    seeds = FIT_SEEDS[:1] if args.quick else FIT_SEEDS[: args.fit_seeds]
+    fit_log: list | None = None
     if args.eval_only:
         best = base
-        fit_log = None
     else:
-        seeds = FIT_SEEDS[:1] if args.quick else FIT_SEEDS[: args.fit_seeds]
-        grid_a = [float(x) for x in args.alpha_grid.split(",")]
-        grid_r = [float(x) for x in args.concentration_grid.split(",")]
         fit_log = []
-        best, best_loss = None, np.inf
-        grid = [(a, rc, sp, fo) for a in grid_a for rc in grid_r for sp in [float(x) for x in args.spread_grid.split(",")]
-                for fo in [float(x) for x in args.focus_grid.split(",")]]
-        for a, rc, sp, fo in grid:
-            if True:
-                p = dataclasses.replace(base, alpha_domain=a, request_concentration=rc, concentration_spread=sp,
-                                        domain_focus=fo, decode_mix=1.0)
-                ctxs = [LayerFitContext(real, p, s) for s in seeds]
-                g, s = fit_profiles(real_stats, ctxs)
-                e_hr, e_sh, e_hit, _ = global_loss(real_stats, ctxs, g, s)
-                loss = e_hr + e_sh
-                fit_log.append({"alpha_domain": a, "request_concentration": rc, "concentration_spread": sp,
-                                "domain_focus": fo,
-                                "req_entropy_err": e_hr,
-                                "shuffled_gap_err": e_sh, "hit_miss_err": e_hit})
-                print(f"alpha_domain={a} request_concentration={rc} spread={sp} focus={fo}: req-entropy err {e_hr:.3f}, "
-                      f"shuffled-gap err {e_sh:.3f}, miss err {e_hit:.3f}  [{time.time() - t0:.0f}s]", flush=True)
-                if loss < best_loss:
-                    best_loss = loss
-                    best = dataclasses.replace(p, base_scale=tuple(np.round(g, 4)), concept_scale=tuple(np.round(s, 4)))
-        # decode_mix on the own hit rate (miss rate), profiles refitted at the chosen value
-        best_mix, best_e = 1.0, np.inf
-        for mix in [float(x) for x in args.mix_grid.split(",")]:
-            p = dataclasses.replace(best, decode_mix=mix)
-            ctxs = [LayerFitContext(real, p, s) for s in seeds]
-            g, s = fit_profiles(real_stats, ctxs)
-            e_hr, e_sh, e_hit, _ = global_loss(real_stats, ctxs, g, s)
-            fit_log.append({"alpha_domain": p.alpha_domain, "request_concentration": p.request_concentration,
-                            "decode_mix": mix, "req_entropy_err": e_hr, "shuffled_gap_err": e_sh, "hit_miss_err": e_hit})
-            print(f"decode_mix={mix}: miss err {e_hit:.3f} (req-entropy {e_hr:.3f}, shuffled {e_sh:.3f})", flush=True)
-            if e_hit < best_e:
-                best_e, best_mix = e_hit, mix
-                best_g, best_s = g, s
-        best = dataclasses.replace(best, decode_mix=best_mix, base_scale=tuple(float(x) for x in np.round(best_g, 4)),
-                                   concept_scale=tuple(float(x) for x in np.round(best_s, 4)))
+        best = search_grid(real, real_stats, base, seeds, args, t0, fit_log)
+        best = fit_decode_mix(real, real_stats, best, seeds, args, fit_log)
         print("fitted:", best, flush=True)
-
     syn = evaluate(real, best, EVAL_SEEDS)
     uni = evaluate(real, best, EVAL_SEEDS[:2], uniform=True)
-    # the tolerances tests/test_synth.py states (kept in one place: the test module)
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from test_synth import TOLERANCES  # type: ignore
-    except Exception:
-        TOLERANCES = {}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {
@@ -333,7 +350,7 @@ def main(argv=None) -> int:
         "synthetic": syn,
         "uniform_control": uni,
         "eval_seeds": list(EVAL_SEEDS),
-        "fit_seeds": list(FIT_SEEDS) if args.eval_only else list(FIT_SEEDS[:1] if args.quick else FIT_SEEDS[: args.fit_seeds]),
+        "fit_seeds": list(FIT_SEEDS) if args.eval_only else list(seeds),
         "params": dataclasses.asdict(best),
         "fit_log": fit_log if fit_log is not None else
         "evaluation of the committed defaults (--eval-only); the fit runs are in synth_calibration_search.log",
@@ -343,15 +360,7 @@ def main(argv=None) -> int:
     (out_dir / "synth_calibration.json").write_text(json.dumps(result, indent=1) + "\n")
     write_markdown(out_dir / "synth_calibration.md", real_stats, syn, uni, best, TOLERANCES)
     print(f"wrote {out_dir / 'synth_calibration.json'} and .md in {time.time() - t0:.0f}s")
-    print("constants for synth.py:")
-    print(f"CALIBRATED_CONCEPTS = {best.concepts}")
-    print(f"CALIBRATED_ALPHA_DOMAIN = {best.alpha_domain}")
-    print(f"CALIBRATED_REQUEST_CONCENTRATION = {best.request_concentration}")
-    print(f"CALIBRATED_DECODE_MIX = {best.decode_mix}")
-    print(f"CALIBRATED_CONCENTRATION_SPREAD = {best.concentration_spread}")
-    print(f"CALIBRATED_DOMAIN_FOCUS = {best.domain_focus}")
-    print(f"CALIBRATED_BASE_SCALE = {tuple(best.base_scale)}")
-    print(f"CALIBRATED_CONCEPT_SCALE = {tuple(best.concept_scale)}")
+    print_constants(best)
     return 0
 
 

@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.drift.refit import refit_file  # noqa: E402
-from eldr_sglang.drift.sim import AdaptivePolicy, drifting_trace  # noqa: E402
+from eldr_sglang.testing.provenance import code_state  # noqa: E402
+from eldr_sglang.drift.drifting_workload import AdaptivePolicy, drifting_trace  # noqa: E402
 from eldr_sglang.offline.fit import fit_trace  # noqa: E402
 from eldr_sglang.sim.cluster import ClusterConfig, simulate  # noqa: E402
 from eldr_sglang.sim.cost_model import ExecutionModel  # noqa: E402
@@ -291,15 +292,7 @@ def activation_times(res, events) -> list[float]:
 def git_state() -> dict:
     """HEAD and whether the files this study depends on differ from it (other engineers edit
     the generator and the k-means in the same tree; their uncommitted edits change the numbers)."""
-    import subprocess
-
-    def run(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    dirty = run("status", "--porcelain", "--", "eldr_sglang/traces/synth.py", "eldr_sglang/offline", "eldr_sglang/sim", "eldr_sglang/drift")
-    return {"head": run("rev-parse", "--short", "HEAD").strip(), "dirty": [ln[3:] for ln in dirty.splitlines() if ln.strip()]}
+    return code_state(("eldr_sglang/traces/synth.py", "eldr_sglang/offline", "eldr_sglang/sim", "eldr_sglang/drift"))
 
 
 def run_part2(s: dict, loads, lfs, tmp, seed: int, interval: int, cooldown: int, em, cfg) -> list[dict]:
@@ -335,89 +328,106 @@ def _band_metrics(res, warmup: int, phases=None) -> dict:
     return m
 
 
-def main(argv=None) -> int:
+LABELS = ["shortest_queue", "eldr", "eldr+drift-refit", "eldr+periodic-refit", "eldr+drift-refit+bl0.25", "eldr(ideal swap)"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one seed, shorter phases, fewer loads (under ~3 min)")
     ap.add_argument("--json", action="store_true", help="print the JSON results instead of the table")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--load", type=int, default=32, help="clients per decode worker in part 1")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def plan(args) -> dict:
+    """The study's sizes: --quick shrinks the seeds, phases and load sweep."""
     quick = args.quick
-    seeds = [0] if quick else [0, 1, 2]
-    n_phase = 2000 if quick else 4000
-    calib = 1000
-    interval = 1000
-    cooldown = 1000
-    loads = (8, 32) if quick else (8, 32, 64)
-    lfs = (0.05, 0.1, 0.25, 0.5)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "drift_study_quick" if quick else "drift_study"
-    cmd = "python benchmarks/drift_study.py" + (" --quick" if quick else "") + (f" --load {args.load}" if args.load != 32 else "")
-    t_start = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="eldr-drift-")
-    em = None
-    labels = ["shortest_queue", "eldr", "eldr+drift-refit", "eldr+periodic-refit", "eldr+drift-refit+bl0.25", "eldr(ideal swap)"]
-    part1: dict = {lab: [] for lab in labels}
+    return {"seeds": [0] if quick else [0, 1, 2], "n_phase": 2000 if quick else 4000, "calib": 1000,
+            "interval": 1000, "cooldown": 1000, "loads": (8, 32) if quick else (8, 32, 64),
+            "lfs": (0.05, 0.1, 0.25, 0.5), "n_real": 2000 if quick else 3000, "n_roll": 1000 if quick else 1600}
+
+
+def run_synthetic(pl: dict, args, tmp: str) -> dict:
+    """Parts 1 and 2 on the synthetic drifting stream, one run of part 1 per seed."""
+    part1: dict = {lab: [] for lab in LABELS}
     events: dict = {}
-    curves: dict = {}
-    part2: list = []
-    part3 = None
-    part4 = None
-    n_real = 2000 if quick else 3000
-    n_roll = 1000 if quick else 1600
-    fits = []
-    try:
-        for seed in seeds:
-            s = setup(seed, n_phase, calib, tmp)
-            fits.append({k: s["fit_a"][k] for k in ("domain_purity", "baseline") if k in s["fit_a"]})
-            em = ExecutionModel(get_model(s["trace"].model), get_hardware("h100"))
-            cfg = ClusterConfig(num_decode=K)
-            conc = args.load * K
-            stats, evs, crv = run_part1(labels, s, tmp, seed, interval, cooldown, em, cfg, conc)
-            for lab in labels:
-                part1[lab].append(stats[lab])
-                events.setdefault(lab, []).append(evs[lab])
-            if seed == seeds[0]:
-                curves = crv
-            if seed == seeds[0]:  # part 2: adaptive band (bounded loads) vs fixed tau, static centroids
-                part2 = run_part2(s, loads, lfs, tmp, seed, interval, cooldown, em, cfg)
-        real = SHARED / "gptoss20b.npz"
-        if real.exists():
-            s = setup_real(real, n_real, tmp)
-            conc = args.load * K
-            stats, evs, crv = run_part1(labels, s, tmp, 0, interval, cooldown, em, ClusterConfig(num_decode=K), conc)
-            part3 = {"stats": stats, "events": evs, "curves": crv, "fit": {k: s["fit_a"][k] for k in ("baseline",) if k in s["fit_a"]},
-                     "domains_a": s["domains_a"], "domains_b": s["domains_b"], "n_cal": s["n_cal"], "n_a": s["n_a"], "n_b": s["n_b"],
-                     "requests_per_phase": n_real}
-        else:
-            log(f"skipping the real trace: {real} not found")
-        part4 = run_rolling(n_roll, calib, tmp, interval, cooldown, args.load, em)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    results = {
-        "meta": {"command": cmd, "runtime_s": round(time.perf_counter() - t_start, 1), "cpus": os.cpu_count(), "seeds": seeds,
-                 "git": git_state(),
-                 "K": K, "tau": TAU, "requests_per_phase": n_phase, "calibration": calib, "load": args.load,
-                 "refit_interval_requests": interval, "cooldown_requests": cooldown, "activation_delay_requests": ACTIVATION_DELAY,
-                 "model": em.describe() if em else None, "domains_a": DOMAINS_A, "domains_b": DOMAINS_B},
-        "fits": fits,
-        "part1": part1,
-        "events": events,
-        "curves": curves,
-        "part2": part2,
-        "part3_real": part3,
-        "part4_rolling": part4,
-    }
+    out = {"part1": part1, "events": events, "curves": {}, "part2": [], "fits": [], "em": None}
+    for seed in pl["seeds"]:
+        s = setup(seed, pl["n_phase"], pl["calib"], tmp)
+        out["fits"].append({k: s["fit_a"][k] for k in ("domain_purity", "baseline") if k in s["fit_a"]})
+        em = out["em"] = ExecutionModel(get_model(s["trace"].model), get_hardware("h100"))
+        cfg = ClusterConfig(num_decode=K)
+        stats, evs, crv = run_part1(LABELS, s, tmp, seed, pl["interval"], pl["cooldown"], em, cfg, args.load * K)
+        for lab in LABELS:
+            part1[lab].append(stats[lab])
+            events.setdefault(lab, []).append(evs[lab])
+        if seed == pl["seeds"][0]:
+            out["curves"] = crv
+            # part 2: adaptive band (bounded loads) vs fixed tau, static centroids
+            out["part2"] = run_part2(s, pl["loads"], pl["lfs"], tmp, seed, pl["interval"], pl["cooldown"], em, cfg)
+    return out
+
+
+def run_real(pl: dict, args, tmp: str, em) -> dict | None:
+    """Part 3: part 1 on the real gptoss20b trace split into two domain sets (None: no trace)."""
+    real = SHARED / "gptoss20b.npz"
+    if not real.exists():
+        log(f"skipping the real trace: {real} not found")
+        return None
+    s = setup_real(real, pl["n_real"], tmp)
+    stats, evs, crv = run_part1(LABELS, s, tmp, 0, pl["interval"], pl["cooldown"], em, ClusterConfig(num_decode=K),
+                                args.load * K)
+    return {"stats": stats, "events": evs, "curves": crv, "fit": {k: s["fit_a"][k] for k in ("baseline",) if k in s["fit_a"]},
+            "domains_a": s["domains_a"], "domains_b": s["domains_b"], "n_cal": s["n_cal"], "n_a": s["n_a"], "n_b": s["n_b"],
+            "requests_per_phase": pl["n_real"]}
+
+
+def write_outputs(results: dict, out_dir: Path, stem: str) -> str:
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     md = render(results)
     (out_dir / f"{stem}.md").write_text(md)
     try:
-        plot(results["curves"], results["meta"], out_dir / f"{stem}.png", "synthetic, seed %d" % seeds[0])
-        if part3 is not None:
-            plot(part3["curves"], results["meta"], out_dir / f"{stem}_real.png", "real gptoss20b routing")
+        plot(results["curves"], results["meta"], out_dir / f"{stem}.png", "synthetic, seed %d" % results["meta"]["seeds"][0])
+        if results["part3_real"] is not None:
+            plot(results["part3_real"]["curves"], results["meta"], out_dir / f"{stem}_real.png", "real gptoss20b routing")
     except Exception as exc:  # matplotlib missing: tables are still written
         log(f"no plot: {exc}")
+    return md
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pl = plan(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "drift_study_quick" if args.quick else "drift_study"
+    cmd = "python benchmarks/drift_study.py" + (" --quick" if args.quick else "") + (f" --load {args.load}" if args.load != 32 else "")
+    t_start = time.perf_counter()
+    code = git_state()  # before the run: later edits to the tree must not be credited to it
+    tmp = tempfile.mkdtemp(prefix="eldr-drift-")
+    try:
+        syn = run_synthetic(pl, args, tmp)
+        em = syn["em"]
+        part3 = run_real(pl, args, tmp, em)
+        part4 = run_rolling(pl["n_roll"], pl["calib"], tmp, pl["interval"], pl["cooldown"], args.load, em)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    results = {
+        "meta": {"command": cmd, "runtime_s": round(time.perf_counter() - t_start, 1), "cpus": os.cpu_count(),
+                 "seeds": pl["seeds"], "git": code, "K": K, "tau": TAU, "requests_per_phase": pl["n_phase"],
+                 "calibration": pl["calib"], "load": args.load, "refit_interval_requests": pl["interval"],
+                 "cooldown_requests": pl["cooldown"], "activation_delay_requests": ACTIVATION_DELAY,
+                 "model": em.describe() if em else None, "domains_a": DOMAINS_A, "domains_b": DOMAINS_B},
+        "fits": syn["fits"],
+        "part1": syn["part1"],
+        "events": syn["events"],
+        "curves": syn["curves"],
+        "part2": syn["part2"],
+        "part3_real": part3,
+        "part4_rolling": part4,
+    }
+    md = write_outputs(results, out_dir, stem)
     print(json.dumps(results, default=float) if args.json else md)
     log(f"done in {results['meta']['runtime_s']:.0f} s; wrote {out_dir / (stem + '.md')}")
     return 0

@@ -194,6 +194,11 @@ def last_dispatch_after(samples: list, role: str, k: int, t_fault: float) -> flo
     return max(0.0, last - t_fault)
 
 
+def chosen_faults(keys: list[str]) -> list[tuple]:
+    """The FAULTS rows the run injects, in their table order."""
+    return [FAULTS[FAULT_KEYS[k]] for k in FAULT_KEYS if k in keys]
+
+
 def audit(results: list, samples: list, fault_times: dict, logs: dict, router_state: dict, args) -> dict:
     n = len(results)
     ok = [r for r in results if r["status"] == 200 and r["complete"]]
@@ -218,7 +223,7 @@ def audit(results: list, samples: list, fault_times: dict, logs: dict, router_st
     unserved = sum(1 for room in rooms if starts.get(room, 0) != 1)
     lat = np.array([r["seconds"] for r in results])
     faults = []
-    for frac, name, role, k in FAULTS:
+    for frac, name, role, k in chosen_faults(args.fault_keys):
         t = fault_times[name]
         row = {"fault": name, "at_s": round(t, 2)}
         if role in ("decode", "prefill"):
@@ -292,7 +297,7 @@ def render(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--rate", type=float, default=200.0)
@@ -308,83 +313,115 @@ def main(argv=None) -> int:
         ap.error("--requests must be in [1, 1e6] and --rate in (0, 10000]")
     if not (math.isfinite(args.time_scale) and 0 < args.time_scale <= 10):
         ap.error("--time-scale must be in (0, 10]")
-    keys = [] if args.faults == "none" else args.faults.split(",")
-    if any(k not in FAULT_KEYS for k in keys):
+    args.fault_keys = [] if args.faults == "none" else args.faults.split(",")
+    if any(k not in FAULT_KEYS for k in args.fault_keys):
         ap.error(f"--faults: choose from {','.join(FAULT_KEYS)} or none")
-    global FAULTS
-    FAULTS = [FAULTS[FAULT_KEYS[k]] for k in FAULT_KEYS if k in keys]
+    return args
+
+
+class FaultInjector:
+    """Injects the chosen faults at their times into the run (the client calls `on_time`)."""
+
+    def __init__(self, faults, duration: float, urls: dict, base: str, pproc, workdir: Path, good_file: Path,
+                 live: Path, restore: bool):
+        self.pending = sorted([(frac * duration, name, role, k) for frac, name, role, k in faults]
+                              + ([(RESTORE_FILE_AT * duration, "restore", "restore", None)] if restore else []))
+        self.urls, self.base, self.pproc = urls, base, pproc
+        self.workdir, self.good_file, self.live = workdir, good_file, live
+        self.fault_times: dict = {}
+        self.state: dict = {}
+
+    async def on_time(self, t: float) -> None:
+        while self.pending and self.pending[0][0] <= t:
+            _, name, role, k = self.pending.pop(0)
+            self.fault_times[name] = t
+            await self._inject(role, k)
+
+    async def _inject(self, role: str, k) -> None:
+        if role == "decode":
+            await asyncio.to_thread(post, self.urls["decode"][k] + "/emulator/fault",
+                                    {"mode": "hang" if k == 3 else "error500"}, 10)
+        elif role == "loads":
+            await asyncio.to_thread(post, self.urls["decode"][k] + "/emulator/fault", {"mode": "loads:inf"}, 10)
+        elif role == "prefill":
+            os.kill(self.pproc.p.pid, signal.SIGKILL)
+        elif role == "file":  # a FIFO swapped in under the centroid file's name
+            fifo = self.workdir / "fifo.tmp"
+            os.mkfifo(fifo)
+            os.replace(fifo, self.live)
+        else:  # restore a good file, after reading what the router said of the FIFO
+            try:
+                st = await asyncio.to_thread(get_json, self.base + "/eldr/status", 60.0)
+                self.state["fifo_error"] = st["last_reload_error"]
+            except OSError as exc:  # a starved machine: say so, keep going
+                self.state["fifo_error"] = f"(status not read: {exc})"
+            tmp_good = self.workdir / "good.tmp"
+            shutil.copy(self.good_file, tmp_good)
+            os.replace(tmp_good, self.live)
+
+
+def router_state_after(base: str, settle_s: float = 30.0) -> dict:
+    """In-flight counts once the router has settled (or after settle_s), the centroid
+    generation, every (role, cause) retry it counted and its upstream timeouts."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        st = get_json(base + "/eldr/status", 60.0)
+        if (not any(st["decode_inflight"]) and not any(st["prefill_inflight"])) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    state = dict(decode_inflight=st["decode_inflight"], prefill_inflight=st["prefill_inflight"],
+                 generation_restored=st["centroid_generation"], retries={})
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("eldr_router_retries_total{"):
+            role = line.split('role="', 1)[1].split('"', 1)[0]
+            cause = line.split('cause="', 1)[1].split('"', 1)[0]
+            state["retries"][f"{role}:{cause}"] = float(line.rsplit(" ", 1)[1])
+    state["timeouts"] = {phase: metric(text, "eldr_router_upstream_timeouts_total", phase=phase)
+                         for phase in ("first_byte", "stall", "total")}
+    return state
+
+
+def run(args, workdir: Path) -> dict:
+    """Start the cluster and the router, drive the load while injecting the faults, audit."""
+    faults = chosen_faults(args.fault_keys)
     duration = args.requests / args.rate
+    tpath, cpath = build_files(workdir)
+    live = workdir / "live.eldr"
+    shutil.copy(cpath, live)
     procs = []
+    try:
+        cproc, urls = start_cluster(tpath, workdir, prefill=PREFILL_IN_CLUSTER, decode=DECODE, time_scale=args.time_scale)
+        procs.append(cproc)
+        pproc, purl = start_prefill(tpath, workdir, args.time_scale)
+        procs.append(pproc)
+        urls = {"prefill": [*urls["prefill"], purl], "decode": urls["decode"]}
+        rproc, base = start_router(urls, workdir, ["--disagg-router", "eldr", "--eldr-centroids", str(live), *ROUTER_FLAGS])
+        procs.append(rproc)
+        inj = FaultInjector(faults, duration, urls, base, pproc, workdir, cpath, live, "fifo" in args.fault_keys)
+        print(f"fault run: {args.requests} requests at {args.rate:g} req/s (~{duration:.0f} s)...", file=sys.stderr)
+        results, samples, client_lag = asyncio.run(drive(base, args.requests, args.rate, args.seed, inj.on_time))
+        state = {**inj.state, "client_lag_s": client_lag, **router_state_after(base)}
+        logs = {"decode": [get_json(u + "/emulator/log") for u in urls["decode"]]}
+        return audit(results, samples, inj.fault_times, logs, state, args)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def passed(rep: dict) -> bool:
+    return (rep["hung_past_timeout"] == 0 and rep["lost"] == 0 and rep["duplicated"] == 0
+            and not any(rep["inflight_after"]["decode"]) and not any(rep["inflight_after"]["prefill"])
+            and all(f["healthy_share_100pct_within_10s"] in (True, None) for f in rep["faults"]))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="eldr-fault-run-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        tpath, cpath = build_files(workdir)
-        live = workdir / "live.eldr"
-        shutil.copy(cpath, live)
-        try:
-            cproc, urls = start_cluster(tpath, workdir, prefill=PREFILL_IN_CLUSTER, decode=DECODE, time_scale=args.time_scale)
-            procs.append(cproc)
-            pproc, purl = start_prefill(tpath, workdir, args.time_scale)
-            procs.append(pproc)
-            urls = {"prefill": [*urls["prefill"], purl], "decode": urls["decode"]}
-            rproc, base = start_router(urls, workdir, ["--disagg-router", "eldr", "--eldr-centroids", str(live), *ROUTER_FLAGS])
-            procs.append(rproc)
-            fault_times: dict = {}
-            state: dict = {}
-            pending = sorted([(frac * duration, name, role, k) for frac, name, role, k in FAULTS]
-                             + ([(RESTORE_FILE_AT * duration, "restore", "restore", None)] if "fifo" in keys else []))
-
-            async def on_time(t: float):
-                while pending and pending[0][0] <= t:
-                    _, name, role, k = pending.pop(0)
-                    fault_times[name] = t
-                    if role == "decode":
-                        await asyncio.to_thread(post, urls["decode"][k] + "/emulator/fault",
-                                                {"mode": "hang" if k == 3 else "error500"}, 10)
-                    elif role == "loads":
-                        await asyncio.to_thread(post, urls["decode"][k] + "/emulator/fault", {"mode": "loads:inf"}, 10)
-                    elif role == "prefill":
-                        os.kill(pproc.p.pid, signal.SIGKILL)
-                    elif role == "file":
-                        fifo = workdir / "fifo.tmp"
-                        os.mkfifo(fifo)
-                        os.replace(fifo, live)
-                    else:  # restore a good file
-                        try:
-                            st = await asyncio.to_thread(get_json, base + "/eldr/status", 60.0)
-                            state["fifo_error"] = st["last_reload_error"]
-                        except OSError as exc:  # a starved machine: say so, keep going
-                            state["fifo_error"] = f"(status not read: {exc})"
-                        tmp_good = workdir / "good.tmp"
-                        shutil.copy(cpath, tmp_good)
-                        os.replace(tmp_good, live)
-
-            print(f"fault run: {args.requests} requests at {args.rate:g} req/s (~{duration:.0f} s)...", file=sys.stderr)
-            results, samples, client_lag = asyncio.run(drive(base, args.requests, args.rate, args.seed, on_time))
-            state["client_lag_s"] = client_lag
-            deadline = time.monotonic() + 30
-            while True:
-                st = get_json(base + "/eldr/status", 60.0)
-                if (not any(st["decode_inflight"]) and not any(st["prefill_inflight"])) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            state.update(decode_inflight=st["decode_inflight"], prefill_inflight=st["prefill_inflight"],
-                         generation_restored=st["centroid_generation"])
-            with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-            state["retries"] = {}
-            for line in text.splitlines():  # every (role, cause) the router counted
-                if line.startswith("eldr_router_retries_total{"):
-                    role = line.split('role="', 1)[1].split('"', 1)[0]
-                    cause = line.split('cause="', 1)[1].split('"', 1)[0]
-                    state["retries"][f"{role}:{cause}"] = float(line.rsplit(" ", 1)[1])
-            state["timeouts"] = {phase: metric(text, "eldr_router_upstream_timeouts_total", phase=phase)
-                                 for phase in ("first_byte", "stall", "total")}
-            logs = {"decode": [get_json(u + "/emulator/log") for u in urls["decode"]]}
-            rep = audit(results, samples, fault_times, logs, state, args)
-        finally:
-            for p in reversed(procs):
-                p.stop()
+        rep = run(args, workdir)
     table = render(rep)
     print(table)
     if args.json:
@@ -392,11 +429,9 @@ def main(argv=None) -> int:
     if args.md:
         Path(args.md).write_text(table + f"\nCommand: `python benchmarks/fault_run.py --requests {args.requests} "
                                  f"--rate {args.rate:g}`\n")
-    passed = (rep["hung_past_timeout"] == 0 and rep["lost"] == 0 and rep["duplicated"] == 0
-              and not any(rep["inflight_after"]["decode"]) and not any(rep["inflight_after"]["prefill"])
-              and all(f["healthy_share_100pct_within_10s"] in (True, None) for f in rep["faults"]))
-    print("PASS" if passed else "FAIL: see the table", file=sys.stderr)
-    return 0 if passed else 1
+    ok = passed(rep)
+    print("PASS" if ok else "FAIL: see the table", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

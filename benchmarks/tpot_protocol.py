@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.defaults import default_policy_label  # noqa: E402
+from eldr_sglang.testing.provenance import code_state, describe  # noqa: E402
 from eldr_sglang.sim.cost_model import SENSITIVITY_VARIANTS, paper_fixed_cost, sensitivity_model  # noqa: E402
 from eldr_sglang.sim.profiles import get_hardware, get_model  # noqa: E402
 from eldr_sglang.sim.protocol import (  # noqa: E402
@@ -131,10 +132,8 @@ def strict_main(argv=None) -> int:
 
 
 def run_workload(w: dict, args, parts: Path) -> None:
-    from tpot_study import provenance
-
     t0 = time.perf_counter()
-    code = provenance()  # before the run: later edits to the tree must not be credited to it
+    code = describe(code_state())  # before the run: later edits to the tree must not be credited to it
     trace = w["make"]()
     model, hw = get_model(trace.model), get_hardware(w["hardware"])
     models = {}

@@ -28,10 +28,8 @@ constants are the defaults of eldr_sglang.sim.cost_model and tau defaults to 0.1
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -43,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.offline.fit import fit_trace  # noqa: E402
+from eldr_sglang.testing.provenance import code_state, describe  # noqa: E402
 from eldr_sglang.sim.cluster import ClusterConfig  # noqa: E402
 from eldr_sglang.sim.cost_model import ExecutionModel  # noqa: E402
 from eldr_sglang.sim.policies import eldr_signatures  # noqa: E402
@@ -60,16 +59,7 @@ POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr,oracle"
 
 def provenance() -> str:
     """Commit of the code that produced the numbers, and whether the inputs were modified."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "eldr_sglang", "rust"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.split("\n")
-        dirty = [ln[3:] for ln in dirty if ln.strip() and not ln.startswith("??")]
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return f"commit {head}" + (f", with uncommitted changes to {', '.join(dirty)}" if dirty else ", clean")
+    return describe(code_state())
 
 
 def log(*a):

@@ -11,14 +11,25 @@ ValueError names the argument. Routing, acquire and release release the GIL.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
+# The classes are frozen PyO3 classes, which cannot be subclassed (final).
+
+__all__ = [
+    "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
+    "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
+    "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
+    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane",
+]
 __version__: str
 FORMAT_VERSION: int
-POLICIES: tuple[str, ...]
+POLICIES: tuple[str, ...]  # every decode policy the Router builds
+COUNTS_POLICIES: tuple[str, ...]  # those routing on the prefill's counts: late binding, a centroid file, fallbacks
+FALLBACK_REASONS: tuple[str, ...]  # why a counts policy routed without a signature (NoSignature reasons + 'no_centroids')
 PAYLOAD_KEY: str  # "eldr_signature": the stream-event field that carries the counts payload
 PAYLOAD_MAX_ENTRIES: int  # largest L*E a payload may claim
 PAYLOAD_MAX_LAYERS: int
@@ -27,6 +38,7 @@ PAYLOAD_MAX_COUNT: int
 class PayloadError(ValueError):
     """A counts payload (the `eldr_signature` field) is malformed; the message says what is wrong."""
 
+@final
 class DecodedCounts:
     """Validated counts from a prefill's payload, still packed (routing reads them in place)."""
 
@@ -64,19 +76,25 @@ class NoHealthyWorker(RuntimeError):
     """Every decode worker is marked unhealthy."""
 
 class NoSignature(ValueError):
-    """No usable signature: `reason` is one of 'missing', 'empty', 'non_finite',
-    'negative', 'out_of_range', 'shape'."""
+    """No usable signature: `reason` is one of FALLBACK_REASONS other than 'no_centroids'
+    (raised with 'empty', 'non_finite', 'negative', 'out_of_range' or 'shape')."""
 
     reason: str
 
+class ProfileError(ValueError):
+    """An expert profile cannot be built from these cells, or counted on this worker (e.g. it
+    predates a change of layer selection)."""
+
+@final
 class SignatureSpec:
     """Layer weights and IDF: everything needed to turn counts into a signature."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         layer_weights: npt.NDArray[np.float32],  # [L]; 0 masks a layer (dense or unselected)
         idf: npt.NDArray[np.float32],  # [L, E]
-    ) -> None: ...
+    ) -> Self:
+        """Raises ValueError on bad shapes or values (negative, NaN, every layer weight 0)."""
     @property
     def num_layers(self) -> int: ...
     @property
@@ -119,6 +137,10 @@ def distinct_per_layer(ids: npt.NDArray[np.integer], num_experts: int) -> npt.ND
 def count_topk(ids: npt.NDArray[np.integer], num_experts: int) -> npt.NDArray[np.uint32]:
     """Top-k ids [T, L, k] -> counts [L, E]. Raises ValueError on out-of-range ids."""
 
+def band_sizes(distances: npt.NDArray[np.float64], tau: float) -> npt.NDArray[np.uint32]:
+    """Band size of each row of distances [n, K] at tau, every worker eligible (d_k <= d* + tau)."""
+
+@final
 class CentroidSet:
     """A validated centroid file, held as a private read-only copy of its bytes.
 
@@ -165,9 +187,10 @@ def write_centroids(
 ) -> None:
     """Validate and write a centroid file atomically (temp file + rename)."""
 
+@final
 class Decision:
     worker: int
-    reason: str  # 'band', 'no_signature:<why>', 'no_centroids', 'policy'
+    reason: str  # 'band', 'no_signature:<why>' (why: a FALLBACK_REASONS name), 'no_centroids', 'policy', 'profile'
     distances: list[float] | None
     band: list[int] | None
     d_star: float | None
@@ -177,13 +200,13 @@ class Decision:
     def unit_signature(self) -> npt.NDArray[np.float32] | None:
         """The unit signature [D] the route computed, when kept (route_counts(signature=True))."""
 
+@final
 class ExpertProfile:
     """A request's expected expert use per decode token from its prompt counts:
     p[l][e] = counts / (tokens + 1); the locality balancer's input."""
 
-    def __init__(self, num_layers: int, num_experts: int, index: npt.NDArray[np.int64], counts: npt.NDArray[np.float64], tokens: int) -> None: ...
-    @property
-    def experts_per_layer(self) -> float: ...
+    def __new__(cls, num_layers: int, num_experts: int, index: npt.NDArray[np.int64], counts: npt.NDArray[np.float64], tokens: int) -> Self:
+        """Raises ProfileError on cells out of range, bad counts or no tokens."""
     @property
     def layer_ids(self) -> list[int]:
         """MoE layers (rows of the prefill counts) the profile spans."""
@@ -194,6 +217,7 @@ class ExpertProfile:
     def generation(self) -> int:
         """Centroid generation its layer selection came from (0: built by hand)."""
 
+@final
 class Lease:
     """One in-flight request on one worker; released exactly once."""
 
@@ -208,11 +232,12 @@ class Lease:
     def __enter__(self) -> Lease: ...
     def __exit__(self, *exc: object) -> Literal[False]: ...
 
+@final
 class Router:
     """Band router + baseline policies + queue tracker + hot-reloadable centroids."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         policy: str = "eldr",
         num_workers: int | None = None,
         centroids: str | None = None,
@@ -221,7 +246,7 @@ class Router:
         reload_interval_ms: int = 250,
         load_report_ttl_ms: int = 2000,
         load_factor: float | None = None,
-    ) -> None:
+    ) -> Self:
         """num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
         is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule."""
     @property
@@ -238,29 +263,31 @@ class Router:
     def load_factor(self, value: float | None) -> None: ...
     def route_dense(self, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_sparse(self, index: npt.NDArray, counts: npt.NDArray, explain: bool = False) -> int | Decision: ...
-    def route_topk(self, ids: npt.NDArray, explain: bool = False) -> int | Decision: ...
     def route_counts(self, counts: DecodedCounts, explain: bool = False, signature: bool = False) -> int | Decision:
         """Route from decoded payload counts (signature read from the packed data, GIL released);
         with explain and signature, the Decision keeps the unit signature."""
     def route_signature(self, signature: npt.NDArray[np.float32] | None, explain: bool = False) -> int | Decision: ...
     def route_fallback(self, reason: str, explain: bool = False) -> int | Decision:
-        """Route a request known to have no usable signature (reason as in NoSignature)."""
+        """Route a request known to have no usable signature; reason: a FALLBACK_REASONS name other
+        than 'no_centroids' (the decision's reason is then 'no_signature:<reason>', or 'no_centroids'
+        without a centroid file). ValueError for any other name."""
     def profile_dense(self, counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
         """Profile from raw dense [L, E] prefill counts over the centroid file's selected layers;
         NoSignature on bad counts, ValueError without a centroid file."""
-    def profile_sparse(self, index: npt.NDArray[Any], counts: npt.NDArray[Any], tokens: int) -> ExpertProfile:
-        """profile_dense from sparse (l*E+e, count) pairs."""
     def expert_distinct(self) -> list[float] | None:
         """Locality balancer: expected distinct experts per layer per step in flight per worker; None otherwise."""
     def route_profile(self, profile: ExpertProfile, explain: bool = False) -> int | Decision:
         """Route by the request's expert profile (policy "locality"; others route as with no signature)."""
     def acquire(self, worker: int, tokens: int = 0, profile: ExpertProfile | None = None) -> Lease:
-        """Count a request on `worker`; with `profile` the locality balancer also counts its experts."""
+        """Count a request on `worker`; with `profile` the locality balancer also counts its experts
+        (ProfileError when the profile predates a change of layer selection)."""
     def inflight(self) -> list[int]:
         """This router's own in-flight requests per worker (without external reports)."""
     def loads(self) -> list[int]: ...
     def tokens(self) -> list[int]: ...
-    def report_load(self, worker: int, running: int, tokens: int = 0) -> None: ...
+    def report_load(self, worker: int, running: int) -> None:
+        """A decode worker's own count of the requests it holds (its /v1/loads); the load the
+        policies see is the larger of it and this router's in-flight count, for load_report_ttl_ms."""
     def set_healthy(self, worker: int, healthy: bool) -> None: ...
     def healthy(self) -> list[bool]: ...
     def reload(self) -> bool:
@@ -277,3 +304,23 @@ class Router:
     @property
     def last_reload_error(self) -> str | None: ...
     def centroid_set(self) -> CentroidSet | None: ...
+
+@final
+class DataPlane:
+    """The Rust request path (crate rust/dataplane): a tokio/hyper server on its own threads,
+    routing on the given Router (shared, not copied). See eldr_sglang.router.dataplane."""
+
+    def __new__(cls, config_json: str, router: Router) -> Self: ...
+    def start(self) -> int: ...
+    def stop(self) -> None: ...
+    @property
+    def running(self) -> bool: ...
+    def set_healthy(self, role: Literal["prefill", "decode"], worker: int, healthy: bool) -> None: ...
+    def set_prefill_signature(self, worker: int, signs: bool | None) -> None: ...
+    def workers(self, role: Literal["prefill", "decode"]) -> list[dict[str, object]]: ...
+    def routable(self, role: Literal["prefill", "decode"]) -> list[bool]: ...
+    def counters(self) -> dict[str, dict[str, object]]: ...
+    def take_drift(self, n: int) -> list[tuple[int, str, list[float] | None, tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], float] | None]]:
+        """Up to n queued counts-policy decisions for the drift monitor, oldest first."""
+    @property
+    def drift_dropped(self) -> int: ...  # decisions dropped because the queue was not drained in time

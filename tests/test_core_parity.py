@@ -140,3 +140,18 @@ def test_band_decisions_match_reference(tmp_path, tau):
     for lease in leases:
         lease.release()
     assert router.loads() == [0] * K
+
+
+def test_band_sizes_match_the_reference_band():
+    from eldr_sglang import _core
+
+    rng = np.random.default_rng(5)
+    d = rng.uniform(0.0, 1.0, size=(300, 8))
+    d[:40, 1] = d[:40, 0] + 0.1  # exactly on the bound for some rows: inclusive
+    for tau in (0.0, 0.05, 0.2):
+        got = _core.band_sizes(d, tau)
+        want = [int((row <= row.min() + tau).sum()) for row in d]  # the band of testing.reference.band_route, all healthy
+        assert got.tolist() == want
+    assert _core.band_sizes(np.asfortranarray(d), 0.1).tolist() == _core.band_sizes(d, 0.1).tolist()
+    with pytest.raises(ValueError, match="tau"):
+        _core.band_sizes(d, -1.0)

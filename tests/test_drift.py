@@ -242,7 +242,7 @@ def test_remap_identity_and_permutation():
 def drift_setup(tmp_path_factory):
     """A small synthetic GPT-OSS-shaped trace: 1000 calibration requests and 1024 requests of
     phase A from domains 0-3, then 1024 of phase B from domains 4-7; fitted on calibration."""
-    from eldr_sglang.drift.sim import drifting_trace
+    from eldr_sglang.drift.drifting_workload import drifting_trace
     from eldr_sglang.offline.fit import fit_trace
 
     tr, cal, ph = drifting_trace([([0, 1, 2, 3], 1024), ([4, 5, 6, 7], 1024)], calibration=1000, seed=0,
@@ -503,7 +503,7 @@ def test_adaptive_policy_in_the_simulator(drift_setup, tmp_path):
     """AdaptivePolicy drives a real simulation across the A->B shift: every request completes
     exactly once, one drift refit happens in phase B, and it takes effect activation_delay
     routed requests later (the decisions' generation steps from 1 to 2 there)."""
-    from eldr_sglang.drift.sim import AdaptivePolicy
+    from eldr_sglang.drift.drifting_workload import AdaptivePolicy
     from eldr_sglang.sim.cluster import ClusterConfig, simulate
     from eldr_sglang.sim.cost_model import ExecutionModel
     from eldr_sglang.sim.profiles import get_hardware, get_model
@@ -573,3 +573,16 @@ def test_router_without_a_baseline_routes_on_without_drift_handling(tmp_path):
                 assert r.status == 404 and "drift baseline" in (await r.json())["error"]["message"]
 
     asyncio.run(main())
+
+
+def test_old_module_name_drift_sim_still_imports_with_a_warning():
+    import importlib
+    import sys
+
+    from eldr_sglang.drift import drifting_workload
+
+    sys.modules.pop("eldr_sglang.drift.sim", None)
+    with pytest.warns(DeprecationWarning, match="drifting_workload"):
+        old = importlib.import_module("eldr_sglang.drift.sim")
+    assert old.drifting_trace is drifting_workload.drifting_trace
+    assert old.AdaptivePolicy is drifting_workload.AdaptivePolicy

@@ -60,7 +60,7 @@ def test_running_from_v1_loads():
          "disaggregation": {"mode": "decode", "decode_prealloc_queue_reqs": 2, "decode_transfer_queue_reqs": 1}},
         {"dp_rank": 1, "num_running_reqs": 4, "num_waiting_reqs": 0, "num_used_tokens": 50},
     ]}
-    assert running_from_loads(body) == (11, 150)
+    assert running_from_loads(body) == 11
     with pytest.raises(ValueError):
         running_from_loads({"nope": 1})
 
@@ -142,7 +142,6 @@ def test_launch_router_refuses_bad_numbers_before_anything_runs(flags):
     {"loads": [{"num_running_reqs": -5}]},
     {"loads": [{"num_running_reqs": float("nan")}]},
     {"loads": [{"num_running_reqs": "3"}]},
-    {"loads": [{"num_used_tokens": 10**30}]},
     {"loads": [{"num_running_reqs": 2.5}]},
     [1, 2],
     "text",

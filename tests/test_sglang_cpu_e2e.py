@@ -354,6 +354,81 @@ def test_decision_equals_the_rust_router_offline(pd, centroids):
     print(f"\n[sglang-cpu] decisions compared with the offline Rust router: {decided}; workers chosen: {sorted(workers)}")
 
 
+def test_default_policy_locality_on_real_sglang_matches_the_offline_router(cpu, pd, centroids):
+    """The router's default decode policy (the locality balancer, no --disagg-router flag) in
+    front of the same real servers: with requests held open on their decode workers, each new
+    request's worker equals a fresh Rust router's choice given the same held profiles (built
+    from the counts the real prefill streamed); client disconnects give back the queue slots
+    and the expert state."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from eldr_sglang import _core
+    from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
+    from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
+
+    assert DEFAULT_POLICY == "locality"
+    router = cpu.start_router("router-default", [(pd.ptap.url, pd.boot)], [t.url for t in pd.dtaps], [
+        "--eldr-centroids", str(centroids), "--no-eldr-drift", "--eldr-signature-timeout-secs", "120",
+        "--request-timeout-secs", "600", "--load-monitor-interval", "0", "--health-check-interval-secs", "5",
+        # a cold decode server's first token can take over a minute on two loaded cores; this
+        # test is about the decisions, so a slow first byte must not turn one into a failover
+        "--first-byte-timeout-secs", "300"])
+    held, twin = [], []
+    try:
+        wait_ready([router], 120)
+        st = get_json(router.url + "/eldr/status")
+        assert st["policy"] == "locality" and st["load_factor"] == pytest.approx(DEFAULT_LOAD_FACTOR), st
+        offline = _core.Router(policy="locality", num_workers=2, centroids=str(centroids), load_factor=DEFAULT_LOAD_FACTOR)
+        cs = offline.centroid_set()
+        pd.settle()
+        host = urlsplit(router.url)
+        chosen = []
+        for i in range(4):
+            conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+            body = json.dumps({"text": f"Held request {i} about {TOPICS[(2 * i) % len(TOPICS)]} and more",
+                               "stream": True, "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0,
+                                                                   "ignore_eos": True}})
+            conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()  # headers come with the decode's first chunk: the request is on its worker
+            assert resp.status == 200, resp.read()[:1000]
+            held.append(conn)
+            got = int(resp.getheader("X-ELDR-Decode-Worker"))
+            reason = resp.getheader("X-ELDR-Reason")
+            assert reason == "profile", (reason, [ln for ln in get_json_text(router.url + "/metrics").splitlines()
+                                                  if ln.startswith(("eldr_router_retries", "eldr_router_worker_errors",
+                                                                    "eldr_router_upstream_timeouts"))])
+            sig, _, _ = pd.events(int(resp.getheader("X-ELDR-Bootstrap-Room")))
+            _, dec = signature_counts(sig[0]["payload"])
+            prof = offline.profile_dense(dec.to_layout(cs.num_layers, cs.num_experts), max(dec.num_tokens, 1))
+            want = offline.route_profile(prof, explain=True)
+            chosen.append((got, want.worker))
+            twin.append(offline.acquire(want.worker, 0, profile=prof))
+            st = get_json(router.url + "/eldr/status")
+            assert st["decode_inflight"] == list(offline.inflight()), (st, chosen)
+            np.testing.assert_allclose(st["decode_expert_distinct"], offline.expert_distinct(), atol=1e-6)
+        print(f"\n[sglang-cpu] default policy locality: (router, offline) choices {chosen}")
+        assert [g for g, _ in chosen] == [w for _, w in chosen], chosen
+        assert len({g for g, _ in chosen}) == 2, f"the held requests never gave the balancer a choice: {chosen}"
+        for conn in held:  # client disconnects mid-stream
+            conn.close()
+        held = []
+        deadline = time.monotonic() + 120
+        while True:
+            st = get_json(router.url + "/eldr/status")
+            if st["decode_inflight"] == [0, 0] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert st["decode_inflight"] == [0, 0] and st["decode_expert_distinct"] == [0.0, 0.0], st
+        pd.settle(300)  # the real servers aborted the disconnected requests
+        log = router.log.read_text()
+        assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+    finally:
+        for conn in held:
+            conn.close()
+        cpu.stop([router])
+
+
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_endpoints_streamed_and_not(pd, path, stream):

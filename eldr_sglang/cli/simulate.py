@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from eldr_sglang.cli import args as A
+from eldr_sglang.sim.policies import BASELINES
 from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES
 
 DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr"
@@ -25,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--trace", help="ELDR trace (.npz), v1 or v2 (v2: the requests that kept decode routing replay)")
     p.add_argument("--centroids", help="centroid file from `eldr fit` (needed by eldr)")
     p.add_argument("--policies", type=A.policies, default=None,
-                   help="comma list of random, round_robin, shortest_queue, power_of_two, eldr, eldr@TAU, eldr/F, locality/F, "
+                   help=f"comma list of {', '.join(BASELINES)}, eldr, eldr@TAU, eldr/F, locality/F, "
                         "oracle, default (the router's default), and the bounds perfect_overlap and clairvoyant[/F] "
                         f"(default {DEFAULT_POLICIES}; under --protocol strict the protocol's set)")
     p.add_argument("--protocol", choices=["none", "strict"], default="none",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
+from eldr_sglang._core import band_sizes
 from eldr_sglang.offline.layers import overlap_distance, sample_pairs, spearman
 from eldr_sglang.traces import Trace
 
@@ -62,7 +63,7 @@ def baseline_stats(S, centroids: np.ndarray, tau: float) -> dict:
     d = 1.0 - dots
     dstar = d.min(axis=1)
     nearest = d.argmin(axis=1)
-    band = (d <= dstar[:, None] + tau).sum(axis=1)
+    band = band_sizes(d, float(tau))  # the router's own band bound (Rust), every worker eligible
     return {
         "n": int(S.shape[0]),
         "mean_d_star": float(dstar.mean()),

@@ -6,10 +6,8 @@ import asyncio
 import contextlib
 import logging
 
-import aiohttp
 from aiohttp import web
 
-from eldr_sglang.router.admin import guarded
 from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
 from eldr_sglang.router.loads import (
     check_health,
@@ -18,6 +16,7 @@ from eldr_sglang.router.loads import (
     reload_centroids,
     wait_for_workers,
 )
+from eldr_sglang.router.passthrough import WorkerPassthrough
 from eldr_sglang.router.pd import ENDPOINTS, PDRouter
 
 logger = logging.getLogger("eldr.router")
@@ -40,38 +39,6 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
     async def status(_):
         return web.json_response(pd.state())
 
-    async def models(_):
-        for url in pd.cfg.decode + [w.url for w in pd.cfg.prefill]:
-            try:
-                async with pd.session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    if r.status == 200:
-                        return web.Response(body=await r.read(), content_type="application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                continue
-        return web.json_response({"error": {"message": "no worker answered /v1/models"}}, status=503)
-
-    async def server_info(_):
-        async def get(url):
-            try:
-                async with pd.session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return await r.json(content_type=None) if r.status == 200 else {"error": f"HTTP {r.status}"}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                return {"error": str(exc)}
-
-        prefill = await asyncio.gather(*(get(w.url) for w in pd.cfg.prefill))
-        decode = await asyncio.gather(*(get(u) for u in pd.cfg.decode))
-        states = [s for d in decode if isinstance(d, dict) for s in d.get("internal_states", []) or []]
-        return web.json_response({"prefill": prefill, "decode": decode, "internal_states": states, "router": pd.state()})
-
-    async def flush_cache(_):
-        async def post(url):
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with pd.session.post(f"{url}/flush_cache", timeout=aiohttp.ClientTimeout(total=30)) as r:
-                    await r.content.read(1 << 16)
-
-        await asyncio.gather(*(post(u) for u in [w.url for w in pd.cfg.prefill] + pd.cfg.decode))
-        return web.Response(text="ok")
-
     if cfg.policy in COUNTS_POLICIES and cfg.centroids:
         # drift monitor + online refits (eldr_sglang.drift): GET /eldr/drift, POST /eldr/refit
         from eldr_sglang.drift.router_hook import install as install_drift
@@ -81,38 +48,40 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/eldr/status", status)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/server_info", server_info)
-    app.router.add_get("/get_server_info", server_info)
-    app.router.add_post("/flush_cache", guarded(flush_cache, cfg.admin_token))
-
-    async def lifecycle(app):
-        await pd.start()
-        if cfg.worker_startup_timeout_s > 0:
-            await wait_for_workers(pd, cfg.worker_startup_timeout_s)
-        if cfg.late_binding:
-            await asyncio.gather(*(probe_prefill_signature(pd, i) for i in range(len(cfg.prefill))))
-        tasks = []
-        if cfg.load_monitor_interval_s > 0:
-            tasks.append(asyncio.ensure_future(poll_loads(pd, cfg.load_monitor_interval_s)))
-        if cfg.health_check_interval_s > 0:
-            tasks.append(
-                asyncio.ensure_future(check_health(pd, cfg.health_check_interval_s, cfg.health_failure_threshold))
-            )
-        if cfg.centroids and cfg.reload_interval_ms > 0:
-            tasks.append(asyncio.ensure_future(reload_centroids(pd, cfg.reload_interval_ms / 1000.0)))
-        yield
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await pd.close()
-
-    app.cleanup_ctx.append(lifecycle)
+    WorkerPassthrough(pd).add_routes(app, cfg.admin_token)
+    app.cleanup_ctx.append(lambda _app: _lifecycle(pd, cfg))
     return app
+
+
+async def _lifecycle(pd: PDRouter, cfg: RouterConfig):
+    """Start-up (upstream session, waiting for workers, probing which prefills stream a
+    signature) and the background loops (loads, health, hot reload); their teardown."""
+    await pd.start()
+    if cfg.worker_startup_timeout_s > 0:
+        await wait_for_workers(pd, cfg.worker_startup_timeout_s)
+    if cfg.late_binding:
+        await asyncio.gather(*(probe_prefill_signature(pd, i) for i in range(len(cfg.prefill))))
+    loops = []
+    if cfg.load_monitor_interval_s > 0:
+        loops.append(poll_loads(pd, cfg.load_monitor_interval_s))
+    if cfg.health_check_interval_s > 0:
+        loops.append(check_health(pd, cfg.health_check_interval_s, cfg.health_failure_threshold))
+    if cfg.centroids and cfg.reload_interval_ms > 0:
+        loops.append(reload_centroids(pd, cfg.reload_interval_ms / 1000.0))
+    tasks = [asyncio.ensure_future(c) for c in loops]
+    yield
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await pd.close()
 
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever). Client disconnects cancel their handlers."""
+    if cfg.data_plane == "rust":  # the request path in the extension; this process keeps the control plane
+        from eldr_sglang.router.dataplane import serve as serve_rust
+
+        return await serve_rust(cfg, ready, stop)
     app = build_app(cfg)
     # keepalive_timeout doubles as the request-head timeout: aiohttp arms it when a
     # connection opens and closes one that has no complete request head by then (slowloris).

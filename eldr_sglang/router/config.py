@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 # The default decode policy and bounded-load factor are the ones the protocol study supports
 # (eldr_sglang.defaults: locality/0.05; benchmarks/results/tpot_study_protocol.md). The load
 # cost of locality at DeepSeek-V3 shape is in benchmarks/results/bench_router_locality.md.
+from eldr_sglang import _core
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
 
 
@@ -36,11 +37,16 @@ DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
 DAY_S = 86400.0
 
-DECODE_POLICIES = ("eldr", "locality", "random", "round_robin", "shortest_queue", "power_of_two")
-# Policies that route on the prefill's expert counts: they bind late, need the centroid file
-# (eldr: its centroids; locality: its layer selection) and count fallbacks.
-COUNTS_POLICIES = ("eldr", "locality")
+# The one policy list, from the Rust core (rust/core/src/policies/mod.rs POLICIES). The counts
+# policies route on the prefill's expert counts: they bind late, need the centroid file (eldr:
+# its centroids; locality: its layer selection) and count fallbacks.
+DECODE_POLICIES = _core.POLICIES
+COUNTS_POLICIES = _core.COUNTS_POLICIES
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
+# Which server runs the request path: the aiohttp one (python) or the tokio/hyper one in the
+# Rust extension (rust; Python keeps the control plane: admin endpoints, health, reload, drift).
+DATA_PLANES = ("python", "rust")
+DEFAULT_DATA_PLANE = "python"
 
 
 class ConfigError(ValueError):
@@ -92,9 +98,12 @@ class RouterConfig:
     log_level: str = "info"
     explain_headers: bool = True
     drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
+    data_plane: str = DEFAULT_DATA_PLANE
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike
+        if self.data_plane not in DATA_PLANES:
+            raise ConfigError(f"--data-plane must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
 
     @property
     def late_binding(self) -> bool:
@@ -188,6 +197,11 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
                     help="first ejection's length; doubles on each re-ejection (default 5)")
     up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
     cl = ap.add_argument_group("Clients and control endpoints")
+    cl.add_argument(
+        "--data-plane", choices=DATA_PLANES, default=DEFAULT_DATA_PLANE,
+        help=f"server of the request path (default {DEFAULT_DATA_PLANE}): python (aiohttp) or rust (tokio/hyper in "
+        "the extension, less CPU per request; Python keeps the control plane on an internal loopback port)",
+    )
     cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
                     help="a connection that sends no complete request head in this long is closed (default 30)")
     cl.add_argument("--client-body-timeout-secs", type=float, default=30.0,
@@ -273,6 +287,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         log_level=a.log_level,
         explain_headers=not a.no_explain_headers,
         drift={"enabled": False} if a.no_eldr_drift else None,
+        data_plane=a.data_plane,
     )
 
 

@@ -34,8 +34,8 @@ def _count(rank: dict, key: str) -> int:
     return int(v)
 
 
-def running_from_loads(body: object) -> tuple[int, int]:
-    """(running requests, used tokens) of a SGLang 0.5.23 /v1/loads answer, summed over DP ranks.
+def running_from_loads(body: object) -> int:
+    """The running requests of a SGLang 0.5.23 /v1/loads answer, summed over DP ranks.
 
     Running counts every request the decode worker holds: running, waiting, and those still
     in its PD pre-allocation / KV-transfer queues. Any other shape or value (negative,
@@ -47,7 +47,7 @@ def running_from_loads(body: object) -> tuple[int, int]:
         raise ValueError("no 'loads' list")
     if len(loads) > 4096:
         raise ValueError(f"{len(loads)} DP ranks")
-    running = tokens = 0
+    running = 0
     for rank in loads:
         if not isinstance(rank, dict):
             raise ValueError("a 'loads' entry is not an object")
@@ -55,11 +55,10 @@ def running_from_loads(body: object) -> tuple[int, int]:
         d = rank.get("disaggregation")
         if isinstance(d, dict):
             running += _count(d, "decode_prealloc_queue_reqs") + _count(d, "decode_transfer_queue_reqs")
-        tokens += _count(rank, "num_used_tokens")
-    return running, tokens
+    return running
 
 
-async def _read_loads(pd, url: str, timeout: aiohttp.ClientTimeout) -> tuple[int, int]:
+async def _read_loads(pd, url: str, timeout: aiohttp.ClientTimeout) -> int:
     async with pd.session.get(f"{url}/v1/loads?include=core,disagg", timeout=timeout) as r:
         if r.status != 200:
             raise _Dropped("http", f"HTTP {r.status}")
@@ -97,7 +96,7 @@ async def poll_loads(pd, interval: float) -> None:
 
     async def one(i: int, url: str) -> None:
         try:
-            running, tokens = await _read_loads(pd, url, timeout)
+            running = await _read_loads(pd, url, timeout)
         except _Dropped as exc:
             cause, msg = exc.cause, str(exc)
         except asyncio.TimeoutError:
@@ -108,7 +107,7 @@ async def poll_loads(pd, interval: float) -> None:
             cause, msg = "error", f"{exc.__class__.__name__}: {exc}"
         else:
             pd.reported[i] = running
-            pd.router.report_load(i, running, tokens)
+            pd.router.report_load(i, running)
             return
         pd.metrics.loads_dropped.labels(str(i), cause).inc()
         if cause != "connect":  # a worker that is down is the health check's news

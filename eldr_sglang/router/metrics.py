@@ -48,55 +48,92 @@ class _StateCollector:
         yield from (q, own, rep, h, ej, gen)
 
 
+# The request path's metrics, one table for both data planes: the Python plane updates
+# them as prometheus_client metrics (RouterMetrics.<attr>), the Rust plane keeps its own
+# counters and RustRequestMetrics exposes them under the same names at scrape time.
+# (attribute, name, help, label names)
+REQUEST_COUNTERS = (
+    ("requests", "eldr_router_requests", "Client requests by endpoint and HTTP status", ("endpoint", "status")),
+    ("routes", "eldr_router_decode_routes", "Decode routing decisions by worker and reason", ("worker", "reason")),
+    ("decode_failovers", "eldr_router_decode_failovers",
+     "Requests re-sent to another decode worker before any byte reached the client", ()),
+    ("retries", "eldr_router_retries",
+     "Requests re-sent to another worker before any byte reached the client, by role and cause", ("role", "cause")),
+    ("retries_refused", "eldr_router_retries_refused",
+     "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)", ("role",)),
+    ("timeouts", "eldr_router_upstream_timeouts",
+     "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)", ("role", "worker", "phase")),
+    ("ejections", "eldr_router_ejections", "Outlier ejections of a worker", ("role", "worker")),
+    ("probation_trials", "eldr_router_probation_trials",
+     "Trial requests sent to an ejected worker whose ejection ended", ("role", "worker")),
+    ("prefill_routes", "eldr_router_prefill_routes", "Prefill choices by worker", ("worker",)),
+    ("fallbacks", "eldr_router_fallbacks", "Requests routed without a usable signature, by cause", ("reason",)),
+    ("malformed", "eldr_router_malformed_signatures", "Signature payloads that failed validation", ()),
+    ("worker_errors", "eldr_router_worker_errors", "Failed worker calls", ("role", "worker", "kind")),
+    ("disconnects", "eldr_router_client_disconnects", "Clients that went away before the answer ended", ()),
+)
+# (attribute, name, help, buckets)
+REQUEST_HISTOGRAMS = (
+    ("band_size", "eldr_router_band_size", "Workers in the locality band", tuple(range(1, 17))),
+    ("d_star", "eldr_router_distance_best", "Smallest signature-centroid distance d*", _DIST_BUCKETS),
+    ("d_chosen", "eldr_router_distance_chosen", "Distance to the chosen worker's centroid", _DIST_BUCKETS),
+    ("sig_wait", "eldr_router_signature_wait_seconds", "From the prefill call to a usable signature (or the fallback)", _WAIT_BUCKETS),
+    ("sig_bytes", "eldr_router_signature_bytes", "Signature payload data size", (256, 1024, 2048, 4096, 8192, 12288, 16384, 65536)),
+    ("route_seconds", "eldr_router_route_seconds", "Time in the routing call (decode and route)", _FAST_BUCKETS),
+)
+
+
+class RustRequestMetrics:
+    """The Rust data plane's request-path counters, read at scrape time (`snapshot()` is
+    `DataPlane.counters()`, or None before the data plane runs)."""
+
+    def __init__(self, snapshot: Callable[[], dict | None]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        snap = self._snapshot() or {"counters": {}, "histograms": {}}
+        for _, name, doc, labels in REQUEST_COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            series = snap["counters"].get(name, [])
+            for values, v in series:
+                fam.add_metric(list(values), v)
+            if not labels and not series:
+                fam.add_metric([], 0)
+            yield fam
+        for _, name, doc, _buckets in REQUEST_HISTOGRAMS:
+            got = snap["histograms"].get(name)
+            if got is None:
+                continue
+            bounds, counts, total = got
+            cum, buckets = 0, []
+            for b, c in zip([*bounds, float("inf")], counts):
+                cum += c
+                buckets.append((floatToGoString(b), cum))
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+
 class RouterMetrics:
-    def __init__(self, state: Callable[[], dict]):
+    """`request_path`: None (the Python data plane: its request-path metrics are attributes
+    here), or a collector that serves them (RustRequestMetrics)."""
+
+    def __init__(self, state: Callable[[], dict], request_path=None):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("eldr_router_requests", "Client requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
-        self.routes = Counter("eldr_router_decode_routes", "Decode routing decisions by worker and reason", ["worker", "reason"], registry=r)
-        self.decode_failovers = Counter(
-            "eldr_router_decode_failovers", "Requests re-sent to another decode worker before any byte reached the client", registry=r
-        )
-        self.retries = Counter(
-            "eldr_router_retries", "Requests re-sent to another worker before any byte reached the client, by role and cause",
-            ["role", "cause"], registry=r,
-        )
-        self.retries_refused = Counter(
-            "eldr_router_retries_refused", "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)",
-            ["role"], registry=r,
-        )
-        self.timeouts = Counter(
-            "eldr_router_upstream_timeouts", "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)",
-            ["role", "worker", "phase"], registry=r,
-        )
-        self.ejections = Counter("eldr_router_ejections", "Outlier ejections of a worker", ["role", "worker"], registry=r)
-        self.probation_trials = Counter(
-            "eldr_router_probation_trials", "Trial requests sent to an ejected worker whose ejection ended", ["role", "worker"], registry=r
-        )
+        if request_path is None:
+            for attr, name, doc, labels in REQUEST_COUNTERS:
+                setattr(self, attr, Counter(name, doc, list(labels), registry=r))
+            for attr, name, doc, buckets in REQUEST_HISTOGRAMS:
+                setattr(self, attr, Histogram(name, doc, buckets=buckets, registry=r))
+        else:
+            r.register(request_path)
         self.loads_dropped = Counter(
             "eldr_router_load_reports_dropped", "/v1/loads answers ignored, by worker and cause", ["worker", "cause"], registry=r
         )
         self.centroid_rejections = Counter(
             "eldr_router_centroid_files_rejected", "Centroid files refused on hot reload (each version once)", registry=r
         )
-        self.prefill_routes = Counter("eldr_router_prefill_routes", "Prefill choices by worker", ["worker"], registry=r)
-        self.fallbacks = Counter(
-            "eldr_router_fallbacks", "Requests routed without a usable signature, by cause", ["reason"], registry=r
-        )
-        self.malformed = Counter("eldr_router_malformed_signatures", "Signature payloads that failed validation", registry=r)
-        self.worker_errors = Counter("eldr_router_worker_errors", "Failed worker calls", ["role", "worker", "kind"], registry=r)
-        self.disconnects = Counter("eldr_router_client_disconnects", "Clients that went away before the answer ended", registry=r)
-        self.band_size = Histogram(
-            "eldr_router_band_size", "Workers in the locality band", buckets=tuple(range(1, 17)), registry=r
-        )
-        self.d_star = Histogram("eldr_router_distance_best", "Smallest signature-centroid distance d*", buckets=_DIST_BUCKETS, registry=r)
-        self.d_chosen = Histogram("eldr_router_distance_chosen", "Distance to the chosen worker's centroid", buckets=_DIST_BUCKETS, registry=r)
-        self.sig_wait = Histogram(
-            "eldr_router_signature_wait_seconds", "From the prefill call to a usable signature (or the fallback)", buckets=_WAIT_BUCKETS, registry=r
-        )
-        self.sig_bytes = Histogram(
-            "eldr_router_signature_bytes", "Signature payload data size", buckets=(256, 1024, 2048, 4096, 8192, 12288, 16384, 65536), registry=r
-        )
-        self.route_seconds = Histogram("eldr_router_route_seconds", "Time in the routing call (decode and route)", buckets=_FAST_BUCKETS, registry=r)
         r.register(_StateCollector(state))
 
     def render(self) -> bytes:

@@ -30,6 +30,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +40,9 @@ from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.outlier import RetryBudget, WorkerPool
 from eldr_sglang.sglang_ext.payload import META_KEY, PayloadError, decode_payload
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger("eldr.router")
 
@@ -95,7 +99,7 @@ class CountsResult:
     """What the prefill's stream gave: its decoded counts (routed from in place), or why none."""
 
     counts: object | None  # eldr_sglang._core.DecodedCounts
-    reason: str  # 'ok' or why there is none
+    reason: str  # 'ok', or why there is none: a _core.FALLBACK_REASONS name
     wait_s: float
     data_bytes: int = 0
     tokens: int = 0  # prompt tokens behind the counts (the locality balancer's denominator)
@@ -400,7 +404,7 @@ class PDRouter:
         if self.cfg.policy == "locality":
             d = self._locality_route(sig)
         elif sig is None or sig.counts is None:
-            d = self.router.route_signature(None, explain=True)
+            d = self._fallback(sig)
         else:  # the signature is read straight from the packed counts, GIL released
             keep = self.drift is not None and self.drift.wants_signature()
             d = self.router.route_counts(sig.counts, explain=True, signature=keep)
@@ -418,8 +422,8 @@ class PDRouter:
             self.metrics.d_star.observe(d.d_star)
             self.metrics.d_chosen.observe(d.distances[d.worker])
         elif self.cfg.policy in COUNTS_POLICIES and reason not in ("retry", "profile"):
-            why = sig.reason if (sig is not None and sig.counts is None) else reason
-            self.metrics.fallbacks.labels(why).inc()
+            # the decision names the fallback: 'no_signature:<why>' or 'no_centroids'
+            self.metrics.fallbacks.labels(reason.partition(":")[2] or reason).inc()
         if self.drift is not None and reason != "retry":  # O(K) monitor update; never raises
             self.drift.on_route(self._drift_view(d, sig), None if sig is None else sig.counts)
         return d
@@ -449,7 +453,7 @@ class PDRouter:
         same profile on its next worker; counts it cannot use fall back to shortest queue
         with the same reasons as a signature."""
         if sig is None or sig.counts is None:
-            return self.router.route_signature(None, explain=True)
+            return self._fallback(sig)
         if sig.profile is None:
             try:
                 dense = sig.counts.to_layout(*self._layout)  # decoded wire counts -> [L, E]
@@ -463,6 +467,13 @@ class PDRouter:
                 return self.router.route_fallback(sig.reason, True)
         return self.router.route_profile(sig.profile, explain=True)
 
+    def _fallback(self, sig: CountsResult | None):
+        """The decision for a request without usable counts. Its reason comes from the one
+        fallback vocabulary (_core.FALLBACK_REASONS): 'no_signature:<why>', or 'no_centroids',
+        which the Rust router names itself when it has no centroid file."""
+        why = "missing" if sig is None or sig.reason == "no_centroids" else sig.reason
+        return self.router.route_fallback(why, True)
+
     def _lease(self, w: int, profile):
         """A queue slot on decode worker w, counting the request's experts there too when
         the locality balancer routed it. A profile from before a centroid reload changed the
@@ -472,7 +483,7 @@ class PDRouter:
             return self.router.acquire(w, 0)
         try:
             return self.router.acquire(w, 0, profile=profile)
-        except ValueError as exc:
+        except _core_errors().ProfileError as exc:
             self._log.warning("stale-profile", "expert profile not counted: %s", safe(str(exc)))
             return self.router.acquire(w, 0)
 
@@ -501,8 +512,9 @@ class PDRouter:
     def _counts_result(self, found, t0: float) -> CountsResult:
         """found: DecodedCounts, the prefill's reason for sending none (str), or PayloadError."""
         wait = time.perf_counter() - t0
-        if isinstance(found, str):
-            return CountsResult(None, f"prefill_none:{safe(found, 60)}", wait)
+        if isinstance(found, str):  # its reason goes to the log: a label takes no free text
+            self._log.warning("prefill_none", "the prefill sent no counts: %s", safe(found, 200))
+            return CountsResult(None, "prefill_none", wait)
         if self._layout is None:
             return CountsResult(None, "no_centroids", wait)
         if isinstance(found, PayloadError):
@@ -891,102 +903,116 @@ class PDRouter:
             raise _kv_lost_error()
         self.decode.failure(w, cause)
 
+    def _explain_headers(self, decision, p: int, boot: dict) -> dict:
+        if not self.cfg.explain_headers:
+            return {}
+        headers = {
+            "X-ELDR-Decode-Worker": str(decision.worker),
+            "X-ELDR-Prefill-Worker": str(p),
+            "X-ELDR-Reason": decision.reason,
+            "X-ELDR-Bootstrap-Room": str(boot["bootstrap_room"]),
+        }
+        if decision.band is not None:
+            headers["X-ELDR-Band"] = ",".join(map(str, decision.band))
+        return headers
+
     async def _decode(self, request, kind, p, boot, dbody, decision, client_stream, deadline, state=None,
                       drain: asyncio.Future | None = None, profile=None) -> web.StreamResponse:
+        """One decode attempt on the chosen worker, holding its queue slot. Its outcome is told
+        to the worker pool exactly once: success, a failure (blame), or abandoned."""
         w = decision.worker
-        headers = {}
-        if self.cfg.explain_headers:
-            headers = {
-                "X-ELDR-Decode-Worker": str(w),
-                "X-ELDR-Prefill-Worker": str(p),
-                "X-ELDR-Reason": decision.reason,
-                "X-ELDR-Bootstrap-Room": str(boot["bootstrap_room"]),
-            }
-            if decision.band is not None:
-                headers["X-ELDR-Band"] = ",".join(map(str, decision.band))
+        headers = self._explain_headers(decision, p, boot)
         durl = f"{self.cfg.decode[w]}{request.path}"
-        loop = asyncio.get_running_loop()
-        t_start = loop.time()
-        # a non-streamed answer comes whole at the end: no byte bounds it (see _open_watched)
-        first_byte_s = self.cfg.first_byte_timeout_s if client_stream else None
+        t_start = asyncio.get_running_loop().time()
         pool = self.decode
         pool.dispatched(w)
-        verdict = False
+        told = _Told()
         try:
             with self._lease(w, profile):
                 try:
                     if client_stream:
-                        dresp = await self._open("decode", w, durl, dbody, first_byte_s, deadline)
-                    else:
+                        dresp = await self._open("decode", w, durl, dbody, self.cfg.first_byte_timeout_s, deadline)
+                    else:  # a non-streamed answer comes whole at the end: no byte bounds it
                         dresp = await self._open_watched(w, durl, dbody, deadline, drain)
                 except Retryable as exc:
                     await self._blame(w, exc.cause, drain)
-                    verdict = True
+                    told.yes = True
                     raise
                 try:
                     if not client_stream:
-                        try:
-                            data = await asyncio.wait_for(dresp.read(), max(0.0, deadline - loop.time()))
-                        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-                            cause = "total_timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"
-                            await self._blame(w, cause, drain)
-                            verdict = True
-                            raise Retryable(504 if cause == "total_timeout" else 502,
-                                            _err(f"decode worker {w} answer cut: {exc.__class__.__name__}"),
-                                            "application/json", "decode", cause) from None
-                        pool.success(w)
-                        verdict = True
-                        return web.Response(body=data, status=200, headers=headers, content_type=dresp.content_type)
-                    # The client sees nothing until the decode's first chunk: until then the
-                    # request can still move to another worker.
-                    left = min(t_start + self.cfg.first_byte_timeout_s, deadline) - loop.time()
-                    first = await self._chunk(dresp, w, left, "first_byte")
-                    if not first:
-                        await self._blame(w, "empty", drain)
-                        verdict = True
-                        raise Retryable(502, _err(f"decode worker {w} ended its stream without a byte"),
-                                        "application/json", "decode", "empty")
-                    if b'"abort"' in first[:8192] and await self._kv_lost(drain):
-                        # aborted before any token because the KV is gone: the request can still start over
-                        raise _kv_lost_error()
-                    out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
-                    await out.prepare(request)
-                    if state is not None:
-                        state["out"] = out
-                    await out.write(first)
-                    failed = None
-                    while True:
-                        remaining = deadline - loop.time()
-                        phase = "stall" if self.cfg.stall_timeout_s < remaining else "total"
-                        try:
-                            chunk = await self._chunk(dresp, w, min(self.cfg.stall_timeout_s, remaining), phase)
-                        except Retryable as exc:  # too late to move: end the client's stream with an error event
-                            failed = exc
-                            break
-                        if not chunk:
-                            break
-                        await out.write(chunk)
-                    if failed is not None:
-                        pool.failure(w, failed.cause)
-                        with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
-                            await out.write(b"data: " + failed.body + b"\n\n")
-                    else:
-                        pool.success(w)
-                    verdict = True
-                    with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
-                        await out.write_eof()
-                    return out
+                        return await self._decode_whole(dresp, w, headers, deadline, drain, told)
+                    return await self._decode_stream(request, dresp, w, headers, t_start, deadline, drain, state, told)
                 except Retryable as exc:
-                    if not verdict and exc.role == "decode":
+                    if not told.yes and exc.role == "decode":
                         await self._blame(w, exc.cause, drain)
-                        verdict = True
+                        told.yes = True
                     raise
                 finally:
                     dresp.release()
         finally:
-            if not verdict:
+            if not told.yes:
                 pool.abandoned(w)
             pool.finished(w)
+
+    async def _decode_whole(self, dresp, w: int, headers: dict, deadline: float, drain, told: "_Told") -> web.Response:
+        """A non-streamed decode answer, read whole within the request deadline."""
+        loop = asyncio.get_running_loop()
+        try:
+            data = await asyncio.wait_for(dresp.read(), max(0.0, deadline - loop.time()))
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            cause = "total_timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"
+            await self._blame(w, cause, drain)
+            told.yes = True
+            raise Retryable(504 if cause == "total_timeout" else 502,
+                            _err(f"decode worker {w} answer cut: {exc.__class__.__name__}"),
+                            "application/json", "decode", cause) from None
+        self.decode.success(w)
+        told.yes = True
+        return web.Response(body=data, status=200, headers=headers, content_type=dresp.content_type)
+
+    async def _decode_stream(self, request, dresp, w: int, headers: dict, t_start: float, deadline: float, drain,
+                             state, told: "_Told") -> web.StreamResponse:
+        """A streamed decode answer. The client sees nothing until the decode's first chunk:
+        until then the request can still move to another worker. After it, a failure ends
+        the client's stream with an error event."""
+        loop = asyncio.get_running_loop()
+        left = min(t_start + self.cfg.first_byte_timeout_s, deadline) - loop.time()
+        first = await self._chunk(dresp, w, left, "first_byte")
+        if not first:
+            await self._blame(w, "empty", drain)
+            told.yes = True
+            raise Retryable(502, _err(f"decode worker {w} ended its stream without a byte"),
+                            "application/json", "decode", "empty")
+        if b'"abort"' in first[:8192] and await self._kv_lost(drain):
+            # aborted before any token because the KV is gone: the request can still start over
+            raise _kv_lost_error()
+        out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers})
+        await out.prepare(request)
+        if state is not None:
+            state["out"] = out
+        await out.write(first)
+        failed = None
+        while True:
+            remaining = deadline - loop.time()
+            phase = "stall" if self.cfg.stall_timeout_s < remaining else "total"
+            try:
+                chunk = await self._chunk(dresp, w, min(self.cfg.stall_timeout_s, remaining), phase)
+            except Retryable as exc:  # too late to move: end the client's stream with an error event
+                failed = exc
+                break
+            if not chunk:
+                break
+            await out.write(chunk)
+        if failed is not None:
+            self.decode.failure(w, failed.cause)
+            with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
+                await out.write(b"data: " + failed.body + b"\n\n")
+        else:
+            self.decode.success(w)
+        told.yes = True
+        with contextlib.suppress(*_CLIENT_GONE, RuntimeError):
+            await out.write_eof()
+        return out
 
     async def _open_watched(self, w: int, durl: str, dbody: dict, deadline: float, drain: asyncio.Future | None):
         """Open a non-streamed decode answer. It comes whole at the end, so no first byte can
@@ -1025,6 +1051,15 @@ class PDRouter:
             self.metrics.worker_errors.labels("decode", str(w), "stream").inc()
             raise Retryable(502, _err(f"decode worker {w} stream failed: {exc.__class__.__name__}"), "application/json",
                             "decode", "stream") from None
+
+
+class _Told:
+    """Whether a decode attempt's outcome has been told to the worker pool (it is told once)."""
+
+    __slots__ = ("yes",)
+
+    def __init__(self):
+        self.yes = False
 
 
 @dataclass(frozen=True)

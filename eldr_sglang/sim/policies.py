@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-BASELINES = ("random", "round_robin", "shortest_queue", "power_of_two")
-POLICY_NAMES = BASELINES + ("eldr", "locality", "oracle")
-# policies that take a bounded-load factor (name/F)
-BOUNDED = ("eldr", "locality")
 
 
 def _core():
@@ -29,6 +25,14 @@ def _core():
             "the Rust extension eldr_sglang._core is not built; run `maturin develop --release`"
         ) from exc
     return _core
+
+
+# The Rust Router's policies (the one list, _core.POLICIES), plus the simulator's oracle; the
+# baselines are the load balancers, the policies that do not route on counts.
+BASELINES = tuple(p for p in _core().POLICIES if p not in _core().COUNTS_POLICIES)
+POLICY_NAMES = BASELINES + _core().COUNTS_POLICIES + ("oracle",)
+# policies that take a bounded-load factor (name/F)
+BOUNDED = ("eldr", "locality")
 
 
 class RouterPolicy:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-LOAD_BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
+from eldr_sglang.sim.policies import BASELINES as LOAD_BALANCERS  # the Rust list's balancers
 
 
 def _f(x: float, nd: int = 2) -> str:

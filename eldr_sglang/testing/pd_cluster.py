@@ -59,10 +59,14 @@ def _env() -> dict:
 
 
 class Proc:
-    def __init__(self, args: list[str], log: Path):
+    """`python args...` with its output in `log` (python: this interpreter unless given, e.g. the
+    private virtualenv of a peer router; env: extra environment variables)."""
+
+    def __init__(self, args: list[str], log: Path, python: str | None = None, env: dict | None = None):
         self.log = log
         self.fh = open(log, "w")
-        self.p = subprocess.Popen([sys.executable, *args], stdout=self.fh, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        self.p = subprocess.Popen([python or sys.executable, *args], stdout=self.fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                  env={**_env(), **(env or {})})
 
     def stop(self) -> None:
         if self.p.poll() is None:
@@ -100,7 +104,15 @@ def start_cluster(trace: Path, tmp: Path, prefill: int = 2, decode: int = 4, tim
     raise RuntimeError(f"emulated cluster did not start:\n{proc.tail()}")
 
 
+# The data plane the test routers run on when a test does not choose one (--data-plane):
+# ELDR_TEST_DATA_PLANE=rust runs the HTTP-surface suites against the Rust request path.
+TEST_DATA_PLANE_ENV = "ELDR_TEST_DATA_PLANE"
+
+
 def start_router(urls: dict, tmp: Path, args: list[str], timeout: float = 60.0) -> tuple[Proc, str]:
+    plane = os.environ.get(TEST_DATA_PLANE_ENV)
+    if plane and "--data-plane" not in args:
+        args = [*args, "--data-plane", plane]
     port = free_port()
     cmd = ["-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port)]
     for url, bport in urls["prefill"]:
@@ -128,15 +140,32 @@ def get_json(url: str, timeout: float = 10.0):
         return json.loads(r.read())
 
 
-def post(url: str, body, timeout: float = 30.0, headers: dict | None = None) -> tuple[int, dict, bytes]:
+class Headers(dict):
+    """Response headers whose names compare case-insensitively (RFC 9110), whichever case the
+    server wrote them in (aiohttp keeps the handler's case, hyper sends lower case)."""
+
+    def __init__(self, items):
+        super().__init__((k.lower(), v) for k, v in items)
+
+    def __getitem__(self, k: str):
+        return super().__getitem__(k.lower())
+
+    def get(self, k: str, default=None):
+        return super().get(k.lower(), default)
+
+    def __contains__(self, k: object) -> bool:
+        return isinstance(k, str) and super().__contains__(k.lower())
+
+
+def post(url: str, body, timeout: float = 30.0, headers: dict | None = None) -> tuple[int, Headers, bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
                                  method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
+            return r.status, Headers(r.headers.items()), r.read()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
+        return e.code, Headers(e.headers.items()), e.read()
 
 
 def metric(text: str, name: str, **labels) -> float:

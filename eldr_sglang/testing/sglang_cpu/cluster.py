@@ -149,8 +149,16 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # zombies count as gone
-    return any(_stat(pid)[1] != "Z" for pid in _group_pids(pgid)) if _group_pids(pgid) else False
+    # zombies count as gone, and so does a process that exits between the listing and its stat
+    return any(_state(pid) not in ("Z", None) for pid in _group_pids(pgid))
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter, None when it is gone."""
+    try:
+        return _stat(pid)[1]
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _stat(pid: int) -> tuple[int, str, int]:

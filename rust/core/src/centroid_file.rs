@@ -297,7 +297,7 @@ impl CentroidSet {
         let provenance = std::str::from_utf8(prov).map_err(|_| field("provenance", "not UTF-8".into()))?.to_owned();
         let weights = f32s(section("layer_weights", 72, l * 4, 4)?);
         let idf = f32s(section("idf", 80, l * e * 4, 4)?);
-        let spec = SignatureSpec::new(&weights, &idf).map_err(|m| field("layer_weights/idf", m))?;
+        let spec = SignatureSpec::new(&weights, &idf).map_err(|e| field("layer_weights/idf", e.to_string()))?;
         if spec.selected_layers().len() != n_sel {
             return Err(field("selected_layers", format!("header says {n_sel}, weights select {}", spec.selected_layers().len())));
         }
@@ -385,7 +385,7 @@ impl CentroidWriter<'_> {
     /// Validate and serialize to bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>, CentroidFileError> {
         let bad = |m: String| CentroidFileError::Invalid(m);
-        let spec = SignatureSpec::new(self.layer_weights, self.idf).map_err(bad)?;
+        let spec = SignatureSpec::new(self.layer_weights, self.idf).map_err(|e| bad(e.to_string()))?;
         let (k, d) = (self.k, spec.dim());
         if k == 0 {
             return Err(bad("K must be at least 1".into()));

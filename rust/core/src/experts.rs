@@ -12,10 +12,12 @@ macro_rules! impl_expert_id {
 impl_expert_id!(u8, u16, u32, u64, i8, i16, i32, i64);
 
 /// The first id outside `0..num_experts`, if any.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, Clone, Copy, PartialEq, Eq)]
+#[error("expert id {id} at layer {layer} is out of range 0..{num_experts}")]
 pub struct OutOfRange {
     pub id: i64,
     pub layer: usize,
+    pub num_experts: usize,
 }
 
 /// Per-(layer, expert) counts `[L * E]` of top-k ids `[T, L, k]` given as a flat slice.
@@ -30,7 +32,7 @@ pub fn count_topk<T: ExpertId>(ids: &[T], layers: usize, k: usize, num_experts: 
             for &id in picks {
                 let e = id.as_i64();
                 if e < 0 || e as usize >= num_experts {
-                    return Err(OutOfRange { id: e, layer: l });
+                    return Err(OutOfRange { id: e, layer: l, num_experts });
                 }
                 out[l * num_experts + e as usize] += 1;
             }
@@ -59,7 +61,7 @@ pub fn distinct_per_layer<T: ExpertId>(
                 for &id in picks {
                     let e = id.as_i64();
                     if e < 0 || e as usize >= num_experts {
-                        result = Err(OutOfRange { id: e, layer: l });
+                        result = Err(OutOfRange { id: e, layer: l, num_experts });
                         break 'outer;
                     }
                     // branch-free: a data-dependent branch here mispredicts on fresh batches
@@ -90,6 +92,6 @@ mod tests {
         distinct_per_layer(&ids, 2, 2, 4, &mut s, &mut d).unwrap();
         assert_eq!(d, vec![2, 2]);
         assert!(s.iter().all(|v| !v));
-        assert_eq!(count_topk(&[0i32, 9], 1, 2, 4, &mut [0u32; 4]), Err(OutOfRange { id: 9, layer: 0 }));
+        assert_eq!(count_topk(&[0i32, 9], 1, 2, 4, &mut [0u32; 4]), Err(OutOfRange { id: 9, layer: 0, num_experts: 4 }));
     }
 }

@@ -28,7 +28,7 @@ pub mod signature;
 pub mod store;
 
 pub use centroid_file::{write_atomic, CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
-pub use policies::{make_policy, Decision, ExpertGuard, ExpertProfile, Policy, Reason, RouteContext, POLICY_NAMES};
+pub use policies::{band_size, fallback_reasons, make_policy, Decision, ExpertGuard, ExpertProfile, Policy, PolicyInfo, Reason, RouteContext, POLICIES, POLICY_NAMES};
 pub use queue::{LoadGuard, QueueTracker};
 pub use distance::Counts;
 pub use limits::SizeError;

@@ -16,7 +16,6 @@ struct Slot {
     inflight: AtomicI64,
     tokens: AtomicI64,
     ext_running: AtomicI64,
-    ext_tokens: AtomicI64,
     /// Milliseconds since `epoch` + 1 of the last report; 0 = never reported.
     ext_at_ms: AtomicU64,
     unhealthy: AtomicBool,
@@ -72,11 +71,10 @@ impl QueueTracker {
         self.slots[worker].tokens.load(Ordering::Acquire)
     }
 
-    /// Record a worker's own report of its running requests and tokens.
-    pub fn report(&self, worker: usize, running: i64, tokens: i64) {
+    /// Record a worker's own report of the requests it holds.
+    pub fn report(&self, worker: usize, running: i64) {
         let s = &self.slots[worker];
         s.ext_running.store(running.max(0), Ordering::Release);
-        s.ext_tokens.store(tokens.max(0), Ordering::Release);
         s.ext_at_ms.store(self.epoch.elapsed().as_millis() as u64 + 1, Ordering::Release);
     }
 
@@ -177,11 +175,11 @@ mod tests {
     fn external_report_blends_and_expires() {
         let t = Arc::new(QueueTracker::new(1, 50));
         let _g = t.acquire(0, 0);
-        t.report(0, 5, 100);
+        t.report(0, 5);
         assert_eq!(t.load(0), 5);
-        t.report(0, 0, 0);
+        t.report(0, 0);
         assert_eq!(t.load(0), 1, "our own in-flight count is a floor");
-        t.report(0, 9, 0);
+        t.report(0, 9);
         std::thread::sleep(std::time::Duration::from_millis(80));
         assert_eq!(t.load(0), 1, "a stale report is ignored");
     }

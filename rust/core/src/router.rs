@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
-use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext};
+use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext, UnknownPolicy};
 use crate::queue::QueueTracker;
 use crate::distance::Counts;
 use crate::payload::DecodedCounts;
@@ -25,8 +25,21 @@ pub enum BuildError {
     Centroids(#[from] CentroidFileError),
     #[error(transparent)]
     Size(#[from] SizeError),
-    #[error("{0}")]
-    Invalid(String),
+    #[error(transparent)]
+    Policy(#[from] UnknownPolicy),
+    #[error(transparent)]
+    Param(#[from] ParamError),
+    #[error("give num_workers or a centroid file")]
+    NoWorkerCount,
+}
+
+/// A routing parameter out of its range.
+#[derive(Debug, Error, Clone, Copy, PartialEq)]
+pub enum ParamError {
+    #[error("tau must be finite and >= 0, got {0}")]
+    Tau(f64),
+    #[error("load_factor must be finite and >= 0, got {0}")]
+    LoadFactor(f64),
 }
 
 #[derive(Debug, Error, Clone, PartialEq)]
@@ -71,7 +84,7 @@ impl Router {
         reload_interval_ms: u64,
         load_report_ttl_ms: u64,
     ) -> Result<Self, BuildError> {
-        let policy = make_policy(policy, seed).map_err(BuildError::Invalid)?;
+        let policy = make_policy(policy, seed)?;
         if let Some(k) = num_workers {
             limits::check_dim("num_workers", k)?;
         }
@@ -82,10 +95,10 @@ impl Router {
         let k = match (num_workers, &store) {
             (Some(k), _) => k,
             (None, Some(s)) => s.set().num_workers(),
-            (None, None) => return Err(BuildError::Invalid("give num_workers or a centroid file".into())),
+            (None, None) => return Err(BuildError::NoWorkerCount),
         };
         let tau = tau.or_else(|| store.as_ref().map(|s| s.set().tau() as f64)).unwrap_or(DEFAULT_TAU);
-        check_tau(tau).map_err(BuildError::Invalid)?;
+        check_tau(tau)?;
         Ok(Router {
             policy,
             tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
@@ -114,7 +127,7 @@ impl Router {
     pub fn tau(&self) -> f64 {
         f64::from_bits(self.tau_bits.load(Ordering::Relaxed))
     }
-    pub fn set_tau(&self, tau: f64) -> Result<(), String> {
+    pub fn set_tau(&self, tau: f64) -> Result<(), ParamError> {
         check_tau(tau)?;
         self.tau_bits.store(tau.to_bits(), Ordering::Relaxed);
         Ok(())
@@ -124,10 +137,10 @@ impl Router {
     pub fn load_factor(&self) -> Option<f64> {
         Some(f64::from_bits(self.load_factor_bits.load(Ordering::Relaxed))).filter(|f| !f.is_nan())
     }
-    pub fn set_load_factor(&self, factor: Option<f64>) -> Result<(), String> {
+    pub fn set_load_factor(&self, factor: Option<f64>) -> Result<(), ParamError> {
         if let Some(f) = factor {
             if !(f.is_finite() && f >= 0.0) {
-                return Err(format!("load_factor must be finite and >= 0, got {f}"));
+                return Err(ParamError::LoadFactor(f));
             }
         }
         self.load_factor_bits.store(factor.unwrap_or(f64::NAN).to_bits(), Ordering::Relaxed);
@@ -222,11 +235,11 @@ impl Router {
     }
 }
 
-fn check_tau(tau: f64) -> Result<(), String> {
+fn check_tau(tau: f64) -> Result<(), ParamError> {
     if tau.is_finite() && tau >= 0.0 {
         Ok(())
     } else {
-        Err(format!("tau must be finite and >= 0, got {tau}"))
+        Err(ParamError::Tau(tau))
     }
 }
 

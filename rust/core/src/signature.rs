@@ -6,29 +6,69 @@
 //! DeepSeek-V3 prompt touches most of the 58x256 experts, but shorter prompts touch far fewer,
 //! and the router never needs the dense vector (it dots straight into the centroids).
 
-use std::fmt;
+use thiserror::Error;
 
 /// Why a request has no usable signature. The router then falls back to shortest queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The message is the reason's name ([`NoSignature::as_str`]): together with `no_centroids`
+/// these names are the one fallback vocabulary, of decisions (`no_signature:<name>`), of the
+/// `eldr_router_fallbacks_total{reason}` label and of both data planes.
+#[derive(Debug, Error, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NoSignature {
-    /// No signature arrived (prefill did not send one, or it timed out).
+    /// No signature arrived, for no reason known to the router.
+    #[error("missing")]
     Missing,
+    /// The prefill's signature did not arrive within the signature timeout.
+    #[error("timeout")]
+    Timeout,
+    /// The payload (or the stream line carrying it) was refused: see `PayloadError`.
+    #[error("malformed")]
+    Malformed,
+    /// The prefill said it sent no counts (its reason goes to the log, not the label).
+    #[error("prefill_none")]
+    PrefillNone,
+    /// The prefill worker does not send signatures (unpatched, or started without the flag).
+    #[error("prefill_no_signature")]
+    PrefillNoSignature,
     /// Nothing left after masking and weighting (all zero, or only masked layers).
+    #[error("empty")]
     Empty,
     /// A NaN or infinite count.
+    #[error("non_finite")]
     NonFinite,
     /// A negative count.
+    #[error("negative")]
     Negative,
     /// A sparse index or expert id outside `L * E`.
+    #[error("out_of_range")]
     OutOfRange,
     /// The input's shape does not match the spec's `[L, E]`.
+    #[error("shape")]
     Shape,
+}
+
+/// Why layer weights and IDF do not make a [`SignatureSpec`].
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum SpecError {
+    #[error("layer_weights is empty")]
+    NoLayers,
+    #[error("idf has {len} values, not a multiple of L={layers}")]
+    IdfShape { len: usize, layers: usize },
+    #[error("layer weight {layer} is {value}; weights must be finite and >= 0")]
+    BadWeight { layer: usize, value: f32 },
+    #[error("idf[{layer}][{expert}] is {value}; IDF must be finite and >= 0")]
+    BadIdf { layer: usize, expert: usize, value: f32 },
+    #[error("no layer is selected: every layer weight is 0")]
+    NoneSelected,
 }
 
 impl NoSignature {
     pub fn as_str(&self) -> &'static str {
         match self {
             NoSignature::Missing => "missing",
+            NoSignature::Timeout => "timeout",
+            NoSignature::Malformed => "malformed",
+            NoSignature::PrefillNone => "prefill_none",
+            NoSignature::PrefillNoSignature => "prefill_no_signature",
             NoSignature::Empty => "empty",
             NoSignature::NonFinite => "non_finite",
             NoSignature::Negative => "negative",
@@ -39,21 +79,23 @@ impl NoSignature {
 }
 
 impl NoSignature {
-    pub const ALL: [NoSignature; 6] =
-        [NoSignature::Missing, NoSignature::Empty, NoSignature::NonFinite, NoSignature::Negative, NoSignature::OutOfRange, NoSignature::Shape];
+    pub const ALL: [NoSignature; 10] = [
+        NoSignature::Missing,
+        NoSignature::Timeout,
+        NoSignature::Malformed,
+        NoSignature::PrefillNone,
+        NoSignature::PrefillNoSignature,
+        NoSignature::Empty,
+        NoSignature::NonFinite,
+        NoSignature::Negative,
+        NoSignature::OutOfRange,
+        NoSignature::Shape,
+    ];
 
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|w| w.as_str() == s)
     }
 }
-
-impl fmt::Display for NoSignature {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::error::Error for NoSignature {}
 
 /// A count value read from numpy (integer counts or float weights).
 pub trait CountValue: Copy + Send + Sync {
@@ -160,24 +202,24 @@ pub struct SignatureSpec {
 
 impl SignatureSpec {
     /// `layer_weights` has `L` entries (0 masks a layer); `idf` is `[L, E]` row-major.
-    pub fn new(layer_weights: &[f32], idf: &[f32]) -> Result<Self, String> {
+    pub fn new(layer_weights: &[f32], idf: &[f32]) -> Result<Self, SpecError> {
         let layers = layer_weights.len();
         if layers == 0 {
-            return Err("layer_weights is empty".into());
+            return Err(SpecError::NoLayers);
         }
         if idf.is_empty() || idf.len() % layers != 0 {
-            return Err(format!("idf has {} values, not a multiple of L={layers}", idf.len()));
+            return Err(SpecError::IdfShape { len: idf.len(), layers });
         }
         let experts = idf.len() / layers;
-        if let Some((l, w)) = layer_weights.iter().enumerate().find(|(_, w)| !w.is_finite() || **w < 0.0) {
-            return Err(format!("layer weight {l} is {w}; weights must be finite and >= 0"));
+        if let Some((layer, &value)) = layer_weights.iter().enumerate().find(|(_, w)| !w.is_finite() || **w < 0.0) {
+            return Err(SpecError::BadWeight { layer, value });
         }
-        if let Some((i, v)) = idf.iter().enumerate().find(|(_, v)| !v.is_finite() || **v < 0.0) {
-            return Err(format!("idf[{}][{}] is {v}; IDF must be finite and >= 0", i / experts, i % experts));
+        if let Some((i, &value)) = idf.iter().enumerate().find(|(_, v)| !v.is_finite() || **v < 0.0) {
+            return Err(SpecError::BadIdf { layer: i / experts, expert: i % experts, value });
         }
         let selected: Vec<usize> = (0..layers).filter(|&l| layer_weights[l] > 0.0).collect();
         if selected.is_empty() {
-            return Err("no layer is selected: every layer weight is 0".into());
+            return Err(SpecError::NoneSelected);
         }
         let mut scale = vec![0f32; layers * experts];
         let mut out_index = vec![u32::MAX; layers * experts];

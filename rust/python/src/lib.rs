@@ -10,33 +10,122 @@ use eldr_core::router::Routed;
 use eldr_core::distance::{self, Counts};
 use eldr_core::limits;
 use eldr_core::payload::{self, DecodeLimits, DecodedCounts, Payload};
+use eldr_core::policies::UnknownPolicy;
+use eldr_core::router::ParamError;
+use eldr_core::signature::SpecError;
 use eldr_core::{BuildError, CentroidSet, CentroidWriter, CountValue, ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError, SignatureSpec, SizeError, SparseIndex, SparseSignature};
-use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+
+mod dataplane;
+
+// ---------------------------------------------------------------- errors
+//
+// Every eldr-core error type maps onto one Python class, with one match arm per variant: a
+// new variant does not compile until it is given its class here, and nothing reads a
+// message to choose one. Argument and parameter errors are ValueError (Python's idiom).
 
 create_exception!(_core, CentroidFileError, PyValueError, "A centroid file is truncated, corrupt, of another version or mismatched.");
 create_exception!(_core, NoSignatureError, PyValueError, "No usable signature; `reason` says why.");
 create_exception!(_core, NoHealthyWorker, PyRuntimeError, "Every decode worker is marked unhealthy.");
 create_exception!(_core, PayloadError, PyValueError, "A counts payload (the `eldr_signature` field) is malformed; the message says what is wrong.");
+create_exception!(_core, ProfileError, PyValueError, "An expert profile cannot be built from these cells, or counted on this worker (e.g. it predates a change of layer selection).");
 
-fn no_sig(py: Python<'_>, why: NoSignature) -> PyErr {
-    let err = NoSignatureError::new_err(format!("no usable signature: {why}"));
-    let _ = err.value(py).setattr("reason", why.as_str());
-    err
+/// An eldr-core error as the Python exception it maps onto.
+trait ToPyErr: std::fmt::Display + Sized {
+    fn to_py(self) -> PyErr;
 }
 
-fn file_err(e: eldr_core::CentroidFileError) -> PyErr {
-    CentroidFileError::new_err(e.to_string())
+impl ToPyErr for NoSignature {
+    fn to_py(self) -> PyErr {
+        use NoSignature::*;
+        match self {
+            Missing | Timeout | Malformed | PrefillNone | PrefillNoSignature | Empty | NonFinite | Negative | OutOfRange | Shape => Python::attach(|py| {
+                let err = NoSignatureError::new_err(format!("no usable signature: {self}"));
+                let _ = err.value(py).setattr("reason", self.as_str());
+                err
+            }),
+        }
+    }
 }
 
-fn payload_err(e: eldr_core::PayloadError) -> PyErr {
-    PayloadError::new_err(e.to_string())
+impl ToPyErr for eldr_core::CentroidFileError {
+    fn to_py(self) -> PyErr {
+        use eldr_core::CentroidFileError::*;
+        match &self {
+            Io { .. } | NotRegular { .. } | WontReplace { .. } | TooLarge { .. } | Truncated { .. } | BadMagic { .. } | Version { .. }
+            | Checksum { .. } | Field { .. } | Mismatch { .. } | Invalid(_) => CentroidFileError::new_err(self.to_string()),
+        }
+    }
 }
 
-fn size_err(e: SizeError) -> PyErr {
-    PyValueError::new_err(e.to_string())
+impl ToPyErr for eldr_core::PayloadError {
+    fn to_py(self) -> PyErr {
+        use eldr_core::PayloadError::*;
+        match &self {
+            TooLarge { .. } | NotJson(_) | NotObject(_) | Version(_) | Field { .. } | RepeatedLayer | TooManyEntries { .. } | Encoding(_)
+            | Base64(_) | DataLength { .. } | SparseLength { .. } | SparseIndex | LogBits | Experts { .. } | Layers { .. } => {
+                PayloadError::new_err(self.to_string())
+            }
+        }
+    }
+}
+
+impl ToPyErr for RouteError {
+    fn to_py(self) -> PyErr {
+        match self {
+            RouteError::NoHealthyWorker => NoHealthyWorker::new_err(self.to_string()),
+        }
+    }
+}
+
+impl ToPyErr for eldr_core::policies::ProfileError {
+    fn to_py(self) -> PyErr {
+        use eldr_core::policies::ProfileError::*;
+        match &self {
+            Dims { .. } | Lengths { .. } | NoTokens | IndexOutOfRange { .. } | BadCount(_) | WorkerOutOfRange { .. } | OtherSelection { .. }
+            | Stale => ProfileError::new_err(self.to_string()),
+        }
+    }
+}
+
+impl ToPyErr for BuildError {
+    fn to_py(self) -> PyErr {
+        match self {
+            BuildError::Centroids(e) => e.to_py(),
+            BuildError::Size(e) => e.to_py(),
+            BuildError::Policy(e) => e.to_py(),
+            BuildError::Param(e) => e.to_py(),
+            BuildError::NoWorkerCount => PyValueError::new_err(self.to_string()),
+        }
+    }
+}
+
+/// The argument errors: ValueError, each variant named so a new one is a compile error here.
+macro_rules! value_errors {
+    ($($t:ty => |$e:ident| $arms:pat),* $(,)?) => {$(
+        impl ToPyErr for $t {
+            fn to_py(self) -> PyErr {
+                let $e = &self;
+                match $e {
+                    $arms => PyValueError::new_err(self.to_string()),
+                }
+            }
+        }
+    )*};
+}
+value_errors! {
+    SizeError => |e| SizeError::OutOfRange { .. } | SizeError::TooLarge { .. } | SizeError::Alloc { .. },
+    ParamError => |e| ParamError::Tau(_) | ParamError::LoadFactor(_),
+    SpecError => |e| SpecError::NoLayers | SpecError::IdfShape { .. } | SpecError::BadWeight { .. } | SpecError::BadIdf { .. } | SpecError::NoneSelected,
+    UnknownPolicy => |e| UnknownPolicy { .. },
+    experts::OutOfRange => |e| experts::OutOfRange { .. },
+}
+
+fn py_err<E: ToPyErr>(e: E) -> PyErr {
+    e.to_py()
 }
 
 /// A contiguous view of a numpy array (copied only when the input is not C-contiguous).
@@ -138,7 +227,7 @@ struct PySignatureSpec {
 
 impl PySignatureSpec {
     fn out(&self, py: Python<'_>, r: Result<SparseSignature, NoSignature>) -> PyResult<Py<PyArray1<f32>>> {
-        let sig = r.map_err(|w| no_sig(py, w))?;
+        let sig = r.map_err(py_err)?;
         Ok(sig.to_dense(self.spec.dim()).into_pyarray(py).unbind())
     }
 }
@@ -155,7 +244,7 @@ impl PySignatureSpec {
         if i.shape().len() != 2 || i.shape()[0] != w.shape()[0] {
             return Err(PyValueError::new_err(format!("idf must be [L, E] with L={}, got shape {:?}", w.shape()[0], i.shape())));
         }
-        Ok(PySignatureSpec { spec: SignatureSpec::new(w.slice(), i.slice()).map_err(PyValueError::new_err)? })
+        Ok(PySignatureSpec { spec: SignatureSpec::new(w.slice(), i.slice()).map_err(py_err)? })
     }
     #[getter]
     fn num_layers(&self) -> usize {
@@ -248,7 +337,7 @@ fn batch_topk<'py, T: Element + ExpertId>(
     let d = spec.dim();
     let ids = v.slice();
     let k = sh[2];
-    let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", r, d).map_err(size_err)?;
+    let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", r, d).map_err(py_err)?;
     let mut valid = vec![false; r];
     py.detach(|| {
         for i in 0..r {
@@ -336,7 +425,7 @@ fn sparse_batch_rows<'py, T: Element + CountValue>(
             arr
         }
         None => {
-            let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", rows, d).map_err(size_err)?;
+            let mut sigs: Vec<f32> = limits::zeroed("signatures (requests x D)", rows, d).map_err(py_err)?;
             run(&mut sigs, &mut valid)?;
             numpy::ndarray::Array2::from_shape_vec((rows, d), sigs).expect("shape").into_pyarray(py)
         }
@@ -351,17 +440,17 @@ fn count_t<T: Element + ExpertId>(v: View<'_, T>, py: Python<'_>, num_experts: u
         return Err(PyValueError::new_err(format!("ids must be [T, L, k], got shape {sh:?}")));
     }
     let (l, k) = (sh[1], sh[2]);
-    limits::check_dim("num_experts", num_experts).map_err(size_err)?;
+    limits::check_dim("num_experts", num_experts).map_err(py_err)?;
     let ids = v.slice();
     let res = if distinct {
-        let mut scratch: Vec<bool> = limits::zeroed("layers x num_experts", l, num_experts).map_err(size_err)?;
+        let mut scratch: Vec<bool> = limits::zeroed("layers x num_experts", l, num_experts).map_err(py_err)?;
         let mut out = vec![0u32; l];
         py.detach(|| experts::distinct_per_layer(ids, l, k, num_experts, &mut scratch, &mut out)).map(|_| out)
     } else {
-        let mut out: Vec<u32> = limits::zeroed("layers x num_experts", l, num_experts).map_err(size_err)?;
+        let mut out: Vec<u32> = limits::zeroed("layers x num_experts", l, num_experts).map_err(py_err)?;
         py.detach(|| experts::count_topk(ids, l, k, num_experts, &mut out)).map(|_| out)
     };
-    let out = res.map_err(|e| PyValueError::new_err(format!("expert id {} at layer {} is out of range 0..{num_experts}", e.id, e.layer)))?;
+    let out = res.map_err(py_err)?;
     if distinct {
         Ok(out.into_pyarray(py).into_any().unbind())
     } else {
@@ -382,6 +471,23 @@ fn distinct_per_layer(py: Python<'_>, ids: &Bound<'_, PyAny>, num_experts: usize
     dispatch!(ids, "ids", count_t, [u8, i16, i32, i64, u16, u32], py, num_experts, true)
 }
 
+// ---------------------------------------------------------------- band statistics (lead, issue 14)
+
+/// Band size of each row of `distances` `[n, K]` (d = 1 - cos) at `tau`, every worker eligible:
+/// the calibration statistic the drift baseline keeps, by the router's own band bound.
+#[pyfunction]
+fn band_sizes<'py>(py: Python<'py>, distances: PyReadonlyArray2<'py, f64>, tau: f64) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    if !(tau.is_finite() && tau >= 0.0) {
+        return Err(PyValueError::new_err(format!("tau must be finite and >= 0, got {tau}")));
+    }
+    let d = distances.as_array();
+    let out: Vec<u32> = d.rows().into_iter().map(|r| match r.as_slice() {
+        Some(s) => eldr_core::band_size(s, tau) as u32,
+        None => eldr_core::band_size(&r.to_vec(), tau) as u32,
+    }).collect();
+    Ok(out.into_pyarray(py))
+}
+
 // ---------------------------------------------------------------- centroid file
 
 /// A validated centroid file, read into a private read-only copy (not mapped: an in-place
@@ -395,7 +501,7 @@ struct PyCentroidSet {
 impl PyCentroidSet {
     #[staticmethod]
     fn open(path: PathBuf) -> PyResult<Self> {
-        Ok(PyCentroidSet { set: Arc::new(CentroidSet::open(&path).map_err(file_err)?) })
+        Ok(PyCentroidSet { set: Arc::new(CentroidSet::open(&path).map_err(py_err)?) })
     }
     #[getter]
     fn path(&self) -> String {
@@ -458,7 +564,7 @@ impl PyCentroidSet {
 
 /// Validate and write a centroid file atomically (temp file + rename).
 #[pyfunction]
-#[pyo3(signature = (path, centroids, layer_weights, idf, tau=0.1, worker_names=None, provenance_json="{}".to_string()))]
+#[pyo3(signature = (path, centroids, layer_weights, idf, tau=0.1, worker_names=None, provenance_json="{}"))]
 fn write_centroids(
     path: PathBuf,
     centroids: PyReadonlyArrayDyn<'_, f32>,
@@ -466,7 +572,7 @@ fn write_centroids(
     idf: PyReadonlyArrayDyn<'_, f32>,
     tau: f32,
     worker_names: Option<Vec<String>>,
-    provenance_json: String,
+    provenance_json: &str,
 ) -> PyResult<()> {
     let c = View::new(centroids);
     let w = View::new(layer_weights);
@@ -479,9 +585,9 @@ fn write_centroids(
     }
     let k = c.shape()[0];
     let names = worker_names.unwrap_or_else(|| (0..k).map(|i| format!("decode-{i}")).collect());
-    CentroidWriter { centroids: c.slice(), k, layer_weights: w.slice(), idf: i.slice(), tau, worker_names: names, provenance: &provenance_json }
+    CentroidWriter { centroids: c.slice(), k, layer_weights: w.slice(), idf: i.slice(), tau, worker_names: names, provenance: provenance_json }
         .write(&path)
-        .map_err(file_err)
+        .map_err(py_err)
 }
 
 // ---------------------------------------------------------------- wire payload
@@ -534,7 +640,7 @@ impl PyDecodedCounts {
     /// Dense counts in a centroid file's `[num_layers, E]` layout (rows in order when the file
     /// holds only the payload's layers, else placed at their ids). Raises PayloadError.
     fn to_layout<'py>(&self, py: Python<'py>, num_layers: usize, num_experts: usize) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let v = self.inner.to_layout(num_layers, num_experts).map_err(payload_err)?;
+        let v = self.inner.to_layout(num_layers, num_experts).map_err(py_err)?;
         Ok(numpy::ndarray::Array2::from_shape_vec((num_layers, num_experts), v).expect("shape").into_pyarray(py))
     }
     fn __repr__(&self) -> String {
@@ -565,7 +671,7 @@ fn limits_of(max_bytes: usize, layout: Option<(usize, usize)>) -> DecodeLimits {
 fn decode_payload(py: Python<'_>, data: &Bound<'_, PyAny>, max_bytes: usize, layout: Option<(usize, usize)>) -> PyResult<PyDecodedCounts> {
     let bytes = text_bytes(data)?;
     let lim = limits_of(max_bytes, layout);
-    match py.detach(|| payload::decode(bytes, &lim)).map_err(payload_err)? {
+    match py.detach(|| payload::decode(bytes, &lim)).map_err(py_err)? {
         Payload::Counts(inner) => Ok(PyDecodedCounts { inner }),
         Payload::NoCounts(why) => Err(PayloadError::new_err(format!("the payload carries no counts (the prefill says: {why})"))),
     }
@@ -579,7 +685,7 @@ fn decode_payload(py: Python<'_>, data: &Bound<'_, PyAny>, max_bytes: usize, lay
 fn decode_event(py: Python<'_>, data: &Bound<'_, PyAny>, max_bytes: usize, layout: Option<(usize, usize)>) -> PyResult<Py<PyAny>> {
     let bytes = text_bytes(data)?;
     let lim = limits_of(max_bytes, layout);
-    Ok(match py.detach(|| payload::decode_event(bytes, &lim)).map_err(payload_err)? {
+    Ok(match py.detach(|| payload::decode_event(bytes, &lim)).map_err(py_err)? {
         None => py.None(),
         Some(Payload::NoCounts(why)) => why.into_pyobject(py)?.into_any().unbind(),
         Some(Payload::Counts(inner)) => Py::new(py, PyDecodedCounts { inner })?.into_any(),
@@ -680,11 +786,7 @@ impl PyExpertProfile {
     fn new(num_layers: usize, num_experts: usize, index: PyReadonlyArray1<'_, i64>, counts: PyReadonlyArray1<'_, f64>, tokens: u64) -> PyResult<Self> {
         let idx: Vec<u64> = index.as_array().iter().map(|&i| if i < 0 { u64::MAX } else { i as u64 }).collect();
         let c = counts.as_array().to_vec();
-        ExpertProfile::from_sparse(num_layers, num_experts, &idx, &c, tokens).map(|p| PyExpertProfile { inner: Arc::new(p) }).map_err(PyValueError::new_err)
-    }
-    #[getter]
-    fn experts_per_layer(&self) -> f64 {
-        self.inner.experts_per_layer()
+        ExpertProfile::from_sparse(num_layers, num_experts, &idx, &c, tokens).map(|p| PyExpertProfile { inner: Arc::new(p) }).map_err(py_err)
     }
     /// MoE layers (rows of the prefill counts) the profile spans.
     #[getter]
@@ -707,13 +809,14 @@ impl PyExpertProfile {
 
 /// Band router + baseline policies + queue tracker + hot-reloadable centroids.
 #[pyclass(name = "Router", module = "eldr_sglang._core", frozen)]
-struct PyRouter {
-    inner: eldr_core::Router,
+pub(crate) struct PyRouter {
+    /// Shared with the Rust data plane (`DataPlane`), which routes on the same instance.
+    pub(crate) inner: Arc<eldr_core::Router>,
 }
 
 impl PyRouter {
     fn finish(&self, py: Python<'_>, r: Result<Routed, RouteError>, explain: bool) -> PyResult<Py<PyAny>> {
-        let r = r.map_err(|e| NoHealthyWorker::new_err(e.to_string()))?;
+        let r = r.map_err(py_err)?;
         let worker = r.decision.worker.expect("route returns a worker or an error");
         if !explain {
             return Ok(worker.into_pyobject(py)?.into_any().unbind());
@@ -757,29 +860,12 @@ fn route_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl 
     r.finish(py, routed, explain)
 }
 
-fn route_topk_t<T: Element + ExpertId>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
-    let sh = v.shape().to_vec();
-    let ids = v.slice();
-    let routed = py.detach(|| {
-        r.inner.route(
-            |set| {
-                if sh.len() != 3 || sh[1] != set.num_layers() {
-                    return Err(NoSignature::Shape);
-                }
-                distance::from_signature(set, &set.spec().from_topk(ids, sh[2])?)
-            },
-            explain,
-        )
-    });
-    r.finish(py, routed, explain)
-}
-
 // ---- locality balancer: profiles from raw prefill counts (one block) ----
 
-fn profile_out(py: Python<'_>, r: Option<Result<ExpertProfile, NoSignature>>) -> PyResult<PyExpertProfile> {
+fn profile_out(r: Option<Result<ExpertProfile, NoSignature>>) -> PyResult<PyExpertProfile> {
     match r {
         None => Err(PyValueError::new_err("this router has no centroid file, whose layer selection a profile needs; build one with ExpertProfile(...) instead")),
-        Some(Err(why)) => Err(no_sig(py, why)),
+        Some(Err(why)) => Err(why.to_py()),
         Some(Ok(p)) => Ok(PyExpertProfile { inner: Arc::new(p) }),
     }
 }
@@ -787,17 +873,7 @@ fn profile_out(py: Python<'_>, r: Option<Result<ExpertProfile, NoSignature>>) ->
 fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
     let c = v.slice();
     let p = py.detach(|| r.inner.profile::<u32, T>(Counts::Dense(c), tokens));
-    profile_out(py, p)
-}
-
-fn profile_sparse_i<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
-    dispatch!(counts, "counts", profile_sparse_it, [f32, u32, u16, i64, i32, f64], &idx, r, py, tokens)
-}
-
-fn profile_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
-    let (i, c) = (idx.slice(), c.slice());
-    let p = py.detach(|| r.inner.profile(Counts::Sparse(i, c), tokens));
-    profile_out(py, p)
+    profile_out(p)
 }
 
 #[pymethods]
@@ -818,12 +894,9 @@ impl PyRouter {
     ) -> PyResult<Self> {
         let inner = py
             .detach(|| eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
-            .map_err(|e| match e {
-                BuildError::Centroids(e) => file_err(e),
-                e => PyValueError::new_err(e.to_string()),
-            })?;
-        inner.set_load_factor(load_factor).map_err(PyValueError::new_err)?;
-        Ok(PyRouter { inner })
+            .map_err(py_err)?;
+        inner.set_load_factor(load_factor).map_err(py_err)?;
+        Ok(PyRouter { inner: Arc::new(inner) })
     }
     #[getter]
     fn get_load_factor(&self) -> Option<f64> {
@@ -831,7 +904,7 @@ impl PyRouter {
     }
     #[setter]
     fn set_load_factor(&self, value: Option<f64>) -> PyResult<()> {
-        self.inner.set_load_factor(value).map_err(PyValueError::new_err)
+        self.inner.set_load_factor(value).map_err(py_err)
     }
     #[getter]
     fn policy(&self) -> &'static str {
@@ -847,7 +920,7 @@ impl PyRouter {
     }
     #[setter]
     fn set_tau(&self, value: f64) -> PyResult<()> {
-        self.inner.set_tau(value).map_err(PyValueError::new_err)
+        self.inner.set_tau(value).map_err(py_err)
     }
     #[pyo3(signature = (counts, explain=false))]
     fn route_dense(&self, py: Python<'_>, counts: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
@@ -856,10 +929,6 @@ impl PyRouter {
     #[pyo3(signature = (index, counts, explain=false))]
     fn route_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
         dispatch!(index, "index", route_sparse_i, [i64, i32, u32, u16], counts, self, py, explain)
-    }
-    #[pyo3(signature = (ids, explain=false))]
-    fn route_topk(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, explain: bool) -> PyResult<Py<PyAny>> {
-        dispatch!(ids, "ids", route_topk_t, [u8, i16, i32, i64, u16, u32], self, py, explain)
     }
     /// Route from a signature in the centroids' D-dim space; None = the signature is missing.
     #[pyo3(signature = (signature, explain=false))]
@@ -885,6 +954,7 @@ impl PyRouter {
         self.finish(py, r, explain)
     }
     /// Route a request whose signature is known to be unusable (`reason` as in NoSignature).
+    #[pyo3(signature = (reason, explain=false))]
     fn route_fallback(&self, py: Python<'_>, reason: &str, explain: bool) -> PyResult<Py<PyAny>> {
         let why = NoSignature::parse(reason).ok_or_else(|| PyValueError::new_err(format!("unknown no-signature reason {reason:?}")))?;
         let r = py.detach(|| self.inner.route(|_| Err(why), explain));
@@ -904,10 +974,6 @@ impl PyRouter {
     fn profile_dense(&self, py: Python<'_>, counts: &Bound<'_, PyAny>, tokens: u64) -> PyResult<PyExpertProfile> {
         dispatch!(counts, "counts", profile_dense_t, [u16, u32, f32, i64, i32, f64, u8], self, py, tokens)
     }
-    /// [`Router.profile_dense`] from sparse `(index l*E+e, count)` pairs.
-    fn profile_sparse(&self, py: Python<'_>, index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, tokens: u64) -> PyResult<PyExpertProfile> {
-        dispatch!(index, "index", profile_sparse_i, [i64, i32, u32, u16], counts, self, py, tokens)
-    }
     /// The locality balancer's expected distinct experts per layer per step of each worker's
     /// in-flight requests (zeros before its first profile); None for other policies.
     fn expert_distinct(&self) -> Option<Vec<f64>> {
@@ -921,7 +987,7 @@ impl PyRouter {
     fn acquire(&self, py: Python<'_>, worker: usize, tokens: i64, profile: Option<&PyExpertProfile>) -> PyResult<PyLease> {
         self.check_worker(worker)?;
         let experts = match profile {
-            Some(p) => self.inner.policy().track(self.inner.num_workers(), worker, Arc::clone(&p.inner)).transpose().map_err(PyValueError::new_err)?,
+            Some(p) => self.inner.policy().track(self.inner.num_workers(), worker, Arc::clone(&p.inner)).transpose().map_err(py_err)?,
             None => None,
         };
         let tracker = self.inner.tracker();
@@ -938,10 +1004,10 @@ impl PyRouter {
     fn tokens(&self) -> Vec<i64> {
         (0..self.inner.num_workers()).map(|w| self.inner.tracker().tokens(w)).collect()
     }
-    #[pyo3(signature = (worker, running, tokens=0))]
-    fn report_load(&self, worker: usize, running: i64, tokens: i64) -> PyResult<()> {
+    /// A worker's own count of the requests it holds (its /v1/loads), kept for the report TTL.
+    fn report_load(&self, worker: usize, running: i64) -> PyResult<()> {
         self.check_worker(worker)?;
-        self.inner.tracker().report(worker, running, tokens);
+        self.inner.tracker().report(worker, running);
         Ok(())
     }
     fn set_healthy(&self, worker: usize, healthy: bool) -> PyResult<()> {
@@ -955,12 +1021,12 @@ impl PyRouter {
         v
     }
     fn reload(&self, py: Python<'_>) -> PyResult<bool> {
-        py.detach(|| self.inner.reload()).map_err(file_err)
+        py.detach(|| self.inner.reload()).map_err(py_err)
     }
     fn maybe_reload(&self, py: Python<'_>) -> PyResult<bool> {
         match self.inner.store() {
             None => Ok(false),
-            Some(s) => py.detach(|| s.maybe_reload()).map_err(file_err),
+            Some(s) => py.detach(|| s.maybe_reload()).map_err(py_err),
         }
     }
     #[getter]
@@ -989,11 +1055,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", eldr_core::FORMAT_VERSION)?;
+    // the one policy list and the one fallback vocabulary (config, CLI and simulator read them)
     m.add("POLICIES", pyo3::types::PyTuple::new(py, eldr_core::POLICY_NAMES)?)?;
+    m.add("COUNTS_POLICIES", pyo3::types::PyTuple::new(py, eldr_core::POLICIES.iter().filter(|p| p.uses_counts).map(|p| p.name).collect::<Vec<_>>())?)?;
+    m.add("FALLBACK_REASONS", pyo3::types::PyTuple::new(py, eldr_core::fallback_reasons())?)?;
     m.add("CentroidFileError", py.get_type::<CentroidFileError>())?;
     m.add("NoSignature", py.get_type::<NoSignatureError>())?;
     m.add("NoHealthyWorker", py.get_type::<NoHealthyWorker>())?;
     m.add("PayloadError", py.get_type::<PayloadError>())?;
+    m.add("ProfileError", py.get_type::<ProfileError>())?;
     m.add("PAYLOAD_KEY", payload::META_KEY)?;
     m.add("PAYLOAD_MAX_ENTRIES", payload::MAX_ENTRIES)?;
     m.add("PAYLOAD_MAX_LAYERS", payload::MAX_LAYERS)?;
@@ -1005,9 +1075,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExpertProfile>()?;
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecodedCounts>()?;
+    m.add_class::<dataplane::PyDataPlane>()?;
     m.add_function(wrap_pyfunction!(decode_payload, m)?)?;
     m.add_function(wrap_pyfunction!(decode_event, m)?)?;
     m.add_function(wrap_pyfunction!(count_topk, m)?)?;
+    m.add_function(wrap_pyfunction!(band_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(distinct_per_layer, m)?)?;
     m.add_function(wrap_pyfunction!(write_centroids, m)?)?;
     Ok(())

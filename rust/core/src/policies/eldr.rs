@@ -13,6 +13,25 @@ use super::{load_cap, shortest_healthy, Decision, Policy, Reason, RouteContext};
 
 pub struct Eldr;
 
+/// The band's bound: worker k is in the band when d_k <= d* + tau. The router's rule below and
+/// the calibration statistics (`band_size`, the drift baseline) share this one definition.
+#[inline]
+pub fn band_limit(d_star: f64, tau: f64) -> f64 {
+    d_star + tau
+}
+
+/// Size of the band of one distance row with every worker eligible (the fit's calibration
+/// statistic; the router's band also drops unhealthy and, bounded, full workers). 0 for an
+/// empty row or one without a finite distance.
+pub fn band_size(d: &[f64], tau: f64) -> usize {
+    let d_star = d.iter().copied().fold(f64::INFINITY, f64::min);
+    if !d_star.is_finite() {
+        return 0;
+    }
+    let limit = band_limit(d_star, tau);
+    d.iter().filter(|&&x| x <= limit).count()
+}
+
 impl Policy for Eldr {
     fn name(&self) -> &'static str {
         "eldr"
@@ -32,7 +51,7 @@ impl Policy for Eldr {
         if !d_star.is_finite() {
             return Decision { worker: None, reason: Reason::Band, d_star: None, band: None };
         }
-        let limit = d_star + ctx.tau;
+        let limit = band_limit(d_star, ctx.tau);
         let mut best: Option<usize> = None;
         for k in 0..d.len() {
             if !eligible(k) || d[k] > limit {
@@ -45,5 +64,19 @@ impl Policy for Eldr {
         }
         let band = ctx.explain.then(|| (0..d.len()).filter(|&k| eligible(k) && d[k] <= limit).collect());
         Decision { worker: best, reason: Reason::Band, d_star: Some(d_star), band }
+    }
+}
+
+#[cfg(test)]
+mod band_size_tests {
+    use super::band_size;
+
+    #[test]
+    fn counts_the_workers_within_tau_of_the_nearest() {
+        assert_eq!(band_size(&[0.30, 0.10, 0.15, 0.21], 0.1), 2);
+        assert_eq!(band_size(&[0.30, 0.10, 0.15, 0.20], 0.1), 3, "the bound is inclusive");
+        assert_eq!(band_size(&[0.5, 0.5], 0.0), 2);
+        assert_eq!(band_size(&[], 0.1), 0);
+        assert_eq!(band_size(&[f64::NAN, f64::INFINITY], 0.1), 0);
     }
 }

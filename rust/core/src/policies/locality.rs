@@ -45,6 +45,29 @@ use super::{load_cap, shortest_healthy, Decision, Policy, Reason, RouteContext};
 use crate::distance::Counts;
 use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex};
 
+use thiserror::Error;
+
+/// Why a profile cannot be built from the given cells, or counted on a worker.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum ProfileError {
+    #[error("layers x experts must be in 1..2^32, got {layers} x {experts}")]
+    Dims { layers: usize, experts: usize },
+    #[error("index has {index} entries but counts has {counts}")]
+    Lengths { index: usize, counts: usize },
+    #[error("a profile needs at least one prompt token")]
+    NoTokens,
+    #[error("index {index} out of range 0..{cells}")]
+    IndexOutOfRange { index: u64, cells: usize },
+    #[error("counts must be finite and >= 0, got {0}")]
+    BadCount(f64),
+    #[error("worker {worker} out of range 0..{workers}")]
+    WorkerOutOfRange { worker: usize, workers: usize },
+    #[error("profile spans {layers} layers x {experts} experts but the balancer tracks {tracked_layers} layers x {tracked_experts} experts (another layer selection)")]
+    OtherSelection { layers: usize, experts: usize, tracked_layers: usize, tracked_experts: usize },
+    #[error("profile shape differs from the balancer's (an older layer selection)")]
+    Stale,
+}
+
 /// Fixed-point scale of `log(1 - p)` in a cell.
 const LOG_SCALE: f64 = (1u64 << 24) as f64;
 /// Fixed-point scale of the "no request selects this expert" mass `exp(S)`.
@@ -179,21 +202,21 @@ impl ExpertProfile {
     /// From the prompt's counts in sparse form: `index[i] = l * experts + e` with `counts[i]`
     /// prompt tokens whose top-k at layer l included e; `tokens` prompt tokens in all.
     /// Zero counts are skipped; duplicate indices add up. Spans all `layers`.
-    pub fn from_sparse(layers: usize, experts: usize, index: &[u64], counts: &[f64], tokens: u64) -> Result<Self, String> {
-        let n = layers.checked_mul(experts).filter(|&n| n > 0 && n <= u32::MAX as usize).ok_or("layers x experts must be in 1..2^32")?;
+    pub fn from_sparse(layers: usize, experts: usize, index: &[u64], counts: &[f64], tokens: u64) -> Result<Self, ProfileError> {
+        let n = layers.checked_mul(experts).filter(|&n| n > 0 && n <= u32::MAX as usize).ok_or(ProfileError::Dims { layers, experts })?;
         if index.len() != counts.len() {
-            return Err(format!("index has {} entries but counts has {}", index.len(), counts.len()));
+            return Err(ProfileError::Lengths { index: index.len(), counts: counts.len() });
         }
         if tokens == 0 {
-            return Err("a profile needs at least one prompt token".into());
+            return Err(ProfileError::NoTokens);
         }
         let mut cells: Vec<(u32, f64)> = Vec::with_capacity(index.len());
         for (&i, &c) in index.iter().zip(counts) {
-            if i as usize >= n {
-                return Err(format!("index {i} out of range 0..{n}"));
+            if i >= n as u64 {
+                return Err(ProfileError::IndexOutOfRange { index: i, cells: n });
             }
             if !(c.is_finite() && c >= 0.0) {
-                return Err(format!("counts must be finite and >= 0, got {c}"));
+                return Err(ProfileError::BadCount(c));
             }
             if c > 0.0 {
                 cells.push((i as u32, c));
@@ -432,15 +455,12 @@ impl ExpertLoad {
     }
 
     /// Count `p` on `worker` until the guard is released (or dropped).
-    pub fn acquire(self: &Arc<Self>, worker: usize, p: Arc<ExpertProfile>) -> Result<ExpertGuard, String> {
+    pub fn acquire(self: &Arc<Self>, worker: usize, p: Arc<ExpertProfile>) -> Result<ExpertGuard, ProfileError> {
         if worker >= self.num_workers() {
-            return Err(format!("worker {worker} out of range 0..{}", self.num_workers()));
+            return Err(ProfileError::WorkerOutOfRange { worker, workers: self.num_workers() });
         }
         if !self.fits(&p) {
-            return Err(format!(
-                "profile spans {} layers x {} experts but the balancer tracks {} layers x {} experts (another layer selection)",
-                p.layers(), p.experts, self.layers(), self.experts
-            ));
+            return Err(ProfileError::OtherSelection { layers: p.layers(), experts: p.experts, tracked_layers: self.layers(), tracked_experts: self.experts });
         }
         self.apply(worker, &p, 1);
         Ok(ExpertGuard { load: Arc::clone(self), worker, profile: p, released: AtomicBool::new(false) })
@@ -514,10 +534,10 @@ impl Policy for Locality {
         true
     }
 
-    fn track(&self, num_workers: usize, worker: usize, profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, String>> {
+    fn track(&self, num_workers: usize, worker: usize, profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, ProfileError>> {
         Some(match self.load_for(num_workers, &profile) {
             Some(l) => l.acquire(worker, profile),
-            None => Err("profile shape differs from the balancer's".into()),
+            None => Err(ProfileError::Stale),
         })
     }
 

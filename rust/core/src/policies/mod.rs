@@ -11,8 +11,8 @@ mod random;
 mod round_robin;
 mod shortest_queue;
 
-pub use eldr::Eldr;
-pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality};
+pub use eldr::{band_size, Eldr};
+pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
@@ -20,9 +20,49 @@ pub use shortest_queue::ShortestQueue;
 
 use std::sync::Arc;
 
+use thiserror::Error;
+
 use crate::signature::NoSignature;
 
-pub const POLICY_NAMES: [&str; 6] = ["eldr", "locality", "random", "round_robin", "shortest_queue", "power_of_two"];
+/// A routing policy by name, and whether it routes on the prefill's expert counts: such a
+/// policy binds late, needs a centroid file (eldr its centroids, locality its layer selection)
+/// and counts fallbacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyInfo {
+    pub name: &'static str,
+    pub uses_counts: bool,
+}
+
+/// Every policy [`make_policy`] builds: the one list the router's config and CLI and the
+/// simulator read (`_core.POLICIES`, `_core.COUNTS_POLICIES`).
+pub const POLICIES: [PolicyInfo; 6] = [
+    PolicyInfo { name: "eldr", uses_counts: true },
+    PolicyInfo { name: "locality", uses_counts: true },
+    PolicyInfo { name: "random", uses_counts: false },
+    PolicyInfo { name: "round_robin", uses_counts: false },
+    PolicyInfo { name: "shortest_queue", uses_counts: false },
+    PolicyInfo { name: "power_of_two", uses_counts: false },
+];
+
+/// The names of [`POLICIES`], in order.
+pub const POLICY_NAMES: [&str; POLICIES.len()] = {
+    let mut out = [""; POLICIES.len()];
+    let mut i = 0;
+    while i < POLICIES.len() {
+        out[i] = POLICIES[i].name;
+        i += 1;
+    }
+    out
+};
+
+/// The fallback vocabulary: why a counts policy routed without a usable signature. The names
+/// of [`NoSignature`] and `no_centroids` ([`Reason::NoCentroids`]); a fallback decision's
+/// label is `no_signature:<name>` or `no_centroids`.
+pub fn fallback_reasons() -> Vec<&'static str> {
+    NoSignature::ALL.iter().map(|w| w.as_str()).chain(std::iter::once(NO_CENTROIDS)).collect()
+}
+
+const NO_CENTROIDS: &str = "no_centroids";
 
 
 /// Why a worker was chosen.
@@ -45,7 +85,7 @@ impl Reason {
         match self {
             Reason::Band => "band".into(),
             Reason::NoSignature(w) => format!("no_signature:{w}"),
-            Reason::NoCentroids => "no_centroids".into(),
+            Reason::NoCentroids => NO_CENTROIDS.into(),
             Reason::Policy => "policy".into(),
             Reason::Profile => "profile".into(),
         }
@@ -96,7 +136,7 @@ pub trait Policy: Send + Sync {
     }
     /// Count `profile` on `worker` while the request is in flight (the guard releases it).
     /// None: the policy keeps no per-request state.
-    fn track(&self, _num_workers: usize, _worker: usize, _profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, String>> {
+    fn track(&self, _num_workers: usize, _worker: usize, _profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, ProfileError>> {
         None
     }
     /// The locality balancer's `D_w` per worker (expected distinct experts per layer per step
@@ -107,8 +147,15 @@ pub trait Policy: Send + Sync {
     fn choose(&self, ctx: &RouteContext) -> Decision;
 }
 
+/// A policy name that is not in [`POLICY_NAMES`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("unknown policy {name:?}; choose one of {}", POLICY_NAMES.join(", "))]
+pub struct UnknownPolicy {
+    pub name: String,
+}
+
 /// Build a policy by name. `seed` drives the random ones.
-pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, String> {
+pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, UnknownPolicy> {
     Ok(match name {
         "eldr" => Box::new(Eldr),
         "locality" => Box::new(Locality::default()),
@@ -116,7 +163,7 @@ pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, String> {
         "round_robin" => Box::new(RoundRobin::default()),
         "shortest_queue" => Box::new(ShortestQueue),
         "power_of_two" => Box::new(PowerOfTwo::new(seed)),
-        other => return Err(format!("unknown policy {other:?}; choose one of {}", POLICY_NAMES.join(", "))),
+        other => return Err(UnknownPolicy { name: other.to_owned() }),
     })
 }
 

@@ -139,9 +139,35 @@ fn power_of_two_picks_lighter_of_two_and_random_covers_all() {
 }
 
 #[test]
+fn the_policy_list_says_which_policies_use_counts() {
+    assert_eq!(POLICY_NAMES.to_vec(), POLICIES.iter().map(|p| p.name).collect::<Vec<_>>());
+    for info in POLICIES {
+        let p = make_policy(info.name, 0).unwrap();
+        assert_eq!(p.name(), info.name);
+        assert_eq!(p.uses_signature() || p.uses_profile(), info.uses_counts, "{}", info.name);
+    }
+}
+
+#[test]
+fn one_fallback_vocabulary() {
+    let names = fallback_reasons();
+    let unique: std::collections::HashSet<_> = names.iter().collect();
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+    for w in NoSignature::ALL {
+        assert_eq!(NoSignature::parse(w.as_str()), Some(w));
+        assert_eq!(w.to_string(), w.as_str());
+        assert_eq!(Reason::NoSignature(w).label(), format!("no_signature:{w}"));
+    }
+    assert!(names.contains(&Reason::NoCentroids.label().as_str()));
+    assert_eq!(NoSignature::parse("no_centroids"), None);
+}
+
+#[test]
 fn unknown_policy_is_named() {
     let err = make_policy("fastest", 0).err().unwrap();
-    assert!(err.contains("fastest") && err.contains("shortest_queue"));
+    assert_eq!(err.name, "fastest");
+    let msg = err.to_string();
+    assert!(msg.contains("fastest") && msg.contains("shortest_queue"));
 }
 
 // ---------------- the locality balancer ----------------
@@ -268,8 +294,8 @@ fn locality_prefers_the_worker_that_already_uses_the_experts() {
     assert_eq!(pol.choose(&c).reason.label(), "no_signature:shape");
     assert!(pol.track(2, 0, Arc::new(other)).unwrap().is_err());
     // bad input is refused with a message
-    assert!(ExpertProfile::from_sparse(1, 8, &[9], &[1.0], 1).unwrap_err().contains("out of range"));
-    assert!(ExpertProfile::from_sparse(1, 8, &[1], &[f64::NAN], 1).unwrap_err().contains("finite"));
+    assert_eq!(ExpertProfile::from_sparse(1, 8, &[9], &[1.0], 1).unwrap_err(), ProfileError::IndexOutOfRange { index: 9, cells: 8 });
+    assert!(ExpertProfile::from_sparse(1, 8, &[1], &[f64::NAN], 1).unwrap_err().to_string().contains("finite"));
     assert!(ExpertProfile::from_sparse(1, 8, &[1], &[1.0], 0).is_err());
 }
 

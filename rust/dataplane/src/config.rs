@@ -1,0 +1,141 @@
+//! The data plane's configuration: the Python launcher's RouterConfig, as JSON.
+
+use std::fmt;
+use std::time::Duration;
+
+use hyper::Uri;
+use serde::Deserialize;
+
+use crate::errors::ConfigError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct PrefillWorker {
+    pub url: String,
+    /// What decode workers connect to for the KV (the URL's host).
+    pub host: String,
+    pub bootstrap_port: Option<u16>,
+}
+
+fn default_threads() -> usize {
+    2
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub host: String,
+    /// 0: any free port (`DataPlane::start` returns the bound one).
+    pub port: u16,
+    pub prefill: Vec<PrefillWorker>,
+    pub decode: Vec<String>,
+    /// Every path the data plane does not serve itself goes here (the Python control plane).
+    pub control_url: String,
+    pub policy: String,
+    pub prefill_policy: String,
+    pub late_binding: bool,
+    pub seed: u64,
+    pub signature_timeout_s: f64,
+    pub request_timeout_s: f64,
+    pub connect_timeout_s: f64,
+    pub first_byte_timeout_s: f64,
+    pub stall_timeout_s: f64,
+    pub retries: u32,
+    pub eject_after_failures: u32,
+    pub eject_base_s: f64,
+    pub eject_max_s: f64,
+    pub client_header_timeout_s: f64,
+    pub client_body_timeout_s: f64,
+    pub max_payload_size: usize,
+    pub explain_headers: bool,
+    /// Tokio worker threads.
+    #[serde(default = "default_threads")]
+    pub threads: usize,
+    /// Decisions kept for the drift monitor (`DataPlane::take_signatures`); 0: none.
+    #[serde(default)]
+    pub signature_reservoir: usize,
+}
+
+/// Policies that route on the prefill's expert counts (they count fallbacks).
+pub const COUNTS_POLICIES: [&str; 2] = ["eldr", "locality"];
+pub const PREFILL_POLICIES: [&str; 3] = ["round_robin", "random", "shortest_queue"];
+
+impl Config {
+    pub fn from_json(text: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = serde_json::from_str(text)?;
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.prefill.is_empty() || self.decode.is_empty() {
+            return bad("at least one prefill and one decode worker are needed".into());
+        }
+        for url in self.prefill.iter().map(|p| &p.url).chain(&self.decode).chain(std::iter::once(&self.control_url)) {
+            let uri: Uri = match url.parse() {
+                Ok(u) => u,
+                Err(e) => return bad(format!("worker URL {url:?}: {e}")),
+            };
+            if uri.scheme_str() != Some("http") || uri.host().is_none() {
+                return bad(format!("worker URL {url:?}: the Rust data plane speaks plain http://host:port only (use --data-plane python for https)"));
+            }
+        }
+        if !PREFILL_POLICIES.contains(&self.prefill_policy.as_str()) {
+            return bad(format!("unknown prefill policy {:?}", self.prefill_policy));
+        }
+        for (name, v) in [
+            ("signature_timeout_s", self.signature_timeout_s),
+            ("request_timeout_s", self.request_timeout_s),
+            ("connect_timeout_s", self.connect_timeout_s),
+            ("first_byte_timeout_s", self.first_byte_timeout_s),
+            ("stall_timeout_s", self.stall_timeout_s),
+            ("eject_base_s", self.eject_base_s),
+            ("eject_max_s", self.eject_max_s),
+            ("client_header_timeout_s", self.client_header_timeout_s),
+            ("client_body_timeout_s", self.client_body_timeout_s),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v < 1e9) {
+                return bad(format!("{name} must be a positive number of seconds, got {v}"));
+            }
+        }
+        if self.threads == 0 || self.threads > 64 {
+            return bad(format!("threads must be 1..=64, got {}", self.threads));
+        }
+        Ok(())
+    }
+
+    pub fn counts_policy(&self) -> bool {
+        COUNTS_POLICIES.contains(&self.policy.as_str())
+    }
+}
+
+pub fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.max(0.0))
+}

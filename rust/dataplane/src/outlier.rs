@@ -1,0 +1,348 @@
+//! Per-worker availability: health checks plus outlier ejection, for prefill and decode
+//! alike. The semantics are those of `eldr_sglang/router/outlier.py` (the Python plane's):
+//!
+//! - closed: routable; `consecutive` counts failures since the last success;
+//! - open (ejected): after `threshold` failures in a row, for `base * 2^(n-1)` seconds (n =
+//!   ejections since the last full recovery, capped at `max`);
+//! - half-open: when the ejection ends the worker gets exactly one trial request (trial);
+//!   success closes the circuit and resets the back-off, failure opens it again for longer.
+//!
+//! At most half the workers of a role (rounded up) are out at once, and never the last
+//! routable one. Health checks (the Python control plane) feed `set_health`. For decode,
+//! every change of routability is mirrored into the core router's queue tracker, which the
+//! policies read.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use eldr_core::QueueTracker;
+use serde::Serialize;
+
+use crate::config::Role;
+use crate::counters::{names, Counters};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Circuit {
+    Closed,
+    Open,
+    HalfOpen,
+    Trial,
+}
+
+#[derive(Debug)]
+struct Worker {
+    url: String,
+    health_ok: bool,
+    circuit: Circuit,
+    consecutive: u32,
+    ejections: u32,
+    ejected_total: u64,
+    ejected_until: Instant,
+    last_failure: Option<String>,
+    routable: bool,
+    /// Bumped on each ejection: a probation timer of an older ejection does nothing.
+    epoch: u64,
+}
+
+impl Worker {
+    fn routable(&self) -> bool {
+        self.health_ok && matches!(self.circuit, Circuit::Closed | Circuit::HalfOpen)
+    }
+}
+
+/// One worker's state, as `/eldr/status` shows it (the Python pool's keys).
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerView {
+    pub url: String,
+    pub health_ok: bool,
+    pub circuit: Circuit,
+    pub consecutive_failures: u32,
+    pub ejections: u64,
+    pub ejected_for_s: f64,
+    pub last_failure: Option<String>,
+    pub inflight: i64,
+}
+
+pub struct WorkerPool {
+    role: Role,
+    workers: Mutex<Vec<Worker>>,
+    inflight: Box<[AtomicI64]>,
+    threshold: u32,
+    base: Duration,
+    max: Duration,
+    /// Decode: the core router's tracker, whose health flags the policies read.
+    tracker: Option<Arc<QueueTracker>>,
+    counters: Arc<Counters>,
+}
+
+impl WorkerPool {
+    pub fn new(role: Role, urls: &[String], threshold: u32, base_s: f64, max_s: f64, tracker: Option<Arc<QueueTracker>>, counters: Arc<Counters>) -> Arc<Self> {
+        let now = Instant::now();
+        let workers = urls
+            .iter()
+            .map(|u| Worker { url: u.clone(), health_ok: true, circuit: Circuit::Closed, consecutive: 0, ejections: 0, ejected_total: 0, ejected_until: now, last_failure: None, routable: true, epoch: 0 })
+            .collect();
+        Arc::new(WorkerPool {
+            role,
+            workers: Mutex::new(workers),
+            inflight: urls.iter().map(|_| AtomicI64::new(0)).collect(),
+            threshold: threshold.max(1),
+            base: Duration::from_secs_f64(base_s),
+            max: Duration::from_secs_f64(max_s.max(base_s)),
+            tracker,
+            counters,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Worker>> {
+        self.workers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn len(&self) -> usize {
+        self.inflight.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.inflight.is_empty()
+    }
+
+    pub fn routable(&self, i: usize) -> bool {
+        self.lock()[i].routable()
+    }
+
+    pub fn routable_all(&self) -> Vec<bool> {
+        self.lock().iter().map(Worker::routable).collect()
+    }
+
+    pub fn inflight(&self, i: usize) -> i64 {
+        self.inflight[i].load(Ordering::Relaxed)
+    }
+
+    pub fn inflight_all(&self) -> Vec<i64> {
+        self.inflight.iter().map(|a| a.load(Ordering::Relaxed)).collect()
+    }
+
+    pub fn state(&self) -> Vec<WorkerView> {
+        let now = Instant::now();
+        self.lock()
+            .iter()
+            .enumerate()
+            .map(|(i, w)| WorkerView {
+                url: w.url.clone(),
+                health_ok: w.health_ok,
+                circuit: w.circuit,
+                consecutive_failures: w.consecutive,
+                ejections: w.ejected_total,
+                ejected_for_s: if w.circuit == Circuit::Open { (w.ejected_until.saturating_duration_since(now).as_secs_f64() * 1000.0).round() / 1000.0 } else { 0.0 },
+                last_failure: w.last_failure.clone(),
+                inflight: self.inflight(i),
+            })
+            .collect()
+    }
+
+    /// A request goes to worker i: a half-open worker's one trial is now out.
+    pub fn dispatched(&self, i: usize) {
+        self.inflight[i].fetch_add(1, Ordering::Relaxed);
+        let mut ws = self.lock();
+        if ws[i].circuit == Circuit::HalfOpen {
+            ws[i].circuit = Circuit::Trial;
+            self.counters.inc(names::PROBATION_TRIALS, &[self.role.as_str(), &i.to_string()]);
+            self.sync(&mut ws, i);
+        }
+    }
+
+    pub fn finished(&self, i: usize) {
+        self.inflight[i].fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn success(&self, i: usize) {
+        let mut ws = self.lock();
+        let w = &mut ws[i];
+        w.consecutive = 0;
+        if matches!(w.circuit, Circuit::Trial | Circuit::HalfOpen) {
+            eprintln!("eldr.dataplane WARNING {} worker {i} ({}) passed its probation: back in rotation", self.role, w.url);
+            w.circuit = Circuit::Closed;
+            w.ejections = 0;
+            self.sync(&mut ws, i);
+        }
+    }
+
+    pub fn failure(self: &Arc<Self>, i: usize, kind: &str) {
+        let mut ws = self.lock();
+        ws[i].consecutive += 1;
+        ws[i].last_failure = Some(kind.to_owned());
+        match ws[i].circuit {
+            Circuit::Trial | Circuit::HalfOpen => self.eject(&mut ws, i, &format!("probation request failed ({kind})")),
+            Circuit::Closed if ws[i].consecutive >= self.threshold => {
+                let others = (0..ws.len()).filter(|&j| j != i && ws[j].routable()).count();
+                if others == 0 {
+                    return; // never eject the last routable worker
+                }
+                if ws.iter().filter(|w| w.circuit != Circuit::Closed).count() >= ws.len().div_ceil(2) {
+                    return; // at most half of them (rounded up) out at once
+                }
+                let why = format!("{} consecutive failures, last: {kind}", ws[i].consecutive);
+                self.eject(&mut ws, i, &why);
+            }
+            _ => {}
+        }
+    }
+
+    /// The request ended without a verdict on the worker (client gone): free a trial slot.
+    pub fn abandoned(&self, i: usize) {
+        let mut ws = self.lock();
+        if ws[i].circuit == Circuit::Trial {
+            ws[i].circuit = Circuit::HalfOpen;
+            self.sync(&mut ws, i);
+        }
+    }
+
+    pub fn set_health(&self, i: usize, ok: bool) {
+        let mut ws = self.lock();
+        if ws[i].health_ok != ok {
+            eprintln!("eldr.dataplane WARNING {} worker {i} ({}) health: {}", self.role, ws[i].url, if ok { "passing" } else { "FAILING" });
+        }
+        ws[i].health_ok = ok;
+        self.sync(&mut ws, i);
+    }
+
+    fn eject(self: &Arc<Self>, ws: &mut [Worker], i: usize, why: &str) {
+        let w = &mut ws[i];
+        w.ejections += 1;
+        w.ejected_total += 1;
+        w.epoch += 1;
+        let factor = 2f64.powi(w.ejections.saturating_sub(1).min(60) as i32);
+        let secs = self.max.min(self.base.mul_f64(factor));
+        w.circuit = Circuit::Open;
+        w.ejected_until = Instant::now() + secs;
+        eprintln!("eldr.dataplane WARNING {} worker {i} ({}) ejected for {:.1} s: {why}", self.role, w.url, secs.as_secs_f64());
+        self.counters.inc(names::EJECTIONS, &[self.role.as_str(), &i.to_string()]);
+        let epoch = w.epoch;
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let pool = Arc::clone(self);
+            rt.spawn(async move {
+                tokio::time::sleep(secs).await;
+                pool.probation(i, epoch);
+            });
+        }
+        self.sync(ws, i);
+    }
+
+    fn probation(&self, i: usize, epoch: u64) {
+        let mut ws = self.lock();
+        if ws[i].circuit == Circuit::Open && ws[i].epoch == epoch {
+            ws[i].circuit = Circuit::HalfOpen;
+            self.sync(&mut ws, i);
+        }
+    }
+
+    fn sync(&self, ws: &mut [Worker], i: usize) {
+        let ok = ws[i].routable();
+        if ok != ws[i].routable {
+            ws[i].routable = ok;
+            if let Some(t) = &self.tracker {
+                t.set_healthy(i, ok);
+            }
+        }
+    }
+}
+
+/// One request on one worker of a pool: `finished` on drop, and `abandoned` unless a
+/// verdict (success or failure) was given.
+pub struct Attempt {
+    pool: Arc<WorkerPool>,
+    pub worker: usize,
+    verdict: bool,
+}
+
+impl Attempt {
+    pub fn start(pool: &Arc<WorkerPool>, worker: usize) -> Self {
+        pool.dispatched(worker);
+        Attempt { pool: Arc::clone(pool), worker, verdict: false }
+    }
+    pub fn success(&mut self) {
+        self.pool.success(self.worker);
+        self.verdict = true;
+    }
+    pub fn failure(&mut self, kind: &str) {
+        self.pool.failure(self.worker, kind);
+        self.verdict = true;
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        if !self.verdict {
+            self.pool.abandoned(self.worker);
+        }
+        self.pool.finished(self.worker);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(n: usize) -> Arc<WorkerPool> {
+        let urls: Vec<String> = (0..n).map(|i| format!("http://w{i}")).collect();
+        WorkerPool::new(Role::Decode, &urls, 2, 0.05, 1.0, Some(Arc::new(QueueTracker::new(n, 1000))), Arc::new(Counters::default()))
+    }
+
+    #[test]
+    fn consecutive_failures_eject_and_mirror_into_the_tracker() {
+        let p = pool(3);
+        p.failure(1, "http_500");
+        assert!(p.routable(1));
+        p.failure(1, "http_500");
+        assert!(!p.routable(1));
+        assert!(!p.tracker.as_ref().unwrap().is_healthy(1));
+        assert_eq!(p.state()[1].circuit, Circuit::Open);
+        // at most half (rounded up: 2 of 3) out at once, and never the last routable one
+        p.failure(0, "x");
+        p.failure(0, "x");
+        assert!(!p.routable(0));
+        p.failure(2, "x");
+        p.failure(2, "x");
+        assert!(p.routable(2));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn ejection_ends_with_one_trial_and_backs_off() {
+        let p = pool(2);
+        p.failure(0, "a");
+        p.failure(0, "a");
+        assert!(!p.routable(0));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::task::yield_now().await;
+        assert_eq!(p.state()[0].circuit, Circuit::HalfOpen);
+        let mut a = Attempt::start(&p, 0);
+        assert!(!p.routable(0), "the one trial is out");
+        a.failure("b");
+        drop(a);
+        assert_eq!(p.state()[0].circuit, Circuit::Open);
+        assert_eq!(p.state()[0].ejections, 2);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::task::yield_now().await;
+        assert_eq!(p.state()[0].circuit, Circuit::Open, "second ejection lasts twice as long");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::task::yield_now().await;
+        let mut a = Attempt::start(&p, 0);
+        a.success();
+        drop(a);
+        assert_eq!(p.state()[0].circuit, Circuit::Closed);
+        assert!(p.tracker.as_ref().unwrap().is_healthy(0));
+        assert_eq!(p.inflight(0), 0);
+    }
+
+    #[test]
+    fn abandoned_trial_frees_the_slot() {
+        let p = pool(2);
+        {
+            let mut ws = p.lock();
+            ws[0].circuit = Circuit::HalfOpen;
+        }
+        drop(Attempt::start(&p, 0));
+        assert_eq!(p.state()[0].circuit, Circuit::HalfOpen);
+    }
+}

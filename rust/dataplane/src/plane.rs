@@ -1,0 +1,203 @@
+//! The data plane's shared state: configuration, the core router (shared with Python),
+//! the upstream client, worker pools, the prefill policy, counters and the retry budget.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use eldr_core::rng::AtomicRng;
+use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
+
+use crate::config::{secs, Config, Role};
+use crate::counters::{names, Counters};
+use crate::errors::ConfigError;
+use crate::flow::{sign_of, sign_state};
+use crate::outlier::WorkerPool;
+use crate::upstream::{self, HttpClient};
+
+pub struct Plane {
+    pub cfg: Config,
+    pub router: Arc<Router>,
+    pub client: HttpClient,
+    pub counters: Arc<Counters>,
+    pub prefill: Arc<WorkerPool>,
+    pub decode: Arc<WorkerPool>,
+    prefill_policy: Box<dyn Policy>,
+    prefill_signs: Box<[AtomicU8]>,
+    pub rng: AtomicRng,
+    pub budget: RetryBudget,
+    epoch: Instant,
+    last_warn_ms: AtomicU64,
+    /// Decisions for the Python drift monitor (None: drift handling off).
+    pub drift: Option<DriftFeed>,
+}
+
+/// One counts-policy decision as the drift monitor reads it.
+pub struct DriftSample {
+    pub generation: u64,
+    pub reason: String,
+    /// `1 - cos(signature, centroid_k)` over all K centroids, when a signature was usable.
+    pub distances: Option<Vec<f64>>,
+    pub signature: Option<SparseSignature>,
+}
+
+/// A bounded queue of decisions the control plane drains (`DataPlane.take_drift`); when it
+/// is full the oldest are dropped (and counted).
+pub struct DriftFeed {
+    queue: Mutex<VecDeque<DriftSample>>,
+    capacity: usize,
+    pub dropped: AtomicU64,
+}
+
+impl DriftFeed {
+    pub fn new(capacity: usize) -> Self {
+        DriftFeed { queue: Mutex::new(VecDeque::with_capacity(capacity.min(1 << 16))), capacity, dropped: AtomicU64::new(0) }
+    }
+    pub fn push(&self, s: DriftSample) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() >= self.capacity {
+            q.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        q.push_back(s);
+    }
+    pub fn take(&self, n: usize) -> Vec<DriftSample> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let n = n.min(q.len());
+        q.drain(..n).collect()
+    }
+}
+
+impl Plane {
+    pub fn new(cfg: Config, router: Arc<Router>) -> Result<Plane, ConfigError> {
+        if router.num_workers() != cfg.decode.len() {
+            return Err(ConfigError::Invalid(format!("the router has {} decode workers, the config {}", router.num_workers(), cfg.decode.len())));
+        }
+        if router.policy_name() != cfg.policy {
+            return Err(ConfigError::Invalid(format!("the router's policy is {}, the config's {}", router.policy_name(), cfg.policy)));
+        }
+        let counters = Arc::new(Counters::default());
+        let purls: Vec<String> = cfg.prefill.iter().map(|p| p.url.clone()).collect();
+        let prefill = WorkerPool::new(Role::Prefill, &purls, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, None, Arc::clone(&counters));
+        let decode = WorkerPool::new(Role::Decode, &cfg.decode, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, Some(Arc::clone(router.tracker())), Arc::clone(&counters));
+        let prefill_policy = make_policy(&cfg.prefill_policy, cfg.seed).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let cfg_reservoir = if cfg.counts_policy() { cfg.signature_reservoir } else { 0 };
+        Ok(Plane {
+            client: upstream::client(secs(cfg.connect_timeout_s)),
+            prefill_signs: cfg.prefill.iter().map(|_| AtomicU8::new(0)).collect(),
+            rng: AtomicRng::new(entropy()),
+            cfg,
+            router,
+            counters,
+            prefill,
+            decode,
+            prefill_policy,
+            budget: RetryBudget::default(),
+            epoch: Instant::now(),
+            last_warn_ms: AtomicU64::new(0),
+            drift: (cfg_reservoir > 0).then(|| DriftFeed::new(cfg_reservoir)),
+        })
+    }
+
+    pub fn pool(&self, role: Role) -> &Arc<WorkerPool> {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+
+    /// `(num_layers, num_experts)` of the serving centroid file (payloads must fit it).
+    pub fn layout(&self) -> Option<(usize, usize)> {
+        self.router.store().map(|s| {
+            let set = s.set();
+            (set.num_layers(), set.num_experts())
+        })
+    }
+
+    pub fn prefill_signs(&self, i: usize) -> Option<bool> {
+        sign_of(&self.prefill_signs[i])
+    }
+
+    pub fn set_prefill_signs(&self, i: usize, v: Option<bool>) {
+        self.prefill_signs[i].store(sign_state(v), Ordering::Relaxed);
+    }
+
+    /// A prefill worker by the prefill policy (the core's policy trait) among the routable
+    /// ones not tried yet; with none routable on a first try, any (their errors say why).
+    pub fn pick_prefill(&self, tried: &[usize]) -> Option<usize> {
+        let n = self.prefill.len();
+        let routable = self.prefill.routable_all();
+        let mut healthy: Vec<bool> = (0..n).map(|i| routable[i] && !tried.contains(&i)).collect();
+        if !healthy.iter().any(|&h| h) {
+            if !tried.is_empty() {
+                return None;
+            }
+            healthy = vec![true; n];
+        }
+        let loads = self.prefill.inflight_all();
+        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: None, fallback: Reason::Policy, tau: 0.0, load_factor: None, profile: None, explain: false };
+        self.prefill_policy.choose(&ctx).worker
+    }
+
+    pub fn may_retry(&self, role: Role) -> bool {
+        if self.budget.allows() {
+            return true;
+        }
+        self.counters.inc(names::RETRIES_REFUSED, &[role.as_str()]);
+        false
+    }
+
+    /// A warning about what a worker sent, at most one per second.
+    pub fn warn_malformed(&self, msg: &str) {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let last = self.last_warn_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= 1000 && self.last_warn_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            eprintln!("eldr.dataplane WARNING {msg}");
+        }
+    }
+}
+
+/// A seed from the OS (std's per-process random hash keys) and the clock: bootstrap rooms
+/// must differ across router restarts (a reused room of a transferred KV is refused), so
+/// they never come from the policies' --seed.
+fn entropy() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Re-sends allowed only while few are under way (Envoy's retry budget: 20% of active
+/// requests, here at least 10 concurrent re-sends), as in the Python plane.
+#[derive(Default)]
+pub struct RetryBudget {
+    active: Arc<AtomicI64>,
+    retrying: Arc<AtomicI64>,
+}
+
+pub struct Held(Arc<AtomicI64>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl RetryBudget {
+    pub fn allows(&self) -> bool {
+        let (r, a) = (self.retrying.load(Ordering::Relaxed), self.active.load(Ordering::Relaxed));
+        (r as f64) < (10f64).max(0.2 * a as f64)
+    }
+    pub fn active(&self) -> Held {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        Held(Arc::clone(&self.active))
+    }
+    pub fn retrying(&self) -> Held {
+        self.retrying.fetch_add(1, Ordering::Relaxed);
+        Held(Arc::clone(&self.retrying))
+    }
+}
+
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);

@@ -1,0 +1,123 @@
+//! Worker calls: one pooled hyper client, a POST whose response head must come within a
+//! limit, chunk reads with their own limits. Every failure is an [`UpstreamError`], counted
+//! (worker_errors, upstream_timeouts) with the role, worker and phase.
+
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::{timeout, Instant};
+
+use crate::config::Role;
+use crate::counters::{names, Counters};
+use crate::errors::{error_json, UpstreamError};
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Most of a worker's error body passed on to the client.
+pub const MAX_ERROR_BYTES: usize = 64 << 10;
+
+pub fn client(connect_timeout: Duration) -> HttpClient {
+    let mut conn = HttpConnector::new();
+    conn.set_connect_timeout(Some(connect_timeout));
+    conn.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build(conn)
+}
+
+/// The next data chunk of a body; `Ok(None)` at its end.
+pub async fn next_chunk(body: &mut Incoming) -> Result<Option<Bytes>, hyper::Error> {
+    loop {
+        match body.frame().await {
+            None => return Ok(None),
+            Some(Err(e)) => return Err(e),
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    if d.has_remaining() {
+                        return Ok(Some(d));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What an upstream call is, for its error messages and metric labels.
+#[derive(Clone, Copy)]
+pub struct Leg<'a> {
+    pub role: Role,
+    pub worker: usize,
+    pub counters: &'a Counters,
+}
+
+impl Leg<'_> {
+    pub fn error(&self, kind: &str) {
+        self.counters.inc(names::WORKER_ERRORS, &[self.role.as_str(), &self.worker.to_string(), kind]);
+    }
+    pub fn timeout(&self, phase: &str) {
+        self.counters.inc(names::TIMEOUTS, &[self.role.as_str(), &self.worker.to_string(), phase]);
+        self.error("timeout");
+    }
+}
+
+/// Why [`post`] failed at the connection level (the caller marks a refused worker down).
+pub enum Refused {
+    Yes,
+    No,
+}
+
+/// POST `body` to `url`; the response once its head is in, within `first_byte` (None: no
+/// bound but the deadline). Connect errors, timeouts and 5xx are retryable; other non-200
+/// statuses are the client's fault and passed on.
+pub async fn post(client: &HttpClient, leg: Leg<'_>, url: &str, body: Bytes, first_byte: Option<Duration>, deadline: Instant) -> Result<Response<Incoming>, (UpstreamError, Refused)> {
+    let (role, i) = (leg.role, leg.worker);
+    let budget = deadline.saturating_duration_since(Instant::now());
+    let (limit, phase) = match first_byte {
+        Some(fb) if fb < budget => (fb, "first_byte"),
+        _ => (budget, "total"),
+    };
+    let req = Request::post(url).header("content-type", "application/json").body(Full::new(body)).expect("request");
+    let resp = match timeout(limit, client.request(req)).await {
+        Err(_) => {
+            leg.timeout(phase);
+            let msg = format!("{role} worker {i} sent no response in {:.3} s", limit.as_secs_f64());
+            return Err((UpstreamError::retryable(504, &msg, role, format!("{phase}_timeout")), Refused::No));
+        }
+        Ok(Err(e)) => {
+            leg.error("connect");
+            let refused = e.is_connect();
+            let msg = if refused { format!("{role} worker {i} unreachable: {e}") } else { format!("{role} worker {i} failed: {e}") };
+            return Err((UpstreamError::retryable(502, &msg, role, "connect"), if refused { Refused::Yes } else { Refused::No }));
+        }
+        Ok(Ok(r)) => r,
+    };
+    let status = resp.status().as_u16();
+    if status == 200 {
+        return Ok(resp);
+    }
+    leg.error(&format!("http_{status}"));
+    let ctype = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let mut body = resp.into_body();
+    let data = match timeout(Duration::from_secs(5), read_bounded(&mut body, MAX_ERROR_BYTES)).await {
+        Ok(Ok(d)) => d,
+        _ => error_json(&format!("{role} worker {i} answered HTTP {status}")),
+    };
+    let cause = (status >= 500).then(|| format!("http_{status}"));
+    Err((UpstreamError { status, body: data, content_type: ctype, role, cause }, Refused::No))
+}
+
+/// At most `limit` bytes of a body (the rest is not read).
+pub async fn read_bounded(body: &mut Incoming, limit: usize) -> Result<Bytes, hyper::Error> {
+    let mut out = Vec::new();
+    while out.len() < limit {
+        match next_chunk(body).await? {
+            Some(c) => out.extend_from_slice(&c[..c.len().min(limit - out.len())]),
+            None => break,
+        }
+    }
+    Ok(Bytes::from(out))
+}

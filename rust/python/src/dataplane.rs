@@ -1,0 +1,154 @@
+//! `DataPlane`: the Rust request path (eldr-dataplane), started from Python. It routes on
+//! the same core Router instance the Python control plane holds; Python feeds it health
+//! checks and reads its counters at scrape time, never per request.
+
+use std::sync::{Arc, Mutex};
+
+use eldr_dataplane::{Config, DataPlane, Role};
+use pyo3::exceptions::{PyOSError, PyValueError};
+use numpy::IntoPyArray;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::PyRouter;
+
+/// The Rust data plane: a tokio/hyper server on its own threads (the GIL is released while
+/// it starts and stops; requests never touch Python).
+#[pyclass(name = "DataPlane", module = "eldr_sglang._core", frozen)]
+pub(crate) struct PyDataPlane {
+    inner: Mutex<DataPlane>,
+    plane: Arc<eldr_dataplane::Plane>,
+}
+
+impl PyDataPlane {
+    fn lock(&self) -> std::sync::MutexGuard<'_, DataPlane> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    fn role(role: &str) -> PyResult<Role> {
+        Role::parse(role).ok_or_else(|| PyValueError::new_err(format!("role must be 'prefill' or 'decode', got {role:?}")))
+    }
+    fn check(&self, role: Role, i: usize) -> PyResult<()> {
+        let n = self.plane.pool(role).len();
+        if i >= n {
+            return Err(PyValueError::new_err(format!("{role} worker {i} out of range 0..{n}")));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyDataPlane {
+    /// `config_json`: the data plane's settings (see `eldr_sglang.router.dataplane`);
+    /// `router`: the core Router the control plane holds (shared, not copied).
+    #[new]
+    fn new(config_json: &str, router: &PyRouter) -> PyResult<Self> {
+        let cfg = Config::from_json(config_json).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let dp = DataPlane::new(cfg, Arc::clone(&router.inner)).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let plane = Arc::clone(dp.plane());
+        Ok(PyDataPlane { inner: Mutex::new(dp), plane })
+    }
+    /// Bind and serve; the bound port. Idempotent.
+    fn start(&self, py: Python<'_>) -> PyResult<u16> {
+        py.detach(|| self.lock().start()).map_err(|e| PyOSError::new_err(format!("the data plane could not start: {e}")))
+    }
+    /// Stop serving; requests in flight end (their slots are released).
+    fn stop(&self, py: Python<'_>) {
+        py.detach(|| self.lock().stop())
+    }
+    #[getter]
+    fn running(&self) -> bool {
+        self.lock().is_running()
+    }
+    /// A health check's verdict on a worker (role 'prefill' or 'decode').
+    fn set_healthy(&self, role: &str, worker: usize, healthy: bool) -> PyResult<()> {
+        let r = Self::role(role)?;
+        self.check(r, worker)?;
+        self.plane.pool(r).set_health(worker, healthy);
+        Ok(())
+    }
+    /// Whether prefill `worker` streams signatures (None: not known yet). A prefill that
+    /// does not is bound early (no wait for a signature that never comes).
+    fn set_prefill_signature(&self, worker: usize, signs: Option<bool>) -> PyResult<()> {
+        self.check(Role::Prefill, worker)?;
+        self.plane.set_prefill_signs(worker, signs);
+        Ok(())
+    }
+    /// Each worker of a role: url, health_ok, circuit, consecutive_failures, ejections,
+    /// ejected_for_s, last_failure, inflight (the Python pool's keys).
+    fn workers<'py>(&self, py: Python<'py>, role: &str) -> PyResult<Bound<'py, PyList>> {
+        let r = Self::role(role)?;
+        let out = PyList::empty(py);
+        for w in self.plane.pool(r).state() {
+            let d = PyDict::new(py);
+            d.set_item("url", w.url)?;
+            d.set_item("health_ok", w.health_ok)?;
+            let circuit = serde_json_str(&w.circuit);
+            d.set_item("circuit", circuit)?;
+            d.set_item("consecutive_failures", w.consecutive_failures)?;
+            d.set_item("ejections", w.ejections)?;
+            d.set_item("ejected_for_s", w.ejected_for_s)?;
+            d.set_item("last_failure", w.last_failure)?;
+            d.set_item("inflight", w.inflight)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+    /// Routable flags of a role's workers (health check passing, not ejected).
+    fn routable(&self, role: &str) -> PyResult<Vec<bool>> {
+        Ok(self.plane.pool(Self::role(role)?).routable_all())
+    }
+    /// A snapshot for the Prometheus collector: {"counters": {name: [(labels, value)]},
+    /// "histograms": {name: (upper bounds, per-bucket counts with +Inf last, sum)}}.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.plane.counters;
+        let counters = PyDict::new(py);
+        for (name, series) in c.snapshot() {
+            let items = PyList::empty(py);
+            for (labels, v) in series {
+                items.append((PyTuple::new(py, labels)?, v))?;
+            }
+            counters.set_item(name, items)?;
+        }
+        let hists = PyDict::new(py);
+        for (name, h) in c.histograms() {
+            let (counts, sum) = h.snapshot();
+            hists.set_item(name, (h.bounds.to_vec(), counts, sum))?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("counters", counters)?;
+        out.set_item("histograms", hists)?;
+        Ok(out)
+    }
+    /// Up to `n` of the oldest decisions not taken yet, for the drift monitor: (centroid
+    /// generation, reason, distances to all K centroids or None, signature or None as
+    /// (index uint32[nnz], value float32[nnz], norm): value / norm is the unit signature).
+    fn take_drift<'py>(&self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        let Some(feed) = &self.plane.drift else { return Ok(out) };
+        for s in py.detach(|| feed.take(n)) {
+            let sig = match s.signature {
+                Some(sig) => Some((sig.index.into_pyarray(py), sig.value.into_pyarray(py), sig.norm).into_pyobject(py)?.into_any()),
+                None => None,
+            };
+            out.append((s.generation, s.reason, s.distances, sig))?;
+        }
+        Ok(out)
+    }
+    /// Decisions the drift queue dropped because the control plane did not drain it in time.
+    #[getter]
+    fn drift_dropped(&self) -> u64 {
+        self.plane.drift.as_ref().map_or(0, |f| f.dropped.load(std::sync::atomic::Ordering::Relaxed))
+    }
+    fn __repr__(&self) -> String {
+        let cfg = &self.plane.cfg;
+        format!("DataPlane(policy={:?}, prefill={}, decode={}, running={})", cfg.policy, cfg.prefill.len(), cfg.decode.len(), self.running())
+    }
+}
+
+fn serde_json_str<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(_) => String::new(),
+    }
+}

@@ -1,0 +1,93 @@
+"""benchmarks/bench_gateway.py: its measuring code in a quick run, with our random router standing in
+for the gateway (no PyPI install in tests), and the figures of its JSON recomputed from the
+measurements the same JSON holds."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_gateway  # noqa: E402
+
+from eldr_sglang.testing.pd_cluster import start_router  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench_gateway.json"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(bench_gateway, "ensure_gateway", lambda cache_dir: Path(sys.executable))
+    # the stand-in peer: our router with its random policy, launched where the gateway would be
+    mp.setattr(bench_gateway, "start_gateway",
+               lambda py, urls, tmp, proxy_port: start_router(urls, tmp, ["--disagg-router", "random", "--log-level", "warning"]))
+    try:
+        assert bench_gateway.main(["--quick", "--policies", "random,eldr", "--json", str(out)]) == 0
+    finally:
+        mp.undo()
+    return json.loads(out.read_text())
+
+
+def _cpu_at(target: dict, level: int) -> float:
+    return statistics.median(x["cpu_ms_per_request"] for x in target["phases"][str(level)] if "skipped" not in x)
+
+
+def test_ratios_are_computed_from_the_measured_cpu(quick):
+    rate = int(quick["config"]["cpu_rate_rps"])
+    tg = quick["targets"]
+    gw = tg[f"gateway {bench_gateway.GATEWAY_VERSION} random"]
+    planes = quick["data_planes"]
+    assert "python" in planes
+    for plane in planes:
+        eldr, rnd = tg[f"ours eldr [{plane}]"], tg[f"ours random [{plane}]"]
+        for t in (gw, eldr, rnd):
+            assert t["cpu_ms_per_request"] == _cpu_at(t, rate)
+            assert t["cpu_ms_per_request"] > 0  # a router that served requests used CPU (read from /proc)
+        assert quick["cpu_ratio_eldr_vs_gateway_by_plane"][plane] == pytest.approx(
+            eldr["cpu_ms_per_request"] / gw["cpu_ms_per_request"])
+        assert quick["cpu_ratio_eldr_vs_our_random_by_plane"][plane] == pytest.approx(
+            eldr["cpu_ms_per_request"] / rnd["cpu_ms_per_request"])
+    top = quick["cpu_ratio_eldr_vs_gateway_plane"]
+    assert quick["cpu_ratio_eldr_vs_gateway"] == quick["cpu_ratio_eldr_vs_gateway_by_plane"][top]
+    assert quick["gateway"]["hub_downloads_refused"] == 0  # the stand-in tries no download
+
+
+def test_added_latency_and_held_rate_follow_the_phases(quick):
+    tg = quick["targets"]
+    direct = {v["flow"]: v for v in tg.values() if v["kind"] == "direct"}
+    for name, t in tg.items():
+        seq = t["phases"]["0"]
+        assert sum(x["n"] for x in seq) == t["sequential"]["n"] == quick["config"]["sequential_requests"]
+        if t["kind"] != "direct":
+            base = direct[t["flow"]]["sequential"]
+            assert t["added_p50_ms"] == pytest.approx(t["sequential"]["p50_ms"] - base["p50_ms"])
+            assert t["added_p99_ms"] == pytest.approx(t["sequential"]["p99_ms"] - base["p99_ms"])
+        held = t["held_rate_rps"]
+        levels = quick["config"]["levels_rps"]
+        first_failed = next((x for x in levels if held is None or x > held), None)
+        for lv in levels:
+            runs = t["phases"][str(lv)]
+            ok = [r.get("held", False) for r in runs]
+            for r in runs:
+                if "skipped" not in r:
+                    assert r["held"] == (r["errors"] == 0 and r["p99_ms"] < bench_gateway.P99_LIMIT_MS and (
+                        lv == 0 or r["achieved_rate_rps"] >= 0.9 * lv)), (name, lv, r)
+            if held is not None and lv <= held:
+                assert sum(ok) * 2 > len(ok), (name, lv)
+            elif lv == first_failed:
+                assert sum(ok) * 2 <= len(ok), (name, lv)
+    assert quick["machine"]["loadavg_min"] <= quick["machine"]["loadavg_median"] <= quick["machine"]["loadavg_max"]
+
+
+def test_a_failed_install_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    with pytest.raises(bench_gateway.GatewayUnavailable, match="failed"):
+        bench_gateway.ensure_gateway(blocker)
+    assert blocker.read_text().startswith("a file")  # nothing destroyed

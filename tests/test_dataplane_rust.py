@@ -1,0 +1,203 @@
+"""The Rust data plane (`--data-plane rust`) over HTTP, against the emulated PD cluster.
+
+The request path runs in the extension's tokio/hyper server; Python keeps the control plane
+on an internal port, to which the Rust server forwards every path it does not serve. These
+tests drive both through the public port only. The HTTP-surface suites (test_e2e_pd,
+test_router_faults, ...) run against this plane too with ELDR_TEST_DATA_PLANE=rust.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("prometheus_client")
+
+from eldr_sglang.testing.pd_cluster import REPO, free_port, get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+
+TIME_SCALE = 0.05
+RUST = ["--data-plane", "rust"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("dataplane")
+
+
+@pytest.fixture(scope="module")
+def trace_files(workdir):
+    return make_trace_files(workdir, requests=40, seed=21, workers=3)
+
+
+@pytest.fixture(scope="module")
+def cluster(trace_files, workdir):
+    _, tpath, _ = trace_files
+    proc, urls = start_cluster(tpath, workdir, prefill=2, decode=3, time_scale=TIME_SCALE)
+    yield urls
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def router(cluster, trace_files, workdir):
+    _, _, cpath = trace_files
+    proc, base = start_router(cluster, workdir, [*RUST, "--disagg-router", "eldr", "--no-eldr-drift",
+                                                 "--eldr-centroids", str(cpath), "--eldr-signature-timeout-secs", "2",
+                                                 "--load-monitor-interval", "0.2", "--health-check-interval-secs", "0.5"])
+    yield base
+    proc.stop()
+
+
+def _metrics(base: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _wait_idle(base: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = get_json(base + "/eldr/status")
+        if (not any(st["decode_inflight"]) and not any(st["prefill_inflight"])) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def test_control_plane_paths_are_forwarded(router):
+    with __import__("urllib.request").request.urlopen(router + "/health", timeout=10) as r:
+        assert r.status == 200 and r.read() == b"ok"
+    st = get_json(router + "/eldr/status")
+    assert st["data_plane"] == "rust" and st["policy"] == "eldr"
+    assert [w["circuit"] for w in st["decode_workers"]] == ["closed"] * 3
+    assert get_json(router + "/v1/models")["data"]
+    status, _, _ = post(router + "/no/such/path", {})
+    assert status == 404  # the control plane's answer, passed on
+
+
+def test_late_binding_non_streamed_and_streamed(router, cluster):
+    rooms = {}
+    for i, stream in enumerate([False, True, False, True]):
+        status, headers, body = post(router + "/generate", {"text": f"p{i}", "stream": stream,
+                                                            "sampling_params": {"max_new_tokens": 3},
+                                                            "emulator": {"trace_request": i}})
+        assert status == 200, body
+        assert headers["X-ELDR-Reason"] == "band"
+        if stream:
+            assert headers["Content-Type"].startswith("text/event-stream")
+            assert body.rstrip().endswith(b"data: [DONE]")
+        else:
+            assert json.loads(body)["meta_info"]["completion_tokens"] == 3
+        rooms[int(headers["X-ELDR-Bootstrap-Room"])] = (int(headers["X-ELDR-Prefill-Worker"]), int(headers["X-ELDR-Decode-Worker"]))
+    plogs = [get_json(u + "/emulator/log") for u, _ in cluster["prefill"]]
+    dlogs = [get_json(u + "/emulator/log") for u in cluster["decode"]]
+    for room, (p, d) in rooms.items():
+        sent = [e["t"] for e in plogs[p] if e["event"] == "signature_sent" and e["room"] == room]
+        recv = [e["t"] for e in dlogs[d] if e["event"] == "decode_recv" and e["room"] == room]
+        assert len(sent) == 1 and len(recv) == 1 and sent[0] < recv[0]  # decode bound after the signature
+    st = _wait_idle(router)
+    assert st["decode_inflight"] == [0, 0, 0] and st["prefill_inflight"] == [0, 0]
+
+
+def test_openai_endpoints(router):
+    status, headers, body = post(router + "/v1/chat/completions", {
+        "model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert status == 200 and headers["X-ELDR-Reason"] == "band"
+    assert json.loads(body)["usage"]["completion_tokens"] == 3
+    status, headers, body = post(router + "/v1/completions", {"model": "x", "prompt": "hi", "max_tokens": 4, "stream": True})
+    assert status == 200 and headers["X-ELDR-Reason"] == "band"
+    events = [ln for ln in body.decode().split("\n\n") if ln.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 5
+
+
+@pytest.mark.parametrize("body,status,message", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"text": "a", "n": 2}, 400, "n > 1"),
+    ({"text": ["a", "b"]}, 400, "batch"),
+    ({"prompt": "x"}, 400, "needs 'text'"),
+    (b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
+])
+def test_bad_requests_get_clear_4xx(router, body, status, message):
+    got, headers, out = post(router + "/generate", body)
+    assert got == status and message in json.loads(out)["error"]["message"]
+    assert headers["Content-Type"].startswith("application/json")
+
+
+def test_body_over_the_limit_is_413(cluster, workdir):
+    proc, base = start_router(cluster, workdir, [*RUST, "--disagg-router", "round_robin", "--max-payload-size", "1000",
+                                                 "--load-monitor-interval", "0"])
+    try:
+        status, _, out = post(base + "/generate", {"text": "a" * 2000})
+        assert status == 413 and b"--max-payload-size" in out
+        status, headers, _ = post(base + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and headers["X-ELDR-Reason"] == "policy"  # a baseline binds early
+    finally:
+        proc.stop()
+
+
+def test_metrics_come_from_the_rust_counters(router):
+    before = _metrics(router)
+    n0 = metric(before, "eldr_router_requests_total", endpoint="generate", status="200")
+    for i in range(3):
+        assert post(router + "/generate", {"text": f"m{i}", "sampling_params": {"max_new_tokens": 2},
+                                           "emulator": {"trace_request": i}})[0] == 200
+    text = _metrics(router)
+    assert metric(text, "eldr_router_requests_total", endpoint="generate", status="200") == n0 + 3
+    assert metric(text, "eldr_router_decode_routes_total", reason="band") >= 3
+    assert metric(text, "eldr_router_band_size_count") >= 3
+    assert metric(text, "eldr_router_signature_wait_seconds_count") >= 3
+    assert "eldr_router_queue_depth" in text and "eldr_router_worker_healthy" in text
+
+
+def test_client_disconnect_mid_stream_releases_the_slot(router):
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            body = {"text": "long", "stream": True, "sampling_params": {"max_new_tokens": 100000},
+                    "emulator": {"trace_request": 1}}
+            async with s.post(router + "/generate", json=body) as resp:
+                await resp.content.readline()
+                st = get_json(router + "/eldr/status")
+                assert sum(st["decode_inflight"]) == 1
+            # leaving the block closes the connection: a client disconnect
+
+    m0 = metric(_metrics(router), "eldr_router_client_disconnects_total")
+    asyncio.run(asyncio.wait_for(run(), 30))
+    st = _wait_idle(router)
+    assert st["decode_inflight"] == [0, 0, 0] and st["prefill_inflight"] == [0, 0]
+    assert metric(_metrics(router), "eldr_router_client_disconnects_total") == m0 + 1
+
+
+def test_drift_monitor_is_fed_from_the_rust_plane(cluster, trace_files, workdir):
+    """Drift handling on (the default for eldr): the monitor sees every routed request with
+    its distances, and the refit reservoir gets unit signatures, drained off the request path."""
+    _, _, cpath = trace_files
+    proc, base = start_router(cluster, workdir, [*RUST, "--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+                                                 "--load-monitor-interval", "0"])
+    try:
+        for i in range(6):
+            assert post(base + "/generate", {"text": f"d{i}", "sampling_params": {"max_new_tokens": 2},
+                                             "emulator": {"trace_request": i}})[0] == 200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = _metrics(base)
+            if metric(text, "eldr_drift_observations_total") >= 6:
+                break
+            time.sleep(0.1)
+        assert metric(text, "eldr_drift_observations_total") == 6
+        assert metric(text, "eldr_reservoir_signatures") == 6
+        assert metric(text, "eldr_drift_hook_signature_errors") == 0
+    finally:
+        proc.stop()
+
+
+def test_a_worker_url_the_rust_plane_cannot_reach_is_refused_at_start(cluster):
+    argv = [sys.executable, "-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+            "--port", str(free_port()), "--prefill", "https://127.0.0.1:1", "--decode", cluster["decode"][0],
+            "--disagg-router", "round_robin", *RUST]
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "http://" in out.stderr and "Traceback" not in out.stderr
