@@ -81,8 +81,9 @@ class TraceShape:
 
 
 def trace_shape(path: str | os.PathLike) -> TraceShape | None:
-    """Shapes of a trace's arrays from the .npz headers, without reading the arrays; None
-    when the file cannot be read that way (load_trace then reports what is wrong)."""
+    """Shapes of a trace's arrays from the .npz headers, without reading the arrays (of a v2
+    trace: its kept decode routing, what the simulator holds); None when the file cannot be
+    read that way (load_trace then reports what is wrong)."""
     try:
         with zipfile.ZipFile(Path(path)) as z:
             def header(name):
@@ -92,6 +93,19 @@ def trace_shape(path: str | os.PathLike) -> TraceShape | None:
                     shape, _, dtype = read(fh)
                 return shape, dtype
 
+            names = set(z.namelist())
+            if "expert_ids.npy" not in names and "c0_indptr.npy" in names:
+                # a v2 trace: what a reader holds in memory is its kept decode routing
+                tokens = requests = 0
+                ids_shape, ids_dtype = None, None
+                for n in sorted(names):
+                    if n.startswith("d") and n.endswith("_expert_ids.npy"):
+                        ids_shape, ids_dtype = header(n[:-4])
+                        tokens += int(ids_shape[0])
+                        requests += int(header(n[: -len("_expert_ids.npy")] + "_requests")[0][0])
+                if ids_shape is None or len(ids_shape) != 3:
+                    return None
+                return TraceShape(tokens, int(ids_shape[1]), int(ids_shape[2]), int(ids_dtype.itemsize), requests)
             (ids_shape, ids_dtype), (off_shape, _) = header("expert_ids"), header("req_offsets")
     except Exception:  # noqa: BLE001 - any unreadable file is load_trace's to report
         return None

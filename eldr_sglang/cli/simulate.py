@@ -23,7 +23,7 @@ def register(sub) -> None:
             "workers with continuous batching, a roofline execution-time model."
         ),
     )
-    p.add_argument("--trace", help="ELDR trace (.npz)")
+    p.add_argument("--trace", help="ELDR trace (.npz), v1 or v2 (v2: the requests that kept decode routing replay)")
     p.add_argument("--centroids", help="centroid file from `eldr fit` (needed by eldr)")
     p.add_argument("--policies", type=A.policies, default=None,
                    help=f"comma list of {', '.join(BASELINES)}, eldr, eldr@TAU, eldr/F, locality/F, "
@@ -114,26 +114,39 @@ def run(args: argparse.Namespace) -> int:
     if not args.trace:
         raise ValueError("--trace is required (or --list-profiles)")
 
-    from eldr_sglang.models import get_model
-    from eldr_sglang.sim.cluster import ClusterConfig
-    from eldr_sglang.sim.profiles import get_hardware
-    from eldr_sglang.sim.replay import TraceReplay
-    from eldr_sglang.sim.runner import paper_check, parse_policies
-    from eldr_sglang.traces import load_trace
-
     from eldr_sglang.io_safe import check_outputs
+    from eldr_sglang.traces import open_trace
 
     # before any work: neither output may replace a non-regular file, an input, or the other
     check_outputs([("--json", args.json), ("--plot", args.plot)], inputs=[("--trace", args.trace), ("--centroids", args.centroids)])
     if args.protocol == "strict" and args.centroids:
         raise ValueError("--protocol strict fits its own centroids on held-out splits; drop --centroids")
     _check_memory(args)
-    trace = load_trace(args.trace)
-    model = get_model(args.model or trace.model)
+    source = open_trace(args.trace)  # v1 in memory, or v2: the requests that kept decode routing replay
+    try:
+        return _simulate(args, source)
+    finally:
+        if hasattr(source, "close"):
+            source.close()
+
+
+def _simulate(args, source) -> int:
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.cluster import ClusterConfig
+    from eldr_sglang.sim.profiles import get_hardware
+    from eldr_sglang.sim.replay import TraceReplay
+    from eldr_sglang.sim.runner import paper_check, parse_policies
+
+    replay = TraceReplay(source)
+    trace = replay.trace
+    if replay.is_counts:
+        print(f"trace v2 {args.trace}: replaying the {replay.num_requests} of its {source.num_requests} requests that "
+              f"kept decode routing (prompts from their counts)", file=sys.stderr)
+    model = get_model(args.model or source.model)
     hw = get_hardware(args.hardware)
     models = _models(args, model, hw)
     if args.protocol == "strict":
-        return run_strict(args, trace, models)
+        return run_strict(args, replay, models)
     if len(models) > 1:
         raise ValueError("--cost-model band needs --protocol strict")
     em = next(iter(models.values()))
@@ -147,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {model.name} on {K} decode workers x tp={em.tp} {hw.name}; trace {args.trace}: "
           f"{trace.num_requests} requests, {trace.num_layers} MoE layers x {trace.num_experts} experts, top-{trace.top_k}")
     print(paper_check(em))
-    sweep, runs, last_policies, last_distinct = _sweep(args, TraceReplay(trace), points, specs, em, cfg)
+    sweep, runs, last_policies, last_distinct = _sweep(args, replay, points, specs, em, cfg)
     meta = {
         "trace": str(args.trace), "model": em.describe(), "workers": K, "centroids": args.centroids,
         "paper_check": paper_check(em), "seed": args.seed,
@@ -250,7 +263,7 @@ def _models(args, model, hw) -> dict:
     return {v: sensitivity_model(v, model, hw, **kw) for v in names}
 
 
-def run_strict(args, trace, models: dict) -> int:
+def run_strict(args, replay, models: dict) -> int:
     """--protocol strict: fit on each split's fit half here, evaluate on its held-out half."""
     from eldr_sglang.sim.protocol import (
         BOUND_LABELS, STRICT_MIN_REQUESTS, STRICT_POLICIES, random_splits, run_protocol, strict_cells, summarize, versus_best,
@@ -270,9 +283,9 @@ def run_strict(args, trace, models: dict) -> int:
     policies = args.policies or STRICT_POLICIES
     parse_policies(policies)  # fail early on a bad list
     em0 = next(iter(models.values()))
-    print(f"strict protocol: {trace.num_requests} trace requests, K={K}, {args.splits} split(s), "
+    print(f"strict protocol: {replay.num_requests} trace requests, K={K}, {args.splits} split(s), "
           f"cost model(s) {', '.join(models)}; {paper_check(em0)}")
-    recs = run_protocol(trace, models, K, strict_cells(loads=per_worker), random_splits(trace.num_requests, args.splits, args.seed),
+    recs = run_protocol(replay, models, K, strict_cells(loads=per_worker), random_splits(replay.num_requests, args.splits, args.seed),
                         policies=policies, requests=requests, tau=args.tau if args.tau is not None else 0.1, seed=args.seed,
                         context_len=args.context_len or None,
                         log=None if args.no_progress else (lambda *a: print(*a, file=sys.stderr, flush=True)))

@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _run(args) -> None:
     from eldr_sglang.emulate.workers import DecodeWorker, PrefillWorker, WorkerSpec
-    from eldr_sglang.traces import load_trace
+    from eldr_sglang.traces import open_trace
 
-    trace = load_trace(args.trace)
+    trace = open_trace(args.trace)  # v1, or v2 (the requests that kept decode routing are replayed)
     spec = WorkerSpec(trace=trace, model=args.model, hardware=args.hardware, time_scale=args.time_scale)
     runners = []
 

@@ -64,6 +64,7 @@ from eldr_sglang.models import MODEL_PROFILES, get_model
 from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.sim.replay import TraceReplay, distinct_counter
 from eldr_sglang.traces import Trace
+from eldr_sglang.traces.counts_file import CountsTrace
 
 logger = logging.getLogger("eldr.emulate")
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -130,7 +131,7 @@ class EventLog:
 
 @dataclass
 class WorkerSpec:
-    trace: Trace
+    trace: Trace | CountsTrace  # v2: kept open while the workers run
     model: str = "auto"
     hardware: str = "h200"
     time_scale: float = 1.0
@@ -279,19 +280,16 @@ class PrefillWorker:
         self._lock = asyncio.Lock()
         self.inflight = 0
         self.served = 0
-        R = spec.trace.num_requests
+        R = spec.replay.num_requests  # a v2 trace replays the requests that kept decode routing
         self._payloads: dict[int, dict] = {}
         self._R = R
 
     def payload(self, r: int) -> dict:
         p = self._payloads.get(r)
         if p is None:
-            from eldr_sglang._core import count_topk
-
-            ids = np.ascontiguousarray(self.spec.replay.prefill_ids(r))
-            L, E = self.spec.trace.num_layers, self.spec.trace.num_experts
-            c = count_topk(ids, E) if len(ids) else np.zeros((L, E), np.uint32)
-            p = encode_counts(c, list(range(L)), int(len(ids)), self.max_bytes)
+            rp = self.spec.replay
+            c = rp.prompt_counts_of(r)  # from the prompt rows (v1) or the stored counts (v2)
+            p = encode_counts(c, list(range(rp.num_layers)), int(rp.prompt_len[r]), self.max_bytes)
             self._payloads[r] = p
         return p
 

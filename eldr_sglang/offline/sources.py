@@ -127,9 +127,7 @@ class CountsSource:
         self.trace = trace
         self._dtrace = None
         self._dreq = trace.decode_requests()
-        # The digest of a v2 trace is its file's sha256: one sequential read in a background
-        # thread (hashlib and file reads release the GIL), overlapping the fit's own passes.
-        self._digest = _hash_pool().submit(file_sha256, trace.path)
+        self._digest = None  # a future: see digest()
 
     def _by_chunk(self, req: np.ndarray):
         """(positions in req, _Rows of those requests) per chunk holding any of req. A chunk
@@ -175,6 +173,7 @@ class CountsSource:
 
     def prefill_pass(self, req: np.ndarray, progress: bool) -> tuple[np.ndarray, np.ndarray]:
         L, E = self.trace.num_layers, self.trace.num_experts
+        self._start_digest()  # the fit will want it: hash the file while this pass reads it
         df = np.zeros(L * E, dtype=np.int64)
         valid = np.zeros(len(req), dtype=bool)
         with progress_bar(len(req), desc="prefill counts", unit="req", leave=False, enabled=progress) as bar:
@@ -238,8 +237,15 @@ class CountsSource:
         dt, pos = self._decode(req[keep])
         return rpt.decode_locality(dt, pos, assign[keep], rng)
 
+    def _start_digest(self) -> None:
+        # The digest of a v2 trace is its file's sha256: one sequential read in a background
+        # thread (hashlib and file reads release the GIL), overlapping the fit's own passes.
+        if self._digest is None:
+            self._digest = _hash_pool().submit(file_sha256, self.trace.path)
+
     def digest(self) -> str:
         """sha256 of the trace file (a v2 file holds nothing but the trace)."""
+        self._start_digest()
         return self._digest.result()
 
     def file_digest(self, path) -> str:

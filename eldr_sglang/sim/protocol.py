@@ -171,12 +171,14 @@ def run_protocol(trace, models: dict, K: int, cells: list[Cell] | dict, splits: 
 
     text = policies + ("," + ",".join(BOUND_LABELS) if bounds else "")
     specs = parse_policies(text, tau)
-    replay = TraceReplay(trace)
+    replay = trace if isinstance(trace, TraceReplay) else TraceReplay(trace)
     dec_trace = TraceReplay(replay.decode_trace()) if bounds else None
     tmp = tmpdir or tempfile.mkdtemp(prefix="eldr-protocol-")
     records = []
     for si, (fit_idx, ev) in enumerate(splits):
-        cpath = fit_split(trace, fit_idx, K, tau, seed + si, os.path.join(tmp, f"split{si}-K{K}.eldr"))
+        # replay request i is request source_requests[i] of the trace given (v2: of those that kept decode)
+        cpath = fit_split(replay.source, replay.source_requests[np.asarray(fit_idx)], K, tau, seed + si,
+                          os.path.join(tmp, f"split{si}-K{K}.eldr"))
         sigs = eldr_signatures(replay, cpath)
         clair = None
         if bounds:  # the same fit on the same split, but from the decode rows

@@ -10,6 +10,12 @@ Per trace request r:
   tokens are asked for than were recorded, the recorded decode rows are replayed
   cyclically (same request, same experts) -- stated in every report that does it.
 
+A trace of either version replays: a v1 trace has every token's routing; a v2 trace
+(`traces.counts_file`) replays the requests whose decode routing it kept (all of them when
+written with `--keep-decode all`), their prompts known by counts. Signatures, expert profiles
+and the prefill payload all come from the prompt counts (`prompt_counts`), which for v1 are
+counted from the prompt rows by the Rust `count_topk`: the same numbers either way.
+
 Domain labels are not read here.
 """
 
@@ -18,8 +24,10 @@ from __future__ import annotations
 from typing import Iterator
 
 import numpy as np
+import scipy.sparse as sp  # noqa: F401  (the prompt counts' type)
 
-from eldr_sglang.traces import Trace
+from eldr_sglang.traces import Trace, TraceError
+from eldr_sglang.traces.counts_file import CountsTrace
 
 
 def distinct_per_layer_np(ids: np.ndarray, num_experts: int) -> np.ndarray:
@@ -55,17 +63,39 @@ def distinct_counter():
 
 
 class TraceReplay:
-    """Replays a trace's requests: prompt lengths, signatures and decode-step routing."""
+    """Replays a trace's requests: prompt lengths, signatures and decode-step routing.
 
-    def __init__(self, trace: Trace):
+    `trace` is a v1 `Trace` or an open v2 `CountsTrace` (see the module doc). Request r of the
+    replay is request `source_requests[r]` of `source`, the trace given; `trace` is a v1 trace
+    of the replayed requests (for v2: their decode rows only)."""
+
+    def __init__(self, trace: Trace | CountsTrace):
+        self.source = trace
+        self._counts = None  # CSR [R, L*E] prompt counts, made on first use for v1
+        if isinstance(trace, CountsTrace):
+            dec = trace.decode_trace()  # the kept decode routing: a v1 trace with no prompt rows
+            req = trace.decode_requests()
+            keep = trace.decode_len()[req] > 0  # a v2 trace has no prompt rows to replay instead
+            if not keep.any():
+                raise TraceError(f"{trace.path}: no request keeps decode tokens to replay")
+            if not keep.all():
+                dec = dec.subset(np.flatnonzero(keep))
+                req = req[keep]
+            self.source_requests = req
+            self._counts = trace.counts(req)
+            prompt_rows = np.zeros(len(req), dtype=np.int64)
+            self.prompt_len = trace.prefill_len[req].astype(np.int64)
+            trace = dec
+        else:
+            self.source_requests = np.arange(trace.num_requests, dtype=np.int64)
+            prompt_rows = self.prompt_len = trace.prefill_len.astype(np.int64)
         self.trace = trace
         self.expert_ids = trace.expert_ids
         self.num_layers = trace.num_layers
         self.num_experts = trace.num_experts
         self.top_k = trace.top_k
         off = trace.req_offsets.astype(np.int64)
-        self.prompt_len = trace.prefill_len.astype(np.int64)
-        self.dec_start = off[:-1] + self.prompt_len
+        self.dec_start = off[:-1] + prompt_rows
         self.dec_len = off[1:] - self.dec_start
         # A request without recorded decode tokens replays its prompt rows instead.
         no_dec = self.dec_len <= 0
@@ -75,19 +105,46 @@ class TraceReplay:
         if np.any(self.dec_len <= 0):
             bad = int(np.nonzero(self.dec_len <= 0)[0][0])
             raise ValueError(f"trace request {bad} has no tokens at all; it cannot be replayed")
-        self.recorded_output_len = np.maximum(off[1:] - off[:-1] - self.prompt_len, 1)
+        self.recorded_output_len = np.maximum(off[1:] - off[:-1] - prompt_rows, 1)
 
     @property
     def num_requests(self) -> int:
         return self.trace.num_requests
 
+    @property
+    def is_counts(self) -> bool:
+        """Whether the prompts are known by their counts only (a v2 trace)."""
+        return isinstance(self.source, CountsTrace)
+
     def prefill_ids(self, r: int) -> np.ndarray:
-        """[prompt_len, L, k] top-k ids of request r's prompt."""
+        """[prompt_len, L, k] top-k ids of request r's prompt (v1 traces only)."""
+        if self.is_counts:
+            raise TraceError("a v2 trace keeps prompt counts, not each prompt token's routing")
         return self.trace.prefill_ids(r)
+
+    def prompt_counts(self) -> "sp.csr_matrix":
+        """CSR [R, L*E] of each request's prompt counts (column l*E + e)."""
+        if self._counts is None:
+            from eldr_sglang.traces.counts_file import prefill_counts
+
+            t = self.trace
+            self._counts = prefill_counts(t.expert_ids, t.req_offsets.astype(np.int64), self.prompt_len, t.num_experts)
+        return self._counts
+
+    def prompt_counts_of(self, r: int) -> np.ndarray:
+        """[L, E] uint32 prompt counts of request r."""
+        row = self.prompt_counts()[r]
+        out = np.zeros(self.num_layers * self.num_experts, dtype=np.uint32)
+        out[row.indices] = row.data
+        return out.reshape(self.num_layers, self.num_experts)
 
     def signatures(self, spec) -> tuple[np.ndarray, np.ndarray]:
         """Prefill signatures of all requests through the Rust SignatureSpec:
-        ([R, D] float32, [R] valid)."""
+        ([R, D] float32, [R] valid). From the prompt rows of a v1 trace, from the counts of a
+        v2 one: the same bits (both weight the same counts in the same order)."""
+        if self.is_counts:
+            c = self.prompt_counts()
+            return spec.from_sparse_batch(c.indptr.astype(np.int64), c.indices, c.data)
         return spec.batch_from_topk(self.expert_ids, self.trace.req_offsets.astype(np.int64), self.prompt_len)
 
     def decode_trace(self) -> Trace:
@@ -113,15 +170,15 @@ class TraceReplay:
         cached = getattr(self, "_profiles", None)
         if cached is not None:
             return cached
-        from eldr_sglang._core import ExpertProfile, count_topk
+        from eldr_sglang._core import ExpertProfile
 
         L, E = self.num_layers, self.num_experts
         out = []
-        off = self.trace.req_offsets.astype(np.int64)
+        C = self.prompt_counts()
         for r in range(self.num_requests):
-            c = np.asarray(count_topk(np.ascontiguousarray(self.expert_ids[off[r] : off[r] + self.prompt_len[r]]), E)).ravel()
-            nz = np.flatnonzero(c)
-            out.append(ExpertProfile(L, E, nz.astype(np.int64), c[nz].astype(np.float64), max(int(self.prompt_len[r]), 1)))
+            a, b = C.indptr[r], C.indptr[r + 1]
+            out.append(ExpertProfile(L, E, C.indices[a:b].astype(np.int64), C.data[a:b].astype(np.float64),
+                                     max(int(self.prompt_len[r]), 1)))
         self._profiles = out
         return out
 
@@ -130,6 +187,10 @@ class TraceReplay:
         from eldr_sglang._core import NoSignature
 
         try:
+            if self.is_counts:
+                C = self.prompt_counts()
+                a, b = C.indptr[r], C.indptr[r + 1]
+                return spec.from_sparse(C.indices[a:b].astype(np.int64), C.data[a:b])
             return spec.from_topk(np.ascontiguousarray(self.prefill_ids(r)))
         except NoSignature:
             return None
