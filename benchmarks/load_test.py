@@ -143,6 +143,7 @@ def main(argv=None) -> int:
             res["router_decision_time"] = _histogram_quantiles(text, "eldr_router_route_seconds")
             res["router_cpu_ms_per_request"] = 1e3 * cpu / args.requests
             res["slots_held_when_idle"] = {"decode": st["decode_inflight"], "prefill": st["prefill_inflight"]}
+            res["router_failure_counters"] = _failure_counters(text)
         finally:
             router.stop()
             cluster.stop()
@@ -163,9 +164,26 @@ def main(argv=None) -> int:
           f"{res['router_cpu_ms_per_request']:>19.2f}{held:>12d}")
     if res["transport_errors"] or res["http_errors"]:
         print(f"errors: {res['transport_errors']} {res['http_errors']}")
+    for name, value in res["router_failure_counters"].items():  # why the router failed requests
+        print(f"  {name} {value:g}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0 if (res["lost"] == 0 and res["duplicated_answers"] == 0 and held == 0) else 1
+
+
+# The router's own account of failures: worker errors, retries, ejections and timeouts.
+_FAILURE_METRICS = ("eldr_router_worker_errors_total", "eldr_router_retries_total", "eldr_router_retries_refused_total",
+                    "eldr_router_ejections_total", "eldr_router_upstream_timeouts_total")
+
+
+def _failure_counters(metrics_text: str) -> dict:
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(_FAILURE_METRICS):
+            name, _, value = line.rpartition(" ")
+            if float(value) > 0:
+                out[name] = float(value)
+    return out
 
 
 if __name__ == "__main__":
