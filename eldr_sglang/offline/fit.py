@@ -148,46 +148,86 @@ def fit_trace(
     if worker_names is not None and len(worker_names) != K:
         raise ValueError(f"{len(worker_names)} worker names for {K} workers")
     names = list(worker_names) if worker_names is not None else [f"decode-{k}" for k in range(K)]
-    rng = np.random.default_rng([int(seed), 0xE1D2])
-    L, E = trace.num_layers, trace.num_experts
+    rng = np.random.default_rng([int(seed), 0xE1D2])  # drawn from in step order: layers, then scoring
     say = (lambda m: print(f"eldr fit: {m}", file=sys.stderr)) if progress else (lambda m: None)
 
-    # 1. one streaming pass over the prompt counts -> df, IDF
     src = prefill_source(trace, chunk_tokens)
+    valid, df, idf = _document_frequencies(src, req, K, progress, idf_plus_one)
+    t_after_raw = time.perf_counter()
+    weights, auto, mode = _layer_weights(layers, src, req, valid, idf, trace.num_layers, rng, say)
+    t_layers = time.perf_counter()
+    spec = make_spec(weights, idf)
+    X, S, valid, density = _fit_signatures(src, spec, req, valid, df, weights, K, progress, keep_signatures)
+    t_sig = time.perf_counter() - t0
+    with status_line(desc="eldr fit", enabled=progress) as line:  # balanced spherical K-means
+        km: KMeansResult = spherical_kmeans(
+            X, K, seed=seed, n_init=n_init, max_iter=max_iter, rtol=rtol, balanced=True,
+            progress=line.status if progress else None,
+        )
+    assignment = np.full(len(req), -1, dtype=np.int64)
+    assignment[valid] = km.assignment
+    rep = _report(trace, src, req, valid, X, km, K, tau, seed, spec, idf, idf_plus_one, weights, mode, auto, density,
+                  rng, say)
+    rep["seconds"] = {
+        "signatures": t_sig - (t_layers - t_after_raw),
+        "layer_selection": t_layers - t_after_raw,
+        "kmeans": km.seconds,
+        "total": time.perf_counter() - t0,
+    }
+    provenance = _provenance(trace, src, rep, km, K, tau, layers, seed, n_init, max_iter, rtol, idf_plus_one, req,
+                             requests is not None, source_path)
+    return FitResult(
+        centroids=km.centroids,
+        layer_weights=weights.astype(np.float32),
+        idf=idf,
+        assignment=assignment,
+        requests=req,
+        report=rep,
+        tau=tau,
+        worker_names=names,
+        provenance=provenance,
+        signatures=S,
+        valid=valid,
+    )
+
+
+def _document_frequencies(src, req: np.ndarray, K: int, progress: bool, idf_plus_one: bool):
+    """Step 1: one streaming pass over the prompt counts -> which requests have a signature,
+    the document frequencies and the IDF."""
     valid, df = src.prefill_pass(req, progress)
     n_valid = int(valid.sum())
     if n_valid == 0:
         raise ValueError("no calibration request has a usable signature (no prefill tokens)")
     if K > n_valid:
         raise ValueError(f"K > N: {K} workers but only {n_valid} calibration requests with a usable signature")
-    idf = compute_idf(df, n_valid, plus_one=idf_plus_one)
-    t_after_raw = time.perf_counter()
+    return valid, df, compute_idf(df, n_valid, plus_one=idf_plus_one)
 
-    # 2. layer weights
-    auto = None
-    mode = layers if isinstance(layers, str) else "weights"
-    if isinstance(layers, str) and layers.strip().lower() == "auto":
-        mode = "auto"
-        cand = np.flatnonzero(valid & src.has_decode(req))
-        if len(cand) > PROFILE_SAMPLE:
-            cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
-        if len(cand) < 3:
-            raise ValueError("--layers auto needs decode routing of at least 3 calibration requests; "
-                             "this trace keeps too little (use --layers middle, or keep decode routing)")
-        profiles = src.decode_profiles(req[cand])
-        say("selecting layers (greedy Spearman)")
-        auto = select_layers_auto(src.raw_rows(req, cand), idf.astype(np.float64), profiles, rng)
-        weights = auto.weights
-    else:
-        weights = parse_layers(layers, L)
-    t_layers = time.perf_counter()
 
-    # 3. final signatures through the Rust normalizer (the router's exact path)
-    spec = make_spec(weights, idf)
+def _layer_weights(layers, src, req: np.ndarray, valid: np.ndarray, idf: np.ndarray, num_layers: int, rng, say):
+    """Step 2: the layer weights, parsed or (layers="auto") selected by greedy Spearman on
+    the requests that kept decode routing. Returns (weights, auto selection or None, mode)."""
+    if not (isinstance(layers, str) and layers.strip().lower() == "auto"):
+        return parse_layers(layers, num_layers), None, (layers if isinstance(layers, str) else "weights")
+    cand = np.flatnonzero(valid & src.has_decode(req))
+    if len(cand) > PROFILE_SAMPLE:
+        cand = np.sort(rng.choice(cand, PROFILE_SAMPLE, replace=False))
+    if len(cand) < 3:
+        raise ValueError("--layers auto needs decode routing of at least 3 calibration requests; "
+                         "this trace keeps too little (use --layers middle, or keep decode routing)")
+    profiles = src.decode_profiles(req[cand])
+    say("selecting layers (greedy Spearman)")
+    auto = select_layers_auto(src.raw_rows(req, cand), idf.astype(np.float64), profiles, rng)
+    return auto.weights, auto, "auto"
+
+
+def _fit_signatures(src, spec, req: np.ndarray, valid: np.ndarray, df: np.ndarray, weights: np.ndarray, K: int,
+                    progress: bool, keep_signatures: bool):
+    """Step 3: the final signatures through the Rust normalizer (the router's exact path).
+    Returns (X: the fitted rows, S: all rows when kept else None, valid, density)."""
     # The density of the signatures is known before they are made: with IDF > 0 a signature
     # entry is non-zero exactly where its count is, so df over the selected layers counts
     # them. A matrix that K-means will densify is then built dense, never as CSR first.
-    n_cells = max(1, n_valid * spec.dim)
+    n_cells = max(1, int(valid.sum()) * spec.dim)
     predicted = float(df[weights > 0].sum()) / n_cells
     dense = predicted >= DENSE_MIN_DENSITY and len(req) * spec.dim * 4 <= DENSE_MAX_BYTES
     S, valid2 = src.signatures(spec, req, progress, dense=dense)
@@ -197,7 +237,6 @@ def fit_trace(
         raise ValueError(
             f"K > N: {K} workers but only {n_valid} calibration requests have a signature on the selected layers"
         )
-    t_sig = time.perf_counter() - t0
     X = S if valid.all() else S[valid]  # no copy in the usual case: every request has a signature
     nnz = int(np.count_nonzero(X)) if dense else X.nnz
     density = nnz / max(1, X.shape[0] * X.shape[1])
@@ -207,18 +246,14 @@ def fit_trace(
         S = sp.csr_matrix(S) if dense else S
     else:
         S = None  # X holds the fitted rows; the full matrix is not needed again
+    return X, S, valid, density
 
-    # 4. balanced spherical K-means
-    with status_line(desc="eldr fit", enabled=progress) as line:
-        km: KMeansResult = spherical_kmeans(
-            X, K, seed=seed, n_init=n_init, max_iter=max_iter, rtol=rtol, balanced=True,
-            progress=line.status if progress else None,
-        )
-    t_km = km.seconds
-    assignment = np.full(len(req), -1, dtype=np.int64)
-    assignment[valid] = km.assignment
 
-    # 5. report
+def _report(trace, src, req, valid, X, km, K, tau, seed, spec, idf, idf_plus_one, weights, mode, auto, density,
+            rng, say) -> dict:
+    """Step 5: the fit report: sizes and balance, the K-means run, the layer selection, and the
+    scores (cosines, signature rho, decode locality, domain purity, the drift baseline)."""
+    n_valid = int(valid.sum())
     sizes = np.bincount(km.assignment, minlength=K)
     q, r = balanced_sizes(n_valid, K)
     fitted = req[valid]
@@ -276,19 +311,20 @@ def fit_trace(
     if trace.domain is not None:
         rep["domain_purity"] = rpt.domain_purity(np.asarray(trace.domain)[fitted], km.assignment, rng)
     rep["baseline"] = rpt.baseline_stats(X, km.centroids, tau)
-    rep["seconds"] = {
-        "signatures": t_sig - (t_layers - t_after_raw),
-        "layer_selection": t_layers - t_after_raw,
-        "kmeans": t_km,
-        "total": time.perf_counter() - t0,
-    }
+    return rep
 
+
+def _provenance(trace, src, rep: dict, km, K, tau, layers, seed, n_init, max_iter, rtol, idf_plus_one, req,
+                subset: bool, source_path) -> dict:
+    """What the centroid file records of how it was made (its provenance JSON)."""
+    n_valid = rep["n_fitted"]
+    sizes = np.asarray(rep["cluster_sizes"])
     provenance = {
         "tool": "eldr fit",
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "trace_sha256": src.digest(),
         "trace_model": trace.model,
-        "trace_shape": {"num_layers": L, "num_experts": E, "top_k": trace.top_k},
+        "trace_shape": {"num_layers": trace.num_layers, "num_experts": trace.num_experts, "top_k": trace.top_k},
         "params": {
             "workers": K,
             "tau": tau,
@@ -299,7 +335,7 @@ def fit_trace(
             "rtol": float(rtol),
             "idf_plus_one": bool(idf_plus_one),
             "calibration_requests": int(len(req)),
-            "calibration_subset": requests is not None,
+            "calibration_subset": subset,
         },
         "fit": {
             "n_fitted": n_valid,
@@ -312,19 +348,7 @@ def fit_trace(
     if source_path is not None:
         provenance["trace_path"] = str(source_path)
         provenance["trace_file_sha256"] = src.file_digest(source_path)
-    return FitResult(
-        centroids=km.centroids,
-        layer_weights=weights.astype(np.float32),
-        idf=idf,
-        assignment=assignment,
-        requests=req,
-        report=rep,
-        tau=tau,
-        worker_names=names,
-        provenance=provenance,
-        signatures=S,
-        valid=valid,
-    )
+    return provenance
 
 
 def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:
