@@ -390,18 +390,7 @@ def collect(
         if rec["key"] in wanted:
             parsed[rec["key"]] = parse(rec["response"], rec["key"], f"{ckpt.name} (prompt {rec.get('index')})")
 
-    damaged: list[int] = []
-    read_checkpoint(ckpt, take, damaged)
-    if damaged:
-        shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
-        print(f"eldr collect: {ckpt}: skipped {len(damaged)} damaged checkpoint line(s) (line {shown}); "
-              "their prompts are sent again", file=sys.stderr)
-    todo, queued = [], set()
-    for i, k in enumerate(keys):  # a prompt repeated in the dataset is sent once
-        if k not in parsed and k not in queued:
-            todo.append(i)
-            queued.add(k)
-    reused = sum(1 for k in keys if k in parsed)
+    todo, reused = _resume(ckpt, keys, take, parsed)
     from eldr_sglang.progress import progress as progress_bar
 
     bar, tick = None, None
@@ -412,56 +401,11 @@ def collect(
         tick = bar.update
     failed: list[tuple[int, str]] = []
     fatal: list[str] = []
-    base = cfg.url.rstrip("/")
-
-    def work(i: int) -> dict:
-        ep, body = reqs[i]
-        delay = cfg.backoff_s
-        for attempt in range(cfg.retries + 1):
-            try:
-                return _post(base + ep, body, cfg.timeout_s, cfg.api_key)
-            except _Transient:
-                if attempt == cfg.retries:
-                    raise
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
-
     sent = 0
-    # Daemon worker threads fed through queues (not a ThreadPoolExecutor, whose non-daemon
-    # workers would hold Ctrl-C until every in-flight request finished or timed out).
-    tasks: queue.Queue = queue.Queue()
-    results: queue.Queue = queue.Queue()
-
-    def worker() -> None:
-        while True:
-            i = tasks.get()
-            if i is None:
-                return
-            try:
-                results.put((i, work(i), None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                results.put((i, None, exc))
-
-    threads = [threading.Thread(target=worker, daemon=True, name=f"eldr-collect-{n}")
-               for n in range(min(cfg.concurrency, max(1, len(todo))))]
-    for t in threads:
-        t.start()
-    source = iter(todo)
-    in_flight = 0
+    feeder = _Feeder(_sender(cfg, reqs), min(cfg.concurrency, max(1, len(todo))))
     try:
         with _CheckpointWriter(ckpt) as fh:
-            while True:
-                while not fatal and in_flight < 2 * len(threads):
-                    i = next(source, None)
-                    if i is None:
-                        break
-                    tasks.put(i)
-                    in_flight += 1
-                if in_flight == 0:
-                    break
-                i, resp, exc = results.get()
-                in_flight -= 1
+            for i, resp, exc in feeder.run(todo, stop=lambda: bool(fatal)):
                 sent += 1
                 if exc is not None:
                     if not isinstance(exc, (_Transient, _Permanent)):
@@ -483,14 +427,7 @@ def collect(
               file=sys.stderr)
         raise
     finally:
-        # queued requests are dropped; running ones finish unrecorded in daemon threads
-        while True:
-            try:
-                tasks.get_nowait()
-            except queue.Empty:
-                break
-        for _ in threads:
-            tasks.put(None)
+        feeder.close()
         if bar is not None:
             bar.close()
     if fatal:
@@ -499,6 +436,105 @@ def collect(
         i, msg = failed[0]
         raise ValueError(f"{len(failed)} of {len(prompts)} requests failed (first: prompt {i}: {msg}); "
                          f"answers so far are kept in {ckpt}; re-run to retry them")
+    trace, n_req, n_tok = _write_collected(prompts, keys, parsed, cfg, out, fmt)
+    if not keep_checkpoint:
+        ckpt.unlink(missing_ok=True)
+    return CollectResult(trace, n_req, n_tok, len(prompts), reused, sent, failed, ckpt)
+
+
+def _resume(ckpt: Path, keys: list[str], take: Callable[[dict], None], done: dict) -> tuple[list[int], int]:
+    """Read the checkpoint (each good record goes to `take`, which fills `done`; damaged lines
+    are skipped and said) and return (the prompt indices still to send, the number of prompts answered
+    already). A prompt repeated in the dataset is sent once."""
+    damaged: list[int] = []
+    read_checkpoint(ckpt, take, damaged)
+    if damaged:
+        shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        print(f"eldr collect: {ckpt}: skipped {len(damaged)} damaged checkpoint line(s) (line {shown}); "
+              "their prompts are sent again", file=sys.stderr)
+    todo, queued = [], set()
+    for i, k in enumerate(keys):
+        if k not in done and k not in queued:
+            todo.append(i)
+            queued.add(k)
+    return todo, sum(1 for k in keys if k in done)
+
+
+def _sender(cfg: CollectConfig, reqs: list[tuple[str, dict]]) -> Callable[[int], dict]:
+    """POST request i, retrying transient failures with exponential back-off."""
+    base = cfg.url.rstrip("/")
+
+    def work(i: int) -> dict:
+        ep, body = reqs[i]
+        delay = cfg.backoff_s
+        for attempt in range(cfg.retries + 1):
+            try:
+                return _post(base + ep, body, cfg.timeout_s, cfg.api_key)
+            except _Transient:
+                if attempt == cfg.retries:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    return work
+
+
+class _Feeder:
+    """Daemon worker threads fed through queues (not a ThreadPoolExecutor, whose non-daemon
+    workers would hold Ctrl-C until every in-flight request finished or timed out). At most
+    two requests per thread are queued, so a stop leaves little unsent work behind."""
+
+    def __init__(self, work: Callable[[int], dict], threads: int):
+        self.work = work
+        self.tasks: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self.threads = [threading.Thread(target=self._worker, daemon=True, name=f"eldr-collect-{n}")
+                        for n in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _worker(self) -> None:
+        while True:
+            i = self.tasks.get()
+            if i is None:
+                return
+            try:
+                self.results.put((i, self.work(i), None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self.results.put((i, None, exc))
+
+    def run(self, todo: list[int], stop: Callable[[], bool]):
+        """Yield (index, response or None, exception or None) as answers land; no new work is
+        fed once `stop()` is true, and the ones in flight still land."""
+        source = iter(todo)
+        in_flight = 0
+        while True:
+            while not stop() and in_flight < 2 * len(self.threads):
+                i = next(source, None)
+                if i is None:
+                    break
+                self.tasks.put(i)
+                in_flight += 1
+            if in_flight == 0:
+                return
+            got = self.results.get()
+            in_flight -= 1
+            yield got
+
+    def close(self) -> None:
+        """Drop the queued requests; running ones finish unrecorded in their daemon threads."""
+        while True:
+            try:
+                self.tasks.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self.threads:
+            self.tasks.put(None)
+
+
+def _write_collected(prompts, keys, parsed: dict, cfg, out: Path, fmt: str):
+    """The collected requests, in prompt order, written to `out`: (v1 Trace or None, requests, tokens)."""
     rows = []
     for i, k in enumerate(keys):
         if k in parsed:
@@ -511,13 +547,9 @@ def collect(
         if all(r.domain is None for r in rows):
             trace.domain = None
         save_trace(trace, out)
-        n_req, n_tok = trace.num_requests, int(trace.expert_ids.shape[0])
-    else:
-        trace = None
-        n_req, n_tok = write_counts(rows, cfg.spec, out, source)
-    if not keep_checkpoint:
-        ckpt.unlink(missing_ok=True)
-    return CollectResult(trace, n_req, n_tok, len(prompts), reused, sent, failed, ckpt)
+        return trace, trace.num_requests, int(trace.expert_ids.shape[0])
+    n_req, n_tok = write_counts(rows, cfg.spec, out, source)
+    return None, n_req, n_tok
 
 
 def write_counts(rows: list[RequestCounts], spec: ModelSpec, out: str | os.PathLike, source: str,
