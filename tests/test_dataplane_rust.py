@@ -104,17 +104,6 @@ def test_late_binding_non_streamed_and_streamed(router, cluster):
     assert st["decode_inflight"] == [0, 0, 0] and st["prefill_inflight"] == [0, 0]
 
 
-def test_openai_endpoints(router):
-    status, headers, body = post(router + "/v1/chat/completions", {
-        "model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
-    assert status == 200 and headers["X-ELDR-Reason"] == "band"
-    assert json.loads(body)["usage"]["completion_tokens"] == 3
-    status, headers, body = post(router + "/v1/completions", {"model": "x", "prompt": "hi", "max_tokens": 4, "stream": True})
-    assert status == 200 and headers["X-ELDR-Reason"] == "band"
-    events = [ln for ln in body.decode().split("\n\n") if ln.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and len(events) == 5
-
-
 @pytest.mark.parametrize("body,status,message", [
     (b"{not json", 400, "not valid JSON"),
     ({"text": "a", "n": 2}, 400, "n > 1"),
