@@ -168,3 +168,75 @@ def test_matches_transportation_lp_beyond_hungarian_sizes():
     assert lp.status == 0
     assert info.optimal
     assert abs(info.objective - lp.fun) <= 1e-9 * abs(lp.fun)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "ties", "cosine"])
+@pytest.mark.parametrize("hint", [None, 1e-9, 0.01])
+def test_screened_solve_matches_hungarian(kind, hint):
+    """The screened path (warm prices; only points near a boundary solved for, the rest
+    checked against the sub-problem's prices) reaches the same optimum as the paper's step.
+    hint=1e-9 leaves almost nothing free at first, so the freeing and re-solving is exercised."""
+    from eldr_sglang.offline.balanced_kmeans import certify_balanced
+
+    tries = screened = 0
+    for seed in range(25):
+        rng = np.random.default_rng(100 + seed)
+        n = int(rng.integers(60, 400))
+        k = int(rng.integers(2, min(n, 12) + 1))
+        C0 = _cost(rng, kind, n, k)
+        _, p, _ = balanced_assign(C0)
+        C = C0 + 0.05 * rng.random(C0.shape)  # the next Lloyd step: costs moved a little
+        assign, p2, info = balanced_assign(C, p, screen=True, margin_hint=hint)
+        _, h_obj = hungarian_balanced(C)
+        screened += info.screened > 0  # else it fell back to the whole solve (too few points fixed)
+        assert is_balanced(assign, k), seed
+        assert info.optimal and certify_balanced(C.T.copy(), assign, p2, 1e-12 * max(1.0, np.abs(C).max()))
+        assert abs(info.objective - h_obj) <= 1e-9 * max(1.0, abs(h_obj)), (seed, n, k, info.objective, h_obj)
+        tries = max(tries, info.screen_tries)
+    assert screened >= 5
+    if hint == 1e-9:
+        assert tries > 1  # some instance needed fixed points freed
+
+
+def test_certificate_rejects_what_is_not_optimal():
+    from eldr_sglang.offline.balanced_kmeans import certify_balanced
+
+    rng = np.random.default_rng(8)
+    C = _cost(rng, "cosine", 301, 5)  # 301 = 5 * 60 + 1: one cluster holds 61
+    a, p, info = balanced_assign(C)
+    CT, tol = C.T.copy(), 1e-12
+    assert info.optimal and certify_balanced(CT, a, p, tol)
+    # a swap of two points of different clusters keeps the sizes but breaks the optimality
+    i = 0
+    j = int(np.flatnonzero(a != a[i])[0])
+    b = a.copy()
+    b[i], b[j] = a[j], a[i]
+    assert C[[i, j], [b[i], b[j]]].sum() > C[[i, j], [a[i], a[j]]].sum()
+    assert not certify_balanced(CT, b, p, tol)
+    # wrong sizes
+    c = a.copy()
+    c[np.flatnonzero(a == 0)[:2]] = 1
+    assert not certify_balanced(CT, c, p, tol)
+    # the cluster with the extra point must not be priced above a cluster without one
+    big = int(np.flatnonzero(np.bincount(a, minlength=5) == 61)[0])
+    p_bad = p.copy()
+    p_bad[big] = p.max() + 1.0
+    assert not certify_balanced(CT, a, p_bad, tol)
+
+
+def test_kmeans_with_screening_equals_the_whole_solve(monkeypatch):
+    """At N >= SCREEN_MIN_N Lloyd's steps use the screened solve; the run (assignments,
+    centroids, restart objectives) is bit-identical to the one that solves every step whole."""
+    from eldr_sglang.offline import balanced_kmeans as bk
+
+    rng = np.random.default_rng(6)
+    X = _unit_rows(rng, 12_003, 24, k_latent=6, sparse_pow=2.0)
+    a = spherical_kmeans(X, 16, seed=0, n_init=2, max_iter=8, restart_sample=6_000)
+    assert max(h.get("screened", 0) for h in a.history) > 0
+    monkeypatch.setattr(bk, "SCREEN_MIN_N", 10**12)
+    b = spherical_kmeans(X, 16, seed=0, n_init=2, max_iter=8, restart_sample=6_000)
+    assert all(h.get("screened", 0) == 0 for h in b.history)
+    assert np.array_equal(a.assignment, b.assignment)
+    assert np.array_equal(a.centroids, b.centroids)
+    assert a.restart_objectives == b.restart_objectives
+    assert a.optimal_assignment and b.optimal_assignment
