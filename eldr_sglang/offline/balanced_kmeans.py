@@ -13,7 +13,8 @@ problem with K sinks, which has only K dual prices. We solve it in two stages:
    ``min_{i in a} c_ib - c_ia`` (moving the best point of a to b), and a slack node S
    with 0-weight edges b->S (b holds floor(N/K) and may grow) and S->a (a holds
    ceil(N/K) and may shrink) expresses the freedom of which clusters take the extra
-   points. Bellman-Ford on K+1 nodes finds a cycle; cancelling it keeps the sizes
+   points. Bellman-Ford on K+1 nodes finds cycles (stopped as soon as its predecessor graph
+   holds one; the cycles it holds are disjoint and all cancelled); cancelling keeps the sizes
    feasible and lowers the cost. "No negative cycle" is the optimality condition of the
    min-cost flow, so the loop ends with a proof of optimality (up to a float tolerance).
 
@@ -292,16 +293,40 @@ class _ClusterGraph:
         self._refresh(a)
 
 
-def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> tuple[list[int] | None, np.ndarray]:
-    """Bellman-Ford from a virtual source on a small dense graph.
+def _pred_cycles(pred: np.ndarray) -> list[list[int]]:
+    """The cycles of a predecessor graph (each node has at most one predecessor, so they are
+    vertex-disjoint), each listed in edge order: c[j] -> c[j + 1]."""
+    pred_l = pred.tolist()
+    state = [0] * len(pred_l)  # 0 unseen, 1 on the current walk, 2 done
+    cycles = []
+    for s in range(len(pred_l)):
+        if state[s]:
+            continue
+        path = []
+        v = s
+        while v >= 0 and state[v] == 0:
+            state[v] = 1
+            path.append(v)
+            v = pred_l[v]
+        if v >= 0 and state[v] == 1:
+            cycles.append(path[path.index(v):][::-1])
+        for x in path:
+            state[x] = 2
+    return cycles
 
-    Returns (cycle, dist): a negative cycle, or None and the shortest-path distances, which
-    are then dual prices of the assignment (W[a, b] >= dist[b] - dist[a])."""
+
+def _find_negative_cycles(Wfull: np.ndarray, tol: float) -> tuple[list[list[int]] | None, np.ndarray]:
+    """Bellman-Ford from a virtual source on a small dense graph, stopped at the first round
+    whose predecessor graph holds a cycle (with strict improvements every such cycle is
+    negative; their weights are checked by the caller).
+
+    Returns (cycles, dist): the vertex-disjoint cycles of the predecessor graph, or None and
+    the shortest-path distances, which are then dual prices (W[a, b] >= dist[b] - dist[a] - tol);
+    an empty list when only cycles of float noise (weight >= -tol) are left."""
     n = Wfull.shape[0]
     dist = np.zeros(n)
     pred = np.full(n, -1, dtype=np.int64)
     ar = np.arange(n)
-    last = -1
     for _ in range(n + 1):
         cand = dist[:, None] + Wfull
         u = np.argmin(cand, axis=0)
@@ -311,20 +336,14 @@ def _find_negative_cycle(Wfull: np.ndarray, tol: float) -> tuple[list[int] | Non
             return None, dist
         dist[imp] = nd[imp]
         pred[imp] = u[imp]
-        last = int(np.flatnonzero(imp)[0])
-    # a node improved in the (n+1)-th round: walk back n steps to land on the cycle
-    v = last
-    for _ in range(n):
-        v = int(pred[v])
-    cycle = [v]
-    u = int(pred[v])
-    while u != v:
-        cycle.append(u)
-        u = int(pred[u])
-        if len(cycle) > n:
-            return None, dist
-    cycle.reverse()  # cycle[j] -> cycle[j+1] are edges
-    return cycle, dist
+        cycles = [c for c in _pred_cycles(pred) if _cycle_weight(Wfull, c) < -tol]
+        if cycles:
+            return cycles, dist
+    return [], dist  # improving for n + 1 rounds, yet no cycle below -tol: only float noise
+
+
+def _cycle_weight(W: np.ndarray, cyc: list[int]) -> float:
+    return float(sum(W[u, v] for u, v in zip(cyc, cyc[1:] + cyc[:1])))
 
 
 def _cancel_cycles(CT, assign, base, r, tol, max_cycles):
@@ -342,43 +361,44 @@ def _cancel_cycles(CT, assign, base, r, tol, max_cycles):
         if r:
             Wf[np.flatnonzero(sizes == base), S] = 0.0  # may gain a point
             Wf[S, np.flatnonzero(sizes == base + 1)] = 0.0  # may lose a point
-        cyc, dist = _find_negative_cycle(Wf, tol)
-        if cyc is None:
+        cycs, dist = _find_negative_cycles(Wf, tol)
+        if cycs is None:
             return assign, cycles, True, dist[:K].copy()
-        edges = list(zip(cyc, cyc[1:] + cyc[:1]))
-        weight = sum(Wf[u, v] for u, v in edges)
-        if not weight < -tol:
+        moves = []
+        for cyc in cycs:  # vertex-disjoint: each is cancelled on its own clusters
+            edges = list(zip(cyc, cyc[1:] + cyc[:1]))
+            real = [(u, v) for u, v in edges if u != S and v != S]
+            if len(real) < len(edges):
+                # through the slack node: the size freedom allows exactly one unit
+                moves += [(u, v, np.array([g.Widx[u, v]])) for u, v in real]
+                m = 1
+            else:
+                # Bulk cancel: the m-th best point of every edge, for every m whose cycle is
+                # still negative. Each edge's list is sorted, so the per-m cycle sums rise
+                # with m; every one of these cancellations is itself a negative cycle.
+                cap = min(BULK_CAP, min(g.members[u].size for u, _ in real))
+                lists = []
+                for u, v in real:
+                    mem = g.members[u]
+                    d = CT[v, mem] - CT[u, mem]
+                    if cap < d.size:
+                        part = np.argpartition(d, cap - 1)[:cap]
+                        order = part[np.argsort(d[part], kind="stable")]
+                    else:
+                        order = np.argsort(d, kind="stable")
+                    lists.append((mem[order], d[order]))
+                tot = np.sum([d for _, d in lists], axis=0)
+                m = max(1, int(np.count_nonzero(tot < -tol)))
+                moves += [(u, v, pts[:m]) for (u, v), (pts, _) in zip(real, lists)]
+            cycles += m
+        if not moves:
             return assign, cycles, True, None  # only float noise left
-        real = [(u, v) for u, v in edges if u != S and v != S]
-        if len(real) < len(edges):
-            # through the slack node: the size freedom allows exactly one unit
-            moves = [(u, v, np.array([g.Widx[u, v]])) for u, v in real]
-            m = 1
-        else:
-            # Bulk cancel: the m-th best point of every edge, for every m whose cycle is
-            # still negative. Each edge's list is sorted, so the per-m cycle sums rise
-            # with m; every one of these cancellations is itself a negative cycle.
-            cap = min(BULK_CAP, min(g.members[u].size for u, _ in real))
-            lists = []
-            for u, v in real:
-                mem = g.members[u]
-                d = CT[v, mem] - CT[u, mem]
-                if cap < d.size:
-                    part = np.argpartition(d, cap - 1)[:cap]
-                    order = part[np.argsort(d[part], kind="stable")]
-                else:
-                    order = np.argsort(d, kind="stable")
-                lists.append((mem[order], d[order]))
-            tot = np.sum([d for _, d in lists], axis=0)
-            m = max(1, int(np.count_nonzero(tot < -tol)))
-            moves = [(u, v, pts[:m]) for (u, v), (pts, _) in zip(real, lists)]
         for u, v, pts in moves:
             g.move_many(pts, u, v)
             sizes[u] -= len(pts)
             sizes[v] += len(pts)
         for a in {x for u, v, _ in moves for x in (u, v)}:
             g._row(a)
-        cycles += m
         rounds += 1
     return assign, cycles, False, None
 
