@@ -769,23 +769,26 @@ class KMeansResult:
     history: list[dict]
 
 
-def _lloyd(X, K, M, *, balanced, max_iter, rtol, stats, tag, progress):
-    """Lloyd iterations from centroids M. Returns (M, assign, objective, iterations, optimal)."""
+def _lloyd(X, K, M, *, balanced, max_iter, rtol, stats, tag, progress, prices=None):
+    """Lloyd iterations from centroids M. Returns (M, assign, objective, iterations, optimal, prices)."""
     return _lloyd_many(X, K, [M], balanced=balanced, max_iter=max_iter, rtol=rtol, stats=stats, tags=[tag],
-                       progress=progress)[0]
+                       progress=progress, prices=[prices])[0]
 
 
-def _lloyd_many(X, K, Ms, *, balanced, max_iter, rtol, stats, tags, progress):
+def _lloyd_many(X, K, Ms, *, balanced, max_iter, rtol, stats, tags, progress, prices=None):
     """Lloyd iterations of several runs in lockstep, from centroids Ms[r]: every step computes
     the products of all runs still going in one pass over X (their centroids stacked), then
     assigns and updates each run on its own, so each run goes exactly as it would alone.
-    Returns [(M, assign, objective, iterations, optimal)] per run."""
+    prices: optional warm-start dual prices per run (the assignments do not depend on them:
+    each is the exact optimum; they only make the first steps cheaper).
+    Returns [(M, assign, objective, iterations, optimal, prices)] per run."""
     data = X if isinstance(X, _Data) else _Data(X)
     X = data.X
     N = data.N
     ar = np.arange(N)
-    runs = [{"M": M, "tag": tag, "prices": None, "hint": None, "assign": None, "obj": np.inf, "opt": True, "it": 0,
-             "done": False, "true_sums": None} for M, tag in zip(Ms, tags)]
+    prices = prices or [None] * len(Ms)
+    runs = [{"M": M, "tag": tag, "prices": p0, "hint": None, "assign": None, "obj": np.inf, "opt": True, "it": 0,
+             "done": False, "true_sums": None} for M, tag, p0 in zip(Ms, tags, prices)]
     for it in range(1, max_iter + 1):
         going = [r for r in runs if not r["done"]]
         if not going:
@@ -831,7 +834,7 @@ def _lloyd_many(X, K, Ms, *, balanced, max_iter, rtol, stats, tags, progress):
     # objective of the final assignment against the final (updated) centroids:
     # sum_i <s_i, mu_a(i)> = sum_k <sums_k, mu_k>
     return [(r["M"], r["assign"], float(2.0 * N - 2.0 * np.einsum("kd,kd->", r["true_sums"], r["M"].astype(np.float64))),
-             r["it"], r["opt"]) for r in runs]
+             r["it"], r["opt"], r["prices"]) for r in runs]
 
 
 def spherical_kmeans(
@@ -878,14 +881,16 @@ def spherical_kmeans(
     data = _Data(Xr)
     seeds = _kmeanspp_many(data, K, [np.random.default_rng([int(seed), rs]) for rs in range(n_init)])
     results = _lloyd_many(data, K, seeds, tags=[f"restart {rs + 1}/{n_init}" for rs in range(n_init)], **kw)
-    for rs, (M, assign, obj, it, opt) in enumerate(results):
+    for rs, (M, assign, obj, it, opt, prices) in enumerate(results):
         objs.append(obj)
         if best is None or obj < best[2] - 1e-12 * abs(obj):
-            best = (M, assign, obj, it, opt, rs)
+            best = (M, assign, obj, it, opt, rs, prices)
     assert best is not None
-    M, assign, obj, it, opt, rs = best
+    M, assign, obj, it, opt, rs, prices = best
     if on_sub:
-        M, assign, obj, it, opt = _lloyd(X, K, M, tag="final (all points)", **kw)
+        # the winner's dual prices on the subsample warm-start the first step on all points
+        # (the first step's screening then applies; its assignment is the exact optimum anyway)
+        M, assign, obj, it, opt, _ = _lloyd(X, K, M, tag="final (all points)", prices=prices, **kw)
     return KMeansResult(
         centroids=M,
         assignment=assign,
