@@ -25,7 +25,7 @@ from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_router 
 from test_router_faults import FAST, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
-# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
 TRACE = dict(requests=120, seed=11, workers=3)
 CLUSTER = dict(prefill=2, decode=3)
 LOAD_FACTOR = 0.5  # loose enough that the cap leaves a choice among 3 workers with a few in flight

@@ -24,7 +24,7 @@ from eldr_sglang.testing.pd_cluster import get_json, metric, post  # noqa: E402
 from test_router_faults import FAST, eldr_router, metrics, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
-# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
 TRACE = dict(requests=60, seed=5, workers=3)
 CLUSTER = dict(prefill=1, decode=3)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from aiohttp import web
@@ -77,40 +76,8 @@ async def _lifecycle(pd: PDRouter, cfg: RouterConfig):
 
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    """Run until `stop` is set (or forever). Client disconnects cancel their handlers."""
-    if cfg.data_plane == "rust":  # the request path in the extension; this process keeps the control plane
-        from eldr_sglang.router.dataplane import serve as serve_rust
+    """Run until `stop` is set (or forever): the request path in the Rust data plane, this
+    process keeps the control plane."""
+    from eldr_sglang.router.dataplane import serve as serve_rust
 
-        return await serve_rust(cfg, ready, stop)
-    app = build_app(cfg)
-    # keepalive_timeout doubles as the request-head timeout: aiohttp arms it when a
-    # connection opens and closes one that has no complete request head by then (slowloris).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.client_header_timeout_s)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
-    await site.start()
-    prom = None
-    if cfg.prometheus_port is not None:
-        from prometheus_client import start_http_server
-
-        prom = start_http_server(cfg.prometheus_port, cfg.prometheus_host or "127.0.0.1", registry=app[PD_KEY].metrics.registry)
-    logger.info(
-        "ELDR PD router on http://%s:%d: %d prefill, %d decode, policy %s, %s binding",
-        cfg.host, cfg.port, len(cfg.prefill), len(cfg.decode), cfg.policy, "late" if cfg.late_binding else "early",
-    )
-    if ready is not None:
-        ready.set()
-    if stop is None:  # SIGTERM/SIGINT: shut down cleanly (cleanup hooks)
-        import signal
-
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        if prom is not None:
-            prom[0].shutdown()
-        await runner.cleanup()
+    return await serve_rust(cfg, ready, stop)
