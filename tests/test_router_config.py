@@ -1,4 +1,5 @@
-"""Router command line, /v1/loads parsing and request validation (no network)."""
+"""Router command line and /v1/loads parsing (no network; request validation is the data plane's,
+checked over HTTP in test_e2e_pd)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ pytest.importorskip("aiohttp")
 
 from eldr_sglang.router.config import ConfigError, parse_config  # noqa: E402
 from eldr_sglang.router.loads import running_from_loads  # noqa: E402
-from eldr_sglang.router.pd import BadRequest, find_signature, validate_request  # noqa: E402
 
 BASE = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "8998", "--prefill", "http://127.0.0.1:2", "none",
         "--prefill", "http://127.0.0.1:3", "--decode", "http://127.0.0.1:4", "--decode", "http://127.0.0.1:5/"]
@@ -68,20 +68,6 @@ def test_running_from_v1_loads():
     assert running_from_loads(body) == 11
     with pytest.raises(ValueError):
         running_from_loads({"nope": 1})
-
-
-def test_request_validation_and_signature_lookup():
-    assert validate_request("generate", {"input_ids": [1, 2, 3]})
-    assert validate_request("completions", {"prompt": ["only one"]})
-    with pytest.raises(BadRequest, match="batch"):
-        validate_request("completions", {"prompt": ["a", "b"]})
-    with pytest.raises(BadRequest, match="messages"):
-        validate_request("chat", {"messages": []})
-    with pytest.raises(BadRequest, match="integers"):
-        validate_request("generate", {"input_ids": [1, "x"]})
-    assert find_signature({"meta_info": {"eldr_signature": [1]}}) == [1]
-    assert find_signature({"sglext": {"eldr_signature": {"v": 1}}}) == {"v": 1}
-    assert find_signature({"meta_info": {}}) is None
 
 
 @pytest.mark.parametrize("flags,match", [

@@ -5,8 +5,9 @@
   min(interval, 5 s).
 - A non-streamed request to a decode that hangs moves on after the first-byte timeout (the
   decode never took the KV) instead of waiting the whole request timeout.
-- A large client body is parsed off the event loop (in the body-parse process): /health keeps
-  answering while big bodies are parsed, and large bodies still go through, or get their 4xx.
+- A large client body stalls nothing: the data plane checks it on its own threads, /health
+  (the control plane's) keeps answering while big bodies are checked, and large bodies still
+  go through, or get their 4xx.
 """
 
 from __future__ import annotations
