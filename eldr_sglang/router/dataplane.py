@@ -71,6 +71,8 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "max_payload_size": cfg.max_payload_size, "explain_headers": cfg.explain_headers,
         "threads": DATA_PLANE_THREADS,
         "signature_reservoir": DRIFT_QUEUE if _drift_on(cfg) else 0,
+        "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
+        "queue_timeout_s": cfg.queue_timeout_s,
     })
 
 
@@ -172,7 +174,8 @@ class RustPDRouter(PDRouter):
         if dp is not None:
             pre, dec = dp.workers("prefill"), dp.workers("decode")
             s.update(prefill_inflight=[w["inflight"] for w in pre], prefill_workers=pre, decode_workers=dec,
-                     prefill_healthy=dp.routable("prefill"), decode_healthy=dp.routable("decode"))
+                     prefill_healthy=dp.routable("prefill"), decode_healthy=dp.routable("decode"),
+                     admission=dp.admission())
         s["data_plane"] = "rust"
         return s
 
