@@ -85,7 +85,12 @@ REQUEST_COUNTERS = (
      "Requests refused by admission control: queue full (429) or queue timeout (503)", ("reason",)),
     ("panic_routes", "eldr_router_panic_routes", "Requests routed with no routable worker of the role (panic mode)", ("role",)),
     ("overload_timeouts", "eldr_router_overload_timeouts",
-     "Worker timeouts not charged to the worker because every routable worker of its role was timing out", ("role", "worker")),
+     "Worker timeouts not charged to the worker: the other workers of its role were slow too (none answered meanwhile)",
+     ("role", "worker")),
+    ("connection_errors", "eldr_router_client_connection_errors",
+     "Client connections closed by the router or failed, by cause (header_timeout: no request head in time; idle_timeout: "
+     "none after an answer; bad_request, incomplete, aborted, io, accept)",
+     ("kind",)),
 )
 # (attribute, name, help, buckets)
 REQUEST_HISTOGRAMS = (

@@ -124,6 +124,7 @@ pub mod names {
     pub const REJECTED: &str = "eldr_router_admission_rejected";
     pub const PANIC_ROUTES: &str = "eldr_router_panic_routes";
     pub const OVERLOAD_TIMEOUTS: &str = "eldr_router_overload_timeouts";
+    pub const CONNECTION_ERRORS: &str = "eldr_router_client_connection_errors";
 }
 
 #[cfg(test)]
