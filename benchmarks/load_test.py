@@ -66,13 +66,17 @@ async def _drive(router: str, n: int, rate: float, seed: int, timeout_s: float, 
     errors: dict[str, int] = {}
     first_error: dict[str, str] = {}
 
+    client_wait: list[float] = []  # time a request waited in the client for a connection
+
     async def one(s, i):
         body = {"text": f"load {i}", "sampling_params": {"max_new_tokens": rng.randint(1, 4)},
                 "emulator": {"trace_request": i % 150}}
         t0 = time.perf_counter()
+        wait = [0.0]
         try:
-            async with s.post(router + "/generate", json=body) as r:
+            async with s.post(router + "/generate", json=body, trace_request_ctx={"wait": wait}) as r:
                 data = await r.read()
+                client_wait.append(wait[0])
                 if r.status == 200:
                     rid = json.loads(data)["meta_info"]["id"]
                     lat.append(time.perf_counter() - t0)
@@ -93,8 +97,19 @@ async def _drive(router: str, n: int, rate: float, seed: int, timeout_s: float, 
     # A request waiting for a connection counts that wait in its latency (the schedule stays
     # open-loop).
     conn = aiohttp.TCPConnector(limit=connections)
+    tracing = aiohttp.TraceConfig()
+
+    async def queued_start(_s, ctx, _p):
+        ctx.t_queued = time.perf_counter()
+
+    async def queued_end(_s, ctx, _p):
+        ctx.trace_request_ctx["wait"][0] += time.perf_counter() - ctx.t_queued
+
+    tracing.on_connection_queued_start.append(queued_start)
+    tracing.on_connection_queued_end.append(queued_end)
     t_start = time.perf_counter()
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     trace_configs=[tracing]) as s:
         tasks = []
         t_next = t_start
         for i in range(n):
@@ -108,6 +123,7 @@ async def _drive(router: str, n: int, rate: float, seed: int, timeout_s: float, 
     rids = [rid for st, rid in outcome.values() if st == 200]
     a = np.asarray(lat) * 1e3
     b = np.asarray(lat_refused) * 1e3
+    w = np.asarray(client_wait) * 1e3
     return {
         "sent": n, "answered": len(outcome), "ok": len(rids), "failed": len(outcome) - len(rids),
         "lost": n - len(outcome) - sum(v for k, v in errors.items() if not k.startswith("http_")),
@@ -118,6 +134,9 @@ async def _drive(router: str, n: int, rate: float, seed: int, timeout_s: float, 
         "latency_ms": {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())} if a.size else {},
         "refused_latency_ms": {"n": int(b.size), "p50": float(np.percentile(b, 50)), "p99": float(np.percentile(b, 99))} if b.size else {},
         "first_error": first_error,
+        # included in the latencies above: the wait for a client connection (--client-connections)
+        "client_connection_wait_ms": {"p50": float(np.percentile(w, 50)), "p99": float(np.percentile(w, 99)),
+                                      "share_waited": float((w > 0).mean())} if w.size else {},
     }
 
 
@@ -206,6 +225,10 @@ def main(argv=None) -> int:
     cs = res["cpu_s"]
     print(f"CPU seconds during the run: router {cs['router']:.1f}, emulated workers {cs['workers']:.1f}, "
           f"client {cs['client']:.1f} (wall {res['wall_s']:.1f} s, {os.cpu_count()} CPUs)")
+    if res["client_connection_wait_ms"]:
+        cw = res["client_connection_wait_ms"]
+        print(f"of which waiting for a client connection (--client-connections {args.client_connections}): "
+              f"p50 {cw['p50']:.1f} ms, p99 {cw['p99']:.1f} ms, {100 * cw['share_waited']:.0f}% of requests waited")
     if res["refused_latency_ms"]:
         rl = res["refused_latency_ms"]
         print(f"refused by admission control: {rl['n']} (answer latency p50 {rl['p50']:.1f} ms, p99 {rl['p99']:.1f} ms)")
