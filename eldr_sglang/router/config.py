@@ -98,6 +98,11 @@ class RouterConfig:
     log_level: str = "info"
     explain_headers: bool = True
     drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
+    # Admission control (rust/dataplane/src/admission.rs): None = its defaults
+    # (256 per decode worker, a queue as long; config.rs says why); 0 = no bound.
+    max_concurrent_requests: int | None = None
+    queue_size: int | None = None
+    queue_timeout_s: float = 60.0
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike
@@ -214,6 +219,17 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help=f"token for POST /eldr/refit and /flush_cache (header 'Authorization: Bearer TOKEN'); "
         f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
+    adm = ap.add_argument_group("Admission control (the Rust data plane)")
+    adm.add_argument(
+        "--max-concurrent-requests", type=int, default=None, metavar="N",
+        help="requests in flight through the router at once; past it they wait in the queue (default: 256 per decode "
+        "worker, what a SGLang decode batch holds; 0: no bound)",
+    )
+    adm.add_argument("--queue-size", type=int, default=None, metavar="N",
+                     help="requests that may wait for a slot; past it the router answers 429 with Retry-After at once "
+                     "(default: as many as --max-concurrent-requests)")
+    adm.add_argument("--queue-timeout-secs", type=float, default=60.0,
+                     help="longest wait in the queue, then 503 with Retry-After (default 60, the SGLang gateway's)")
     req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
     req.add_argument("--prometheus-port", type=int, default=None)
     req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -293,6 +309,9 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         log_level=a.log_level,
         explain_headers=not a.no_explain_headers,
         drift={"enabled": False} if a.no_eldr_drift else None,
+        max_concurrent_requests=a.max_concurrent_requests,
+        queue_size=a.queue_size,
+        queue_timeout_s=a.queue_timeout_secs,
     )
 
 
@@ -322,6 +341,9 @@ _NUMERIC_FLAGS = {
     "--eject-max-secs": ("eject_max_s", 1e-3, 7 * DAY_S, False, False),
     "--client-header-timeout-secs": ("client_header_timeout_s", 1e-3, DAY_S, False, False),
     "--client-body-timeout-secs": ("client_body_timeout_s", 1e-3, DAY_S, False, False),
+    "--max-concurrent-requests": ("max_concurrent_requests", 0, 1 << 20, True, True),
+    "--queue-size": ("queue_size", 0, 1 << 20, True, True),
+    "--queue-timeout-secs": ("queue_timeout_s", 1e-3, DAY_S, False, False),
 }
 
 

@@ -107,6 +107,7 @@ class ControlPlane:
             "decode_reported": list(self.reported),
             "decode_healthy": dp.routable("decode"),
             "prefill_healthy": dp.routable("prefill"),
+            "admission": dp.admission(),
             "decode_workers": dec,
             "prefill_workers": pre,
             "prefill_signatures": list(self.prefill_signs),

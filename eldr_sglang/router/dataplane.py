@@ -53,6 +53,8 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "max_payload_size": cfg.max_payload_size, "explain_headers": cfg.explain_headers,
         "threads": DATA_PLANE_THREADS,
         "signature_reservoir": DRIFT_QUEUE if drift_on(cfg) else 0,
+        "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
+        "queue_timeout_s": cfg.queue_timeout_s,
     })
 
 

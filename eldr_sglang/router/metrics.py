@@ -39,6 +39,13 @@ class _StateCollector:
         for role in ("prefill", "decode"):
             for i, w in enumerate(s.get(f"{role}_workers", [])):
                 ej.add_metric([role, str(i)], 0.0 if w["circuit"] == "closed" else 1.0)
+        adm = s.get("admission")
+        if adm is not None:
+            for key, doc in (("in_flight", "Requests holding an admission slot"), ("waiting", "Requests waiting in the admission queue"),
+                             ("limit", "The admission bound (0: none)")):
+                g = GaugeMetricFamily(f"eldr_router_admission_{key}", doc)
+                g.add_metric([], adm[key])
+                yield g
         gen = GaugeMetricFamily("eldr_router_centroid_generation", "Centroid file generation (grows on each hot reload)")
         gen.add_metric([], s["centroid_generation"])
         yield from (q, own, rep, h, ej, gen)
@@ -64,6 +71,19 @@ REQUEST_COUNTERS = (
     ("eldr_router_malformed_signatures", "Signature payloads that failed validation", ()),
     ("eldr_router_worker_errors", "Failed worker calls", ("role", "worker", "kind")),
     ("eldr_router_client_disconnects", "Clients that went away before the answer ended", ()),
+    # admission control and overload
+    ("eldr_router_admission_admitted", "Requests admitted, at once or after waiting in the queue", ("how",)),
+    ("eldr_router_admission_queued", "Requests that had to wait in the admission queue", ()),
+    ("eldr_router_admission_rejected",
+     "Requests refused by admission control: queue full (429) or queue timeout (503)", ("reason",)),
+    ("eldr_router_panic_routes", "Requests routed with no routable worker of the role (panic mode)", ("role",)),
+    ("eldr_router_overload_timeouts",
+     "Worker timeouts not charged to the worker: the other workers of its role were slow too (none answered meanwhile)",
+     ("role", "worker")),
+    ("eldr_router_client_connection_errors",
+     "Client connections closed by the router or failed, by cause (header_timeout: no request head in time; idle_timeout: "
+     "none after an answer; bad_request, incomplete, aborted, io, accept)",
+     ("kind",)),
 )
 # (name, help); the bucket bounds come with the data plane's snapshot
 REQUEST_HISTOGRAMS = (
