@@ -1,6 +1,5 @@
 """The router past its capacity (issue 12): admission control, and overload that must not
-empty the worker pool. Rust data plane only (admission control is its own; the Python plane
-is being retired).
+empty the worker pool.
 
 Black-box, over the router's HTTP surface: a router subprocess in front of emulated workers on
 loopback. A request holds its admission slot while the prefill delays its signature event
@@ -67,7 +66,7 @@ def faults(cluster):
 
 def rust_router(urls, trace_files, workdir, extra):
     _, _, cpath = trace_files
-    return start_router(urls, workdir, ["--data-plane", "rust", "--disagg-router", "eldr", "--no-eldr-drift",
+    return start_router(urls, workdir, ["--disagg-router", "eldr", "--no-eldr-drift",
                                         "--eldr-centroids", str(cpath), "--load-monitor-interval", "0.2",
                                         "--health-check-interval-secs", "0.3", *extra])
 

@@ -43,12 +43,10 @@ DAY_S = 86400.0
 DECODE_POLICIES = _core.POLICIES
 COUNTS_POLICIES = _core.COUNTS_POLICIES
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
-# Which server runs the request path: the tokio/hyper one in the Rust extension (rust, the
-# default: it passes the same HTTP suites at a fifth of the CPU per request,
-# benchmarks/results/dataplane_rust.md; Python keeps the control plane: admin endpoints,
-# health, reload, drift) or the aiohttp one (python).
-DATA_PLANES = ("python", "rust")
-DEFAULT_DATA_PLANE = "rust"
+# The request path runs in the Rust extension's tokio/hyper server (rust/dataplane); Python is
+# the control plane (admin endpoints, health, loads, reload, drift). `--data-plane` chose
+# between it and an aiohttp request path that is gone; it still accepts this one value.
+DATA_PLANE = "rust"
 
 
 class ConfigError(ValueError):
@@ -100,8 +98,7 @@ class RouterConfig:
     log_level: str = "info"
     explain_headers: bool = True
     drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
-    data_plane: str = DEFAULT_DATA_PLANE
-    # Admission control (Rust data plane; rust/dataplane/src/admission.rs): None = its defaults
+    # Admission control (rust/dataplane/src/admission.rs): None = its defaults
     # (256 per decode worker, a queue as long; config.rs says why); 0 = no bound.
     max_concurrent_requests: int | None = None
     queue_size: int | None = None
@@ -109,10 +106,10 @@ class RouterConfig:
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike
-        if self.data_plane not in DATA_PLANES:
-            raise ConfigError(f"--data-plane must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
-        if self.data_plane != "rust" and (self.max_concurrent_requests is not None or self.queue_size is not None):
-            raise ConfigError("--max-concurrent-requests and --queue-size need --data-plane rust (admission control is the Rust plane's)")
+        for url in [w.url for w in self.prefill] + list(self.decode):
+            if not url.startswith("http://"):  # the data plane speaks plain HTTP/1.1 to workers
+                raise ConfigError(f"worker URL {url!r}: the router speaks plain http:// to workers only "
+                                  "(https is not supported; put a TLS proxy beside the worker instead)")
 
     @property
     def late_binding(self) -> bool:
@@ -121,7 +118,9 @@ class RouterConfig:
 
 def _url(u: str, flag: str) -> str:
     p = urlparse(u)
-    if p.scheme not in ("http", "https") or not p.hostname:
+    if p.scheme == "https":
+        raise ConfigError(f"{flag} {u!r}: the router speaks plain http:// to workers only (https is not supported)")
+    if p.scheme != "http" or not p.hostname:
         raise ConfigError(f"{flag} {u!r}: expected a URL like http://host:port")
     return u.rstrip("/")
 
@@ -207,9 +206,9 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
     cl = ap.add_argument_group("Clients and control endpoints")
     cl.add_argument(
-        "--data-plane", choices=DATA_PLANES, default=DEFAULT_DATA_PLANE,
-        help=f"server of the request path (default {DEFAULT_DATA_PLANE}): python (aiohttp) or rust (tokio/hyper in "
-        "the extension, less CPU per request; Python keeps the control plane on an internal loopback port)",
+        "--data-plane", default=DATA_PLANE, metavar=DATA_PLANE,
+        help="accepted for older command lines: the request path always runs in the Rust extension's tokio/hyper "
+        "server (Python keeps the control plane on an internal loopback port); 'python' was removed",
     )
     cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
                     help="a connection that sends no complete request head in this long is closed (default 30)")
@@ -244,6 +243,9 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
+    if a.data_plane != DATA_PLANE:
+        raise ConfigError(f"--data-plane {a.data_plane}: the Python data plane was removed; the request path runs in "
+                          f"the Rust data plane only (drop the flag, or give --data-plane {DATA_PLANE})")
     if not a.pd_disaggregation:
         raise ConfigError("--pd-disaggregation is required: this router serves PD-disaggregated clusters only")
     prefill = []
@@ -307,7 +309,6 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         log_level=a.log_level,
         explain_headers=not a.no_explain_headers,
         drift={"enabled": False} if a.no_eldr_drift else None,
-        data_plane=a.data_plane,
         max_concurrent_requests=a.max_concurrent_requests,
         queue_size=a.queue_size,
         queue_timeout_s=a.queue_timeout_secs,

@@ -128,7 +128,7 @@ impl Config {
                 Err(e) => return bad(format!("worker URL {url:?}: {e}")),
             };
             if uri.scheme_str() != Some("http") || uri.host().is_none() {
-                return bad(format!("worker URL {url:?}: the Rust data plane speaks plain http://host:port only (use --data-plane python for https)"));
+                return bad(format!("worker URL {url:?}: the Rust data plane speaks plain http://host:port only"));
             }
         }
         if !PREFILL_POLICIES.contains(&self.prefill_policy.as_str()) {

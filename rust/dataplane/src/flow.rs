@@ -1,4 +1,4 @@
-//! The per-request PD flow (the Python plane's `router/pd.py` is the spec).
+//! The per-request PD flow: prefill, the signature, late-bound decode, failover, streaming back.
 //!
 //! Late binding: pick a prefill worker, draw a bootstrap room, POST the request there
 //! (always streamed); read its stream until the `eldr_signature` event (or the signature

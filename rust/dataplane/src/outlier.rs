@@ -1,5 +1,5 @@
 //! Per-worker availability: health checks plus outlier ejection, for prefill and decode
-//! alike. The semantics are those of `eldr_sglang/router/outlier.py` (the Python plane's):
+//! alike (the semantics the retired Python plane had, as Envoy's outlier detection):
 //!
 //! - closed: routable; `consecutive` counts failures since the last success;
 //! - open (ejected): after `threshold` failures in a row, for `base * 2^(n-1)` seconds (n =
