@@ -320,7 +320,8 @@ class DataPlane:
     def workers(self, role: Literal["prefill", "decode"]) -> list[dict[str, object]]: ...
     def routable(self, role: Literal["prefill", "decode"]) -> list[bool]: ...
     def counters(self) -> dict[str, dict[str, object]]: ...
-    def admission(self) -> dict[str, float]: ...  # limit (0: none), queue_size, queue_timeout_s, in_flight, waiting
+    def admission(self) -> dict[str, float]:
+        """Admission control now: limit (0: no bound), queue_size, queue_timeout_s, in_flight, waiting."""
     def take_drift(self, n: int) -> list[tuple[int, str, list[float] | None, tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], float] | None]]:
         """Up to n queued counts-policy decisions for the drift monitor, oldest first."""
     @property

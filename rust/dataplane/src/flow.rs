@@ -120,21 +120,13 @@ pub fn error_response(e: FlowError) -> Response<Body> {
             r
         }
         FlowError::NoHealthyWorker => json_response(503, error_json("no healthy decode worker")),
-        FlowError::Overloaded(why) => {
-            let mut r = json_response(why.status(), error_json(&e_overloaded(why)));
-            r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S));
-            r
-        }
+        FlowError::Overloaded(why) => refusal(why, format!("the router is overloaded ({}): retry later", why.label())),
     }
 }
 
 /// What a refused client is told to wait before trying again (seconds): the queue turns over
 /// in about one request's time, so a short wait, not a back-off the router cannot estimate.
 const RETRY_AFTER_S: &str = "1";
-
-fn e_overloaded(why: Rejected) -> String {
-    format!("the router is overloaded ({}): retry later", why.label())
-}
 
 /// A refused request's answer, with the router's limits in its message (429 when the queue is
 /// full, 503 after the queue timeout; both with Retry-After).
@@ -148,6 +140,11 @@ fn overloaded_response(plane: &Plane, why: Rejected) -> Response<Body> {
             "the router is overloaded: no request slot of {} came free within the queue timeout of {} s; retry later (--queue-timeout-secs)",
             a.limit(), plane.cfg.queue_timeout_s),
     };
+    refusal(why, msg)
+}
+
+/// `{"error": {"message", "type": "overloaded", "code"}}` with its status and Retry-After.
+fn refusal(why: Rejected, msg: String) -> Response<Body> {
     let body = serde_json::to_vec(&serde_json::json!({"error": {"message": msg, "type": "overloaded", "code": why.status()}})).expect("json");
     let mut r = json_response(why.status(), Bytes::from(body));
     r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S));
