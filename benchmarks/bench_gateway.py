@@ -20,7 +20,8 @@ The gateway is installed from PyPI into a private virtualenv under --cache-dir (
 is there). It tries to download a tokenizer from the Hugging Face hub at start-up and ignores
 HF_HUB_OFFLINE, so it runs with HTTP(S)_PROXY pointing at a closed loopback port (its
 refused attempts are counted in the JSON) and its metrics bound to 127.0.0.1: all traffic stays
-on loopback. Our router is run with each --data-plane its launch_router offers.
+on loopback. Our router runs its one data plane (the Rust request path); results from before
+the Python data plane was retired hold a column per plane (benchmarks/results/bench_gateway.md).
 
     nice -n 10 python benchmarks/bench_gateway.py --json benchmarks/results/bench_gateway.json
     python benchmarks/bench_gateway.py --quick --no-gateway   # a fast check of our router only
@@ -32,7 +33,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import socket
 import statistics
 import subprocess
@@ -122,14 +122,6 @@ def hub_attempts(log: Path) -> int:
 # ----------------------------------------------------------------------------- our router
 
 
-def our_data_planes() -> list[str]:
-    """The --data-plane choices our launch_router offers (['python'] before the flag existed)."""
-    out = subprocess.run([sys.executable, "-m", "eldr_sglang.launch_router", "--help"], capture_output=True, text=True,
-                         cwd=REPO, timeout=120).stdout
-    m = re.search(r"--data-plane \{([^}]*)\}", out)
-    return [p.strip() for p in m.group(1).split(",")] if m else ["python"]
-
-
 # ----------------------------------------------------------------------------- targets
 
 
@@ -139,7 +131,6 @@ class Target:
     kind: str  # 'direct' | 'gateway' | 'ours'
     flow: str  # 'early' | 'late'
     policy: str | None = None
-    plane: str | None = None
     proc: Proc | None = None
     url: str | None = None
     phases: dict = field(default_factory=dict)  # level -> [per-repeat stats]
@@ -149,23 +140,19 @@ class Target:
         return self.proc.p.pid if self.proc is not None else None
 
 
-def build_targets(gateway: bool, planes: list[str], policies=OUR_POLICIES) -> list[Target]:
+def build_targets(gateway: bool, policies=OUR_POLICIES) -> list[Target]:
     t = [Target("direct (early bind)", "direct", "early"), Target("direct (late bind)", "direct", "late")]
     if gateway:
         t.append(Target(f"gateway {GATEWAY_VERSION} random", "gateway", "early", policy="random"))
-    for plane in planes:
-        for pol in policies:
-            t.append(Target(f"ours {pol} [{plane}]", "ours", "late" if pol in ("eldr", "locality") else "early",
-                            policy=pol, plane=plane))
+    for pol in policies:
+        t.append(Target(f"ours {pol}", "ours", "late" if pol in ("eldr", "locality") else "early", policy=pol))
     return t
 
 
-def our_args(t: Target, centroids: Path, planes: list[str]) -> list[str]:
+def our_args(t: Target, centroids: Path) -> list[str]:
     args = ["--disagg-router", t.policy, "--prefill-policy", "random", "--log-level", "warning"]
     if t.policy in ("eldr", "locality"):
         args += ["--eldr-centroids", str(centroids)]
-    if planes != ["python"] or t.plane != "python":
-        args += ["--data-plane", t.plane]
     return args
 
 
@@ -252,7 +239,7 @@ def _median(xs):
 def summarize(t: Target, direct: dict[str, Target], levels, cpu_rate: float) -> dict:
     seq = [x for x in t.phases.get(0, []) if "latencies_ms" in x]
     pooled = loadgen.latency_stats([v / 1e3 for x in seq for v in (x["latencies_ms"] or [])])
-    out = {"kind": t.kind, "flow": t.flow, "policy": t.policy, "plane": t.plane, "sequential": pooled}
+    out = {"kind": t.kind, "flow": t.flow, "policy": t.policy, "sequential": pooled}
     if t.kind != "direct":
         base = summarize_seq(direct[t.flow])
         out["added_p50_ms"] = pooled["p50_ms"] - base["p50_ms"] if pooled["n"] and base["n"] else None
@@ -282,22 +269,15 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def cpu_ratios(res: dict, planes: list[str]) -> dict:
-    """Our eldr router's CPU per request over the gateway's (random), per data plane, and over our
-    own random; the top-level figure is the Rust plane's when it ran, else the Python plane's."""
+def cpu_ratios(res: dict) -> dict:
+    """Our eldr router's CPU per request over the gateway's (random), and over our own random."""
     tg = res["targets"]
     gw = next((v for v in tg.values() if v["kind"] == "gateway"), None)
-    ours = {(v["policy"], v["plane"]): v for v in tg.values() if v["kind"] == "ours"}
-    by_plane = {p: ratio(ours.get(("eldr", p), {}).get("cpu_ms_per_request"), gw and gw["cpu_ms_per_request"])
-                for p in planes}
-    top_plane = "rust" if "rust" in planes else planes[0]
+    ours = {v["policy"]: v for v in tg.values() if v["kind"] == "ours"}
+    eldr = ours.get("eldr", {}).get("cpu_ms_per_request")
     return {
-        "cpu_ratio_eldr_vs_gateway": by_plane.get(top_plane),
-        "cpu_ratio_eldr_vs_gateway_plane": top_plane,
-        "cpu_ratio_eldr_vs_gateway_by_plane": by_plane,
-        "cpu_ratio_eldr_vs_our_random_by_plane": {
-            p: ratio(ours.get(("eldr", p), {}).get("cpu_ms_per_request"), ours.get(("random", p), {}).get("cpu_ms_per_request"))
-            for p in planes},
+        "cpu_ratio_eldr_vs_gateway": ratio(eldr, gw and gw["cpu_ms_per_request"]),
+        "cpu_ratio_eldr_vs_our_random": ratio(eldr, ours.get("random", {}).get("cpu_ms_per_request")),
     }
 
 
@@ -325,8 +305,8 @@ def table(res: dict) -> str:
                  f"process tree, median over repeats at {cpu_rate:g} req/s (@seq: sequential); held: highest level "
                  f"with p99 < {P99_LIMIT_MS:g} ms and no errors in most repeats")
     r = res["cpu_ratio_eldr_vs_gateway"]
-    lines.append(f"cpu_ratio_eldr_vs_gateway ({res['cpu_ratio_eldr_vs_gateway_plane']} plane): {_f(r, '{:.2f}')}"
-                 + "".join(f"; {p}: {_f(x, '{:.2f}')}" for p, x in res["cpu_ratio_eldr_vs_gateway_by_plane"].items()))
+    lines.append(f"cpu_ratio_eldr_vs_gateway: {_f(r, '{:.2f}')}; eldr vs our random: "
+                 f"{_f(res['cpu_ratio_eldr_vs_our_random'], '{:.2f}')}")
     return "\n".join(lines)
 
 
@@ -382,8 +362,7 @@ def run(args) -> dict:
     if not args.no_gateway:
         gateway_py = ensure_gateway(args.cache_dir)  # GatewayUnavailable: main reports it
         gateway_info = {"package": f"{GATEWAY_PACKAGE}=={GATEWAY_VERSION}", "python": str(gateway_py)}
-    planes = our_data_planes()
-    targets = build_targets(gateway_py is not None, planes, args.policies)
+    targets = build_targets(gateway_py is not None, args.policies)
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         tmp = Path(tmp)
@@ -395,7 +374,7 @@ def run(args) -> dict:
                 if t.kind == "gateway":
                     t.proc, t.url = start_gateway(gateway_py, urls, tmp, closed.getsockname()[1])
                 elif t.kind == "ours":
-                    t.proc, t.url = start_router(urls, tmp, our_args(t, cpath, planes))
+                    t.proc, t.url = start_router(urls, tmp, our_args(t, cpath))
             for t in targets:
                 if t.proc is not None:
                     wait_serving(t.url, t.proc)
@@ -425,10 +404,9 @@ def run(args) -> dict:
                    "sequential_requests": args.sequential_requests, "cpu_rate_rps": args.cpu_rate,
                    "p99_limit_ms": P99_LIMIT_MS, "quick": args.quick, "seed": args.seed},
         "gateway": gateway_info,
-        "data_planes": planes,
         "targets": {t.name: summarize(t, direct, args.levels, args.cpu_rate) for t in targets},
     }
-    res.update(cpu_ratios(res, planes))
+    res.update(cpu_ratios(res))
     return res
 
 

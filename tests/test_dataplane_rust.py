@@ -1,10 +1,12 @@
-"""The Rust data plane (`--data-plane rust`) over HTTP, against the emulated PD cluster.
+"""The split between the Rust data plane and the Python control plane, over HTTP, against the
+emulated PD cluster.
 
 The request path runs in the extension's tokio/hyper server; Python keeps the control plane
 on an internal port, to which the Rust server forwards every path it does not serve. These
-tests drive both through the public port only, and hold what only this plane has; the
-HTTP-surface suites (test_e2e_pd, test_router_faults, ...) run once per data plane, this one
-included, so request validation, 413s and client disconnects are checked there.
+tests drive both through the public port only: forwarding, metrics read from the Rust
+counters, the drift feed, and the start-up refusal of workers it cannot speak to. The other
+HTTP-surface suites (test_e2e_pd, test_router_faults, ...) check request validation, 413s,
+client disconnects, failover and the rest of the request path.
 """
 
 from __future__ import annotations
@@ -19,34 +21,18 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from eldr_sglang.testing.pd_cluster import REPO, free_port, get_json, make_trace_files, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import REPO, free_port, get_json, metric, post, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
-RUST = ["--data-plane", "rust"]
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("dataplane")
-
-
-@pytest.fixture(scope="module")
-def trace_files(workdir):
-    return make_trace_files(workdir, requests=40, seed=21, workers=3)
-
-
-@pytest.fixture(scope="module")
-def cluster(trace_files, workdir):
-    _, tpath, _ = trace_files
-    proc, urls = start_cluster(tpath, workdir, prefill=2, decode=3, time_scale=TIME_SCALE)
-    yield urls
-    proc.stop()
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
+TRACE = dict(requests=40, seed=21, workers=3)
+CLUSTER = dict(prefill=2, decode=3)
 
 
 @pytest.fixture(scope="module")
 def router(cluster, trace_files, workdir):
     _, _, cpath = trace_files
-    proc, base = start_router(cluster, workdir, [*RUST, "--disagg-router", "eldr", "--no-eldr-drift",
+    proc, base = start_router(cluster, workdir, ["--disagg-router", "eldr", "--no-eldr-drift",
                                                  "--eldr-centroids", str(cpath), "--eldr-signature-timeout-secs", "2",
                                                  "--load-monitor-interval", "0.2", "--health-check-interval-secs", "0.5"])
     yield base
@@ -122,7 +108,7 @@ def test_drift_monitor_is_fed_from_the_rust_plane(cluster, trace_files, workdir)
     """Drift handling on (the default for eldr): the monitor sees every routed request with
     its distances, and the refit reservoir gets unit signatures, drained off the request path."""
     _, _, cpath = trace_files
-    proc, base = start_router(cluster, workdir, [*RUST, "--disagg-router", "eldr", "--eldr-centroids", str(cpath),
+    proc, base = start_router(cluster, workdir, ["--disagg-router", "eldr", "--eldr-centroids", str(cpath),
                                                  "--load-monitor-interval", "0"])
     try:
         for i in range(6):
@@ -144,6 +130,14 @@ def test_drift_monitor_is_fed_from_the_rust_plane(cluster, trace_files, workdir)
 def test_a_worker_url_the_rust_plane_cannot_reach_is_refused_at_start(cluster):
     argv = [sys.executable, "-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
             "--port", str(free_port()), "--prefill", "https://127.0.0.1:1", "--decode", cluster["decode"][0],
-            "--disagg-router", "round_robin", *RUST]
+            "--disagg-router", "round_robin"]
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "http://" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "plain http://" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_removed_python_data_plane_is_refused_with_a_clear_message(cluster):
+    argv = [sys.executable, "-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+            "--port", str(free_port()), "--prefill", cluster["prefill"][0][0], "--decode", cluster["decode"][0],
+            "--disagg-router", "round_robin", "--data-plane", "python"]
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Python data plane was removed" in out.stderr and "Traceback" not in out.stderr

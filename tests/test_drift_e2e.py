@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import free_port, get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 
 N_TRACE = 120
@@ -70,7 +70,7 @@ def test_router_feeds_the_drift_monitor_and_answers_refit(setup):
 
 
 def test_refit_under_load_in_the_router_app(cluster):
-    """The router app in this process (so the hook can be given a small reservoir) in front of
+    """The router in this process (app.running, so the hook can be given a small reservoir) in front of
     the emulated cluster: 160 requests fill the reservoir, then 240 more run 16 at a time while
     POST /eldr/refit starts a refit in the background process. Every request succeeds, the refit
     finishes, the router's reload loop swaps the new file in, and routing goes on with it."""
@@ -78,16 +78,14 @@ def test_refit_under_load_in_the_router_app(cluster):
     import shutil
 
     import aiohttp
-    from aiohttp.test_utils import TestServer
-
     from eldr_sglang import _core
-    from eldr_sglang.router.app import build_app
+    from eldr_sglang.router.app import PD_KEY, running
     from eldr_sglang.router.config import build_parser, config_from_args
 
     d, cpath, urls = cluster
     mine = d / "refit-under-load.eldr"
     shutil.copyfile(cpath, mine)
-    args = ["--pd-disaggregation", "--disagg-router", "eldr", "--eldr-centroids", str(mine),
+    args = ["--pd-disaggregation", "--port", str(free_port()), "--disagg-router", "eldr", "--eldr-centroids", str(mine),
             "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0", "--eldr-reload-interval-ms", "50",
             "--admin-token", TOKEN]
     for url, bport in urls["prefill"]:
@@ -97,15 +95,11 @@ def test_refit_under_load_in_the_router_app(cluster):
     cfg = config_from_args(build_parser().parse_args(args))
     cfg.drift = dict(executor="process", cooldown_s=0, window=64, refit_on_drift=False, check_interval_s=0.05,
                      reservoir_capacity=256, reservoir_horizon=256)
-    app = build_app(cfg)
 
     async def main():
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        base = str(server.make_url("")).rstrip("/")
-        pd = next(v for v in app.values() if hasattr(v, "router") and hasattr(v, "drift"))
-        assert pd.drift is not None and pd.drift.ctl.reservoir.capacity == 256
-        try:
+        async with running(cfg) as (app, base):
+            pd = app[PD_KEY]
+            assert pd.drift is not None and pd.drift.ctl.reservoir.capacity == 256
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
                 sem = asyncio.Semaphore(16)
 
@@ -137,8 +131,6 @@ def test_refit_under_load_in_the_router_app(cluster):
                 assert await asyncio.gather(*(one(i) for i in range(400, 440))) == [200] * 40
                 async with s.get(base + "/eldr/drift") as r:
                     assert (await r.json())["monitor"]["generation"] == gen0 + 1
-        finally:
-            await server.close()
 
     asyncio.run(main())
     assert json.loads(_core.CentroidSet.open(str(mine)).provenance_json)["refit"]["reason"] == "under load"

@@ -21,7 +21,7 @@ from eldr_sglang import _core  # noqa: E402
 from eldr_sglang.testing.pd_cluster import Proc, free_port, get_json, metric, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
-# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
 TRACE = dict(requests=120, seed=5, workers=3)
 
 

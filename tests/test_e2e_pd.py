@@ -23,7 +23,7 @@ from eldr_sglang.testing.reference import band_route  # noqa: E402
 from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_cluster, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
-# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
 TRACE = dict(requests=160, seed=3, workers=4)
 CLUSTER = dict(prefill=2, decode=4)
 SIG_TIMEOUT = 0.5
@@ -186,6 +186,30 @@ def test_malformed_client_requests_get_400(router, body, message):
     status, _, out = post(router + "/generate", body)
     assert status == 400
     assert message in json.loads(out)["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/generate", {"input_ids": [1, "x"]}, "integers"),
+    ("/generate", {"input_ids": [[1, 2], [3]]}, "batch"),
+    ("/generate", {"input_ids": []}, "non-empty list"),
+    ("/generate", {"text": "a", "sampling_params": [1]}, "'sampling_params'"),
+    ("/v1/completions", {"model": "x", "prompt": ["a", "b"]}, "batch"),
+    ("/v1/completions", {"model": "x"}, "needs 'prompt'"),
+    ("/v1/completions", {"model": "x", "prompt": 3}, "'prompt'"),
+    ("/v1/chat/completions", {"model": "x", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "x", "messages": ["hi"]}, "messages"),
+])
+def test_malformed_requests_on_each_endpoint_get_400(router, path, body, message):
+    status, _, out = post(router + path, body)
+    assert status == 400
+    assert message in json.loads(out)["error"]["message"]
+
+
+def test_one_prompt_in_a_list_and_input_ids_are_served(router):
+    status, _, body = post(router + "/v1/completions", {"model": "x", "prompt": ["only one"], "max_tokens": 2})
+    assert status == 200, body
+    status, _, body = post(router + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200, body
 
 
 def test_models_health_metrics(router):

@@ -1,4 +1,5 @@
-"""Router command line, /v1/loads parsing and request validation (no network)."""
+"""Router command line and /v1/loads parsing (no network; request validation is the data plane's,
+checked over HTTP in test_e2e_pd)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ pytest.importorskip("aiohttp")
 
 from eldr_sglang.router.config import ConfigError, parse_config  # noqa: E402
 from eldr_sglang.router.loads import running_from_loads  # noqa: E402
-from eldr_sglang.router.pd import BadRequest, find_signature, validate_request  # noqa: E402
 
 BASE = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "8998", "--prefill", "http://127.0.0.1:2", "none",
         "--prefill", "http://127.0.0.1:3", "--decode", "http://127.0.0.1:4", "--decode", "http://127.0.0.1:5/"]
@@ -19,6 +19,8 @@ BASE = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "8998", "--pre
 
 def test_sglang_router_style_flags():
     cfg = parse_config(BASE + ["--disagg-router", "shortest_queue", "--port", "8000"])
+    # --data-plane rust: still accepted from older command lines (the only data plane)
+    assert parse_config(BASE + ["--disagg-router", "random", "--data-plane", "rust"]).policy == "random"
     assert [(w.url, w.bootstrap_port, w.host) for w in cfg.prefill] == [
         ("http://127.0.0.1:1", 8998, "127.0.0.1"), ("http://127.0.0.1:2", None, "127.0.0.1"),
         ("http://127.0.0.1:3", None, "127.0.0.1")]
@@ -40,6 +42,9 @@ def test_sglang_router_style_flags():
     (["--pd-disaggregation", "--prefill", "http://h:1", "x", "--decode", "http://h:1"], "not a number"),
     (BASE + ["--disagg-router", "random", "--eldr-tau", "-1"], "--eldr-tau"),
     (BASE + ["--disagg-router", "random", "--eldr-load-factor", "-0.5"], "--eldr-load-factor"),
+    (["--pd-disaggregation", "--prefill", "https://h:1", "--decode", "http://h:2"], "plain http:// to workers only"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "https://h:2"], "plain http:// to workers only"),
+    (BASE + ["--disagg-router", "random", "--data-plane", "python"], "the Python data plane was removed"),
 ])
 def test_bad_command_lines_are_explained(argv, match):
     with pytest.raises(ConfigError, match=match):
@@ -63,20 +68,6 @@ def test_running_from_v1_loads():
     assert running_from_loads(body) == 11
     with pytest.raises(ValueError):
         running_from_loads({"nope": 1})
-
-
-def test_request_validation_and_signature_lookup():
-    assert validate_request("generate", {"input_ids": [1, 2, 3]})
-    assert validate_request("completions", {"prompt": ["only one"]})
-    with pytest.raises(BadRequest, match="batch"):
-        validate_request("completions", {"prompt": ["a", "b"]})
-    with pytest.raises(BadRequest, match="messages"):
-        validate_request("chat", {"messages": []})
-    with pytest.raises(BadRequest, match="integers"):
-        validate_request("generate", {"input_ids": [1, "x"]})
-    assert find_signature({"meta_info": {"eldr_signature": [1]}}) == [1]
-    assert find_signature({"sglext": {"eldr_signature": {"v": 1}}}) == {"v": 1}
-    assert find_signature({"meta_info": {}}) is None
 
 
 @pytest.mark.parametrize("flags,match", [

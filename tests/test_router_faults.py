@@ -30,7 +30,7 @@ from eldr_sglang.testing.pd_cluster import free_port, get_json, metric, post, st
 
 TIME_SCALE = 0.05
 N_TRACE = 120
-# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
 TRACE = dict(requests=N_TRACE, seed=11, workers=3)
 CLUSTER = dict(prefill=2, decode=3)
 # Short timeouts so a test sees many of them; the client's own limit is far above them.

@@ -21,11 +21,11 @@ pytest.importorskip("prometheus_client")
 from eldr_sglang import _core  # noqa: E402
 from eldr_sglang.router.config import ConfigError, parse_config  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
-from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import free_port, get_json, metric, post, start_router  # noqa: E402
 from test_router_faults import FAST, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
-# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
 TRACE = dict(requests=120, seed=11, workers=3)
 CLUSTER = dict(prefill=2, decode=3)
 LOAD_FACTOR = 0.5  # loose enough that the cap leaves a choice among 3 workers with a few in flight
@@ -154,26 +154,44 @@ def test_failover_works_with_locality(cluster, trace_files, workdir, fault):
         router.stop()
 
 
-def test_drift_view_under_locality_carries_the_band_rules_distances(trace_files):
-    """Under locality the drift monitor reads distances computed beside the balancer's
-    decision (PDRouter._drift_view); they must be the band rule's for the same counts."""
-    from types import SimpleNamespace
-
-    from eldr_sglang.router.pd import PDRouter
+def test_drift_view_under_locality_carries_the_band_rules_distances(cluster, trace_files):
+    """Under locality the data plane hands the drift monitor distances computed beside the
+    balancer's decision; they must be the band rule's for the same counts. The router runs in
+    this process (app.running) so the hook's input can be read."""
+    from eldr_sglang.router.app import PD_KEY, running
 
     trace, _, cpath = trace_files
-    loc = _core.Router("locality", centroids=str(cpath), load_factor=LOAD_FACTOR)
     band = _core.Router("eldr", centroids=str(cpath))
-    spec = loc.centroid_set().spec()
-    host = SimpleNamespace(cfg=SimpleNamespace(policy="locality"), router=loc,
-                           _band_gen=None, _band_spec=None, _band_mu=None)
-    for r in (0, 5, 17):
-        counts, n = counts_of(trace, r)
-        d = loc.route_profile(loc.profile_dense(counts, n), explain=True)
-        assert d.reason == "profile"
-        wire = SimpleNamespace(to_layout=lambda L, E, c=counts: c.astype(np.float32))
-        view = PDRouter._drift_view(host, d, SimpleNamespace(counts=wire))
+    spec = band.centroid_set().spec()
+    argv = ["--pd-disaggregation", "--port", str(free_port()), "--disagg-router", "locality",
+            "--eldr-centroids", str(cpath), "--eldr-load-factor", str(LOAD_FACTOR),
+            "--load-monitor-interval", "0", "--health-check-interval-secs", "0"]
+    for url, bport in cluster["prefill"]:
+        argv += ["--prefill", url, str(bport)]
+    for url in cluster["decode"]:
+        argv += ["--decode", url]
+    requests = (0, 5, 17)
+
+    async def main():
+        async with running(parse_config(argv)) as (app, base):
+            pd = app[PD_KEY]
+            assert pd.drift is not None
+            seen = []
+            pd.drift.on_route = lambda view, counts=None: seen.append(view)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                for r in requests:
+                    body = {"text": f"v{r}", "sampling_params": {"max_new_tokens": 2}, "emulator": {"trace_request": r}}
+                    async with s.post(base + "/generate", json=body) as resp:
+                        assert resp.status == 200 and resp.headers["X-ELDR-Reason"] == "profile"
+                        await resp.read()
+            pd.sync_drift()
+            return seen, int(pd.router.centroid_generation)
+
+    seen, gen = asyncio.run(main())
+    assert len(seen) == len(requests)
+    for r, view in zip(requests, seen):
+        counts, _ = counts_of(trace, r)
         ref = band.route_dense(counts, explain=True)
-        assert view.reason == "band" and view.generation == d.generation
+        assert view.reason == "band" and view.generation == gen
         np.testing.assert_allclose(view.distances, ref.distances, atol=1e-5)
-        np.testing.assert_allclose(view.unit_signature(), spec.from_dense(counts), atol=1e-6)
+        np.testing.assert_allclose(view.unit_signature(), spec.from_dense(counts), atol=1e-5)

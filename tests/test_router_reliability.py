@@ -5,8 +5,9 @@
   min(interval, 5 s).
 - A non-streamed request to a decode that hangs moves on after the first-byte timeout (the
   decode never took the KV) instead of waiting the whole request timeout.
-- A large client body is parsed off the event loop (in the body-parse process): /health keeps
-  answering while big bodies are parsed, and large bodies still go through, or get their 4xx.
+- A large client body stalls nothing: the data plane checks it on its own threads, /health
+  (the control plane's) keeps answering while big bodies are checked, and large bodies still
+  go through, or get their 4xx.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from eldr_sglang.testing.pd_cluster import get_json, metric, post  # noqa: E402
 from test_router_faults import FAST, eldr_router, metrics, run_requests, set_fault, wait_idle  # noqa: E402
 
 TIME_SCALE = 0.05
-# the emulated cluster and trace of this suite (tests/conftest.py starts them, once per data plane)
+# the emulated cluster and trace of this suite (tests/conftest.py starts them)
 TRACE = dict(requests=60, seed=5, workers=3)
 CLUSTER = dict(prefill=1, decode=3)
 

@@ -192,9 +192,6 @@ def test_route_from_wire_equals_route_from_dense(tmp_path):
 def test_renamed_count_types_keep_deprecated_aliases():
     import eldr_sglang.sglang_ext.payload as payload
     from eldr_sglang import _core
-    from eldr_sglang.router import pd
 
     with pytest.warns(DeprecationWarning):
         assert payload.DecodedSignature is _core.DecodedCounts
-    with pytest.warns(DeprecationWarning):
-        assert pd.SignatureResult is pd.CountsResult

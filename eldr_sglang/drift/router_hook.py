@@ -2,10 +2,9 @@
 
 The hook is deliberately small and keeps everything expensive off the request path:
 
-- `wants_signature()` (asked by `PDRouter.route` before it routes a request with counts):
-  whether the reservoir will keep the next observation; only then does the route keep the
-  signature it computes (`Router.route_counts(signature=True)`), so it is computed once.
-- `on_route(decision, counts=None)` (called after each ELDR decision): the DriftMonitor update
+- `on_route(decision, counts=None)` (called after each counts-policy decision; the router
+  service drains them from the Rust data plane in batches, `ControlPlane.sync_drift`, with
+  the unit signature the route computed, so it is computed once): the DriftMonitor update
   is O(K); the reservoir gets the decision's `unit_signature()` (O(D)), or, for a decision
   made without one, the signature of dense `counts` by the current centroid file's spec
   (O(L*E)). Nothing else happens on the event loop.
@@ -65,13 +64,9 @@ class DriftHook:
         self.signature_errors = 0
         self._last_logged_refit = 0
 
-    # ---------------------------------------------------------------- request path
-    def wants_signature(self) -> bool:
-        """Whether the next routed request's signature will be kept (see the module doc)."""
-        return self.ctl.reservoir.will_store_next()
-
+    # ---------------------------------------------------------------- decisions
     def on_route(self, decision, counts=None) -> None:
-        """One routed request. Never raises into the request path."""
+        """One routed request. Never raises into its caller."""
         try:
             self.ctl.monitor.observe_decision(decision)
             if decision.reason != "band":

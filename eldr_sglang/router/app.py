@@ -1,14 +1,19 @@
-"""The aiohttp application of the PD router and its runner."""
+"""The router service: the control plane's aiohttp app, and the runner that starts it on an
+internal loopback port with the Rust data plane on the public one."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import socket
+from typing import AsyncIterator
 
 from aiohttp import web
 
 from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
+from eldr_sglang.router.control import ControlPlane
+from eldr_sglang.router.dataplane import feed_drift
 from eldr_sglang.router.loads import (
     check_health,
     poll_loads,
@@ -17,18 +22,16 @@ from eldr_sglang.router.loads import (
     wait_for_workers,
 )
 from eldr_sglang.router.passthrough import WorkerPassthrough
-from eldr_sglang.router.pd import ENDPOINTS, PDRouter
 
 logger = logging.getLogger("eldr.router")
-PD_KEY = web.AppKey("pd", PDRouter)
+PD_KEY = web.AppKey("pd", ControlPlane)
 
 
-def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
-    pd = pd or PDRouter(cfg)
+def build_app(cfg: RouterConfig, pd: ControlPlane | None = None) -> web.Application:
+    """The control plane's app: every path the data plane does not serve itself."""
+    pd = pd or ControlPlane(cfg)
     app = web.Application(client_max_size=cfg.max_payload_size)
     app[PD_KEY] = pd
-    for path in ENDPOINTS:
-        app.router.add_post(path, pd.handle)
 
     async def health(_):
         return web.Response(text="ok")
@@ -53,9 +56,10 @@ def build_app(cfg: RouterConfig, pd: PDRouter | None = None) -> web.Application:
     return app
 
 
-async def _lifecycle(pd: PDRouter, cfg: RouterConfig):
-    """Start-up (upstream session, waiting for workers, probing which prefills stream a
-    signature) and the background loops (loads, health, hot reload); their teardown."""
+async def _lifecycle(pd: ControlPlane, cfg: RouterConfig):
+    """Start-up (the control plane's upstream session, waiting for workers, probing which
+    prefills stream a signature) and the background loops (loads, health, hot reload, the
+    drift feed); their teardown."""
     await pd.start()
     if cfg.worker_startup_timeout_s > 0:
         await wait_for_workers(pd, cfg.worker_startup_timeout_s)
@@ -68,6 +72,8 @@ async def _lifecycle(pd: PDRouter, cfg: RouterConfig):
         loops.append(check_health(pd, cfg.health_check_interval_s, cfg.health_failure_threshold))
     if cfg.centroids and cfg.reload_interval_ms > 0:
         loops.append(reload_centroids(pd, cfg.reload_interval_ms / 1000.0))
+    if pd.drift is not None:
+        loops.append(feed_drift(pd))
     tasks = [asyncio.ensure_future(c) for c in loops]
     yield
     for t in tasks:
@@ -76,41 +82,62 @@ async def _lifecycle(pd: PDRouter, cfg: RouterConfig):
     await pd.close()
 
 
-async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    """Run until `stop` is set (or forever). Client disconnects cancel their handlers."""
-    if cfg.data_plane == "rust":  # the request path in the extension; this process keeps the control plane
-        from eldr_sglang.router.dataplane import serve as serve_rust
-
-        return await serve_rust(cfg, ready, stop)
-    app = build_app(cfg)
-    # keepalive_timeout doubles as the request-head timeout: aiohttp arms it when a
-    # connection opens and closes one that has no complete request head by then (slowloris).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.client_header_timeout_s)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
-    await site.start()
-    prom = None
-    if cfg.prometheus_port is not None:
-        from prometheus_client import start_http_server
-
-        prom = start_http_server(cfg.prometheus_port, cfg.prometheus_host or "127.0.0.1", registry=app[PD_KEY].metrics.registry)
-    logger.info(
-        "ELDR PD router on http://%s:%d: %d prefill, %d decode, policy %s, %s binding",
-        cfg.host, cfg.port, len(cfg.prefill), len(cfg.decode), cfg.policy, "late" if cfg.late_binding else "early",
-    )
-    if ready is not None:
-        ready.set()
-    if stop is None:  # SIGTERM/SIGINT: shut down cleanly (cleanup hooks)
-        import signal
-
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
+@contextlib.asynccontextmanager
+async def running(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str]]:
+    """The router, serving in this process until the block ends: (the control app, the
+    public base URL). The control plane's socket is bound first, so the data plane is built
+    knowing where to forward, and the start-up checks report straight into it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    control_port = sock.getsockname()[1]
     try:
-        await stop.wait()
+        pd = ControlPlane(cfg, f"http://127.0.0.1:{control_port}")
+        app = build_app(cfg, pd)
+    except BaseException:
+        sock.close()
+        raise
+    # keepalive_timeout doubles as the request-head timeout: aiohttp arms it when a
+    # connection opens and closes one that has no complete request head by then.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.client_header_timeout_s)
+    prom = None
+    started = False
+    try:
+        await runner.setup()  # the lifecycle's start-up runs here
+        await web.SockSite(runner, sock, backlog=1024).start()
+        loop = asyncio.get_running_loop()
+        port = await loop.run_in_executor(None, pd.dataplane.start)
+        started = True
+        if cfg.prometheus_port is not None:
+            from prometheus_client import start_http_server
+
+            prom = start_http_server(cfg.prometheus_port, cfg.prometheus_host or "127.0.0.1", registry=pd.metrics.registry)
+        logger.info(
+            "ELDR PD router on http://%s:%d (Rust data plane; control plane on 127.0.0.1:%d): %d prefill, %d decode, "
+            "policy %s, %s binding", cfg.host, port, control_port, len(cfg.prefill), len(cfg.decode), cfg.policy,
+            "late" if cfg.late_binding else "early",
+        )
+        yield app, f"http://{cfg.host}:{port}"
     finally:
         if prom is not None:
             prom[0].shutdown()
+        if started:
+            await asyncio.get_running_loop().run_in_executor(None, pd.dataplane.stop)
         await runner.cleanup()
+        sock.close()
+
+
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run until `stop` is set (or SIGTERM/SIGINT: a clean shut-down)."""
+    async with running(cfg):
+        if ready is not None:
+            ready.set()
+        if stop is None:
+            import signal
+
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, stop.set)
+        await stop.wait()

@@ -43,12 +43,10 @@ DAY_S = 86400.0
 DECODE_POLICIES = _core.POLICIES
 COUNTS_POLICIES = _core.COUNTS_POLICIES
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
-# Which server runs the request path: the tokio/hyper one in the Rust extension (rust, the
-# default: it passes the same HTTP suites at a fifth of the CPU per request,
-# benchmarks/results/dataplane_rust.md; Python keeps the control plane: admin endpoints,
-# health, reload, drift) or the aiohttp one (python).
-DATA_PLANES = ("python", "rust")
-DEFAULT_DATA_PLANE = "rust"
+# The request path runs in the Rust extension's tokio/hyper server (rust/dataplane); Python is
+# the control plane (admin endpoints, health, loads, reload, drift). `--data-plane` chose
+# between it and an aiohttp request path that is gone; it still accepts this one value.
+DATA_PLANE = "rust"
 
 
 class ConfigError(ValueError):
@@ -100,12 +98,18 @@ class RouterConfig:
     log_level: str = "info"
     explain_headers: bool = True
     drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
-    data_plane: str = DEFAULT_DATA_PLANE
+    # Admission control (rust/dataplane/src/admission.rs): None = its defaults
+    # (256 per decode worker, a queue as long; config.rs says why); 0 = no bound.
+    max_concurrent_requests: int | None = None
+    queue_size: int | None = None
+    queue_timeout_s: float = 60.0
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike
-        if self.data_plane not in DATA_PLANES:
-            raise ConfigError(f"--data-plane must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
+        for url in [w.url for w in self.prefill] + list(self.decode):
+            if not url.startswith("http://"):  # the data plane speaks plain HTTP/1.1 to workers
+                raise ConfigError(f"worker URL {url!r}: the router speaks plain http:// to workers only "
+                                  "(https is not supported; put a TLS proxy beside the worker instead)")
 
     @property
     def late_binding(self) -> bool:
@@ -114,7 +118,9 @@ class RouterConfig:
 
 def _url(u: str, flag: str) -> str:
     p = urlparse(u)
-    if p.scheme not in ("http", "https") or not p.hostname:
+    if p.scheme == "https":
+        raise ConfigError(f"{flag} {u!r}: the router speaks plain http:// to workers only (https is not supported)")
+    if p.scheme != "http" or not p.hostname:
         raise ConfigError(f"{flag} {u!r}: expected a URL like http://host:port")
     return u.rstrip("/")
 
@@ -200,9 +206,9 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
     cl = ap.add_argument_group("Clients and control endpoints")
     cl.add_argument(
-        "--data-plane", choices=DATA_PLANES, default=DEFAULT_DATA_PLANE,
-        help=f"server of the request path (default {DEFAULT_DATA_PLANE}): python (aiohttp) or rust (tokio/hyper in "
-        "the extension, less CPU per request; Python keeps the control plane on an internal loopback port)",
+        "--data-plane", default=DATA_PLANE, metavar=DATA_PLANE,
+        help="accepted for older command lines: the request path always runs in the Rust extension's tokio/hyper "
+        "server (Python keeps the control plane on an internal loopback port); 'python' was removed",
     )
     cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
                     help="a connection that sends no complete request head in this long is closed (default 30)")
@@ -213,6 +219,17 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help=f"token for POST /eldr/refit and /flush_cache (header 'Authorization: Bearer TOKEN'); "
         f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
+    adm = ap.add_argument_group("Admission control (the Rust data plane)")
+    adm.add_argument(
+        "--max-concurrent-requests", type=int, default=None, metavar="N",
+        help="requests in flight through the router at once; past it they wait in the queue (default: 256 per decode "
+        "worker, what a SGLang decode batch holds; 0: no bound)",
+    )
+    adm.add_argument("--queue-size", type=int, default=None, metavar="N",
+                     help="requests that may wait for a slot; past it the router answers 429 with Retry-After at once "
+                     "(default: as many as --max-concurrent-requests)")
+    adm.add_argument("--queue-timeout-secs", type=float, default=60.0,
+                     help="longest wait in the queue, then 503 with Retry-After (default 60, the SGLang gateway's)")
     req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
     req.add_argument("--prometheus-port", type=int, default=None)
     req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -226,6 +243,9 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
+    if a.data_plane != DATA_PLANE:
+        raise ConfigError(f"--data-plane {a.data_plane}: the Python data plane was removed; the request path runs in "
+                          f"the Rust data plane only (drop the flag, or give --data-plane {DATA_PLANE})")
     if not a.pd_disaggregation:
         raise ConfigError("--pd-disaggregation is required: this router serves PD-disaggregated clusters only")
     prefill = []
@@ -289,7 +309,9 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         log_level=a.log_level,
         explain_headers=not a.no_explain_headers,
         drift={"enabled": False} if a.no_eldr_drift else None,
-        data_plane=a.data_plane,
+        max_concurrent_requests=a.max_concurrent_requests,
+        queue_size=a.queue_size,
+        queue_timeout_s=a.queue_timeout_secs,
     )
 
 
@@ -319,6 +341,9 @@ _NUMERIC_FLAGS = {
     "--eject-max-secs": ("eject_max_s", 1e-3, 7 * DAY_S, False, False),
     "--client-header-timeout-secs": ("client_header_timeout_s", 1e-3, DAY_S, False, False),
     "--client-body-timeout-secs": ("client_body_timeout_s", 1e-3, DAY_S, False, False),
+    "--max-concurrent-requests": ("max_concurrent_requests", 0, 1 << 20, True, True),
+    "--queue-size": ("queue_size", 0, 1 << 20, True, True),
+    "--queue-timeout-secs": ("queue_timeout_s", 1e-3, DAY_S, False, False),
 }
 
 

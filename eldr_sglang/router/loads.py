@@ -1,5 +1,7 @@
-"""Background loops: decode /v1/loads polling (blended into the Rust queue tracker), health
-checks, centroid hot reload."""
+"""The control plane's background loops (`pd`: the ControlPlane): decode /v1/loads polling
+(reported into the core Router's queue tracker), health checks (reported into the data
+plane's worker pools), the prefill signature probe, centroid hot reload. Each reports through
+the control plane's typed calls; what the routes read lives in Rust."""
 
 from __future__ import annotations
 
@@ -106,8 +108,7 @@ async def poll_loads(pd, interval: float) -> None:
         except Exception as exc:  # anything else a worker can provoke: drop it, keep polling
             cause, msg = "error", f"{exc.__class__.__name__}: {exc}"
         else:
-            pd.reported[i] = running
-            pd.router.report_load(i, running)
+            pd.report_load(i, running)
             return
         pd.metrics.loads_dropped.labels(str(i), cause).inc()
         if cause != "connect":  # a worker that is down is the health check's news
@@ -140,14 +141,16 @@ async def probe_prefill_signature(pd, i: int) -> None:
         if pd.prefill_signs[i] is not signs and not signs:
             logger.warning("prefill worker %d (%s) does not stream ELDR signatures (unpatched, or without "
                            "--enable-eldr-signature): its requests are routed without one", i, pd.cfg.prefill[i].url)
-        pd.prefill_signs[i] = signs
+        pd.set_prefill_signs(i, signs)
 
 
 async def check_health(pd, interval: float, threshold: int) -> None:
     """Mark workers unhealthy after `threshold` failed /health calls in a row, healthy on success.
-    A passing health check does not end an outlier ejection (see router.outlier): a hung
-    worker's /health may answer. Each worker is checked in its own loop, each call bounded by
-    --worker-poll-timeout-secs (not by the interval: a busy CPU SGLang answers in seconds)."""
+    A passing health check does not end an outlier ejection (the data plane's,
+    rust/dataplane/src/outlier.rs): a hung worker's /health may answer. Each worker is checked
+    in its own loop, each call bounded by --worker-poll-timeout-secs (not by the interval: a
+    busy CPU SGLang answers in seconds). The failure counts in a row are this loop's own; the
+    verdicts go to the data plane, whose pools the routes read."""
     timeout = aiohttp.ClientTimeout(total=pd.cfg.poll_timeout_s)
     fails = {("prefill", i): 0 for i in range(len(pd.cfg.prefill))}
     fails.update({("decode", i): 0 for i in range(len(pd.cfg.decode))})

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-
-_DIST_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0)
-_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_FAST_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01)
 
 
 class _StateCollector:
@@ -43,59 +39,76 @@ class _StateCollector:
         for role in ("prefill", "decode"):
             for i, w in enumerate(s.get(f"{role}_workers", [])):
                 ej.add_metric([role, str(i)], 0.0 if w["circuit"] == "closed" else 1.0)
+        adm = s.get("admission")
+        if adm is not None:
+            for key, doc in (("in_flight", "Requests holding an admission slot"), ("waiting", "Requests waiting in the admission queue"),
+                             ("limit", "The admission bound (0: none)")):
+                g = GaugeMetricFamily(f"eldr_router_admission_{key}", doc)
+                g.add_metric([], adm[key])
+                yield g
         gen = GaugeMetricFamily("eldr_router_centroid_generation", "Centroid file generation (grows on each hot reload)")
         gen.add_metric([], s["centroid_generation"])
         yield from (q, own, rep, h, ej, gen)
 
 
-# The request path's metrics, one table for both data planes: the Python plane updates
-# them as prometheus_client metrics (RouterMetrics.<attr>), the Rust plane keeps its own
-# counters and RustRequestMetrics exposes them under the same names at scrape time.
-# (attribute, name, help, label names)
+# The request path's metrics: the Rust data plane keeps the counters (rust/dataplane/src/
+# counters.rs) and RequestPathMetrics exposes them under these names at scrape time.
+# (name, help, label names)
 REQUEST_COUNTERS = (
-    ("requests", "eldr_router_requests", "Client requests by endpoint and HTTP status", ("endpoint", "status")),
-    ("routes", "eldr_router_decode_routes", "Decode routing decisions by worker and reason", ("worker", "reason")),
-    ("decode_failovers", "eldr_router_decode_failovers",
-     "Requests re-sent to another decode worker before any byte reached the client", ()),
-    ("retries", "eldr_router_retries",
+    ("eldr_router_requests", "Client requests by endpoint and HTTP status", ("endpoint", "status")),
+    ("eldr_router_decode_routes", "Decode routing decisions by worker and reason", ("worker", "reason")),
+    ("eldr_router_decode_failovers", "Requests re-sent to another decode worker before any byte reached the client", ()),
+    ("eldr_router_retries",
      "Requests re-sent to another worker before any byte reached the client, by role and cause", ("role", "cause")),
-    ("retries_refused", "eldr_router_retries_refused",
+    ("eldr_router_retries_refused",
      "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)", ("role",)),
-    ("timeouts", "eldr_router_upstream_timeouts",
+    ("eldr_router_upstream_timeouts",
      "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)", ("role", "worker", "phase")),
-    ("ejections", "eldr_router_ejections", "Outlier ejections of a worker", ("role", "worker")),
-    ("probation_trials", "eldr_router_probation_trials",
-     "Trial requests sent to an ejected worker whose ejection ended", ("role", "worker")),
-    ("prefill_routes", "eldr_router_prefill_routes", "Prefill choices by worker", ("worker",)),
-    ("fallbacks", "eldr_router_fallbacks", "Requests routed without a usable signature, by cause", ("reason",)),
-    ("malformed", "eldr_router_malformed_signatures", "Signature payloads that failed validation", ()),
-    ("worker_errors", "eldr_router_worker_errors", "Failed worker calls", ("role", "worker", "kind")),
-    ("disconnects", "eldr_router_client_disconnects", "Clients that went away before the answer ended", ()),
+    ("eldr_router_ejections", "Outlier ejections of a worker", ("role", "worker")),
+    ("eldr_router_probation_trials", "Trial requests sent to an ejected worker whose ejection ended", ("role", "worker")),
+    ("eldr_router_prefill_routes", "Prefill choices by worker", ("worker",)),
+    ("eldr_router_fallbacks", "Requests routed without a usable signature, by cause", ("reason",)),
+    ("eldr_router_malformed_signatures", "Signature payloads that failed validation", ()),
+    ("eldr_router_worker_errors", "Failed worker calls", ("role", "worker", "kind")),
+    ("eldr_router_client_disconnects", "Clients that went away before the answer ended", ()),
+    # admission control and overload
+    ("eldr_router_admission_admitted", "Requests admitted, at once or after waiting in the queue", ("how",)),
+    ("eldr_router_admission_queued", "Requests that had to wait in the admission queue", ()),
+    ("eldr_router_admission_rejected",
+     "Requests refused by admission control: queue full (429) or queue timeout (503)", ("reason",)),
+    ("eldr_router_panic_routes", "Requests routed with no routable worker of the role (panic mode)", ("role",)),
+    ("eldr_router_overload_timeouts",
+     "Worker timeouts not charged to the worker: the other workers of its role were slow too (none answered meanwhile)",
+     ("role", "worker")),
+    ("eldr_router_client_connection_errors",
+     "Client connections closed by the router or failed, by cause (header_timeout: no request head in time; idle_timeout: "
+     "none after an answer; bad_request, incomplete, aborted, io, accept)",
+     ("kind",)),
 )
-# (attribute, name, help, buckets)
+# (name, help); the bucket bounds come with the data plane's snapshot
 REQUEST_HISTOGRAMS = (
-    ("band_size", "eldr_router_band_size", "Workers in the locality band", tuple(range(1, 17))),
-    ("d_star", "eldr_router_distance_best", "Smallest signature-centroid distance d*", _DIST_BUCKETS),
-    ("d_chosen", "eldr_router_distance_chosen", "Distance to the chosen worker's centroid", _DIST_BUCKETS),
-    ("sig_wait", "eldr_router_signature_wait_seconds", "From the prefill call to a usable signature (or the fallback)", _WAIT_BUCKETS),
-    ("sig_bytes", "eldr_router_signature_bytes", "Signature payload data size", (256, 1024, 2048, 4096, 8192, 12288, 16384, 65536)),
-    ("route_seconds", "eldr_router_route_seconds", "Time in the routing call (decode and route)", _FAST_BUCKETS),
+    ("eldr_router_band_size", "Workers in the locality band"),
+    ("eldr_router_distance_best", "Smallest signature-centroid distance d*"),
+    ("eldr_router_distance_chosen", "Distance to the chosen worker's centroid"),
+    ("eldr_router_signature_wait_seconds", "From the prefill call to a usable signature (or the fallback)"),
+    ("eldr_router_signature_bytes", "Signature payload data size"),
+    ("eldr_router_route_seconds", "Time in the routing call (decode and route)"),
 )
 
 
-class RustRequestMetrics:
-    """The Rust data plane's request-path counters, read at scrape time (`snapshot()` is
-    `DataPlane.counters()`, or None before the data plane runs)."""
+class RequestPathMetrics:
+    """The data plane's request-path counters, read at scrape time (`snapshot()` is
+    `DataPlane.counters()`)."""
 
-    def __init__(self, snapshot: Callable[[], dict | None]):
+    def __init__(self, snapshot: Callable[[], dict]):
         self._snapshot = snapshot
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
         from prometheus_client.utils import floatToGoString
 
-        snap = self._snapshot() or {"counters": {}, "histograms": {}}
-        for _, name, doc, labels in REQUEST_COUNTERS:
+        snap = self._snapshot()
+        for name, doc, labels in REQUEST_COUNTERS:
             fam = CounterMetricFamily(name, doc, labels=labels)
             series = snap["counters"].get(name, [])
             for values, v in series:
@@ -103,7 +116,7 @@ class RustRequestMetrics:
             if not labels and not series:
                 fam.add_metric([], 0)
             yield fam
-        for _, name, doc, _buckets in REQUEST_HISTOGRAMS:
+        for name, doc in REQUEST_HISTOGRAMS:
             got = snap["histograms"].get(name)
             if got is None:
                 continue
@@ -116,18 +129,12 @@ class RustRequestMetrics:
 
 
 class RouterMetrics:
-    """`request_path`: None (the Python data plane: its request-path metrics are attributes
-    here), or a collector that serves them (RustRequestMetrics)."""
+    """`state`: the control plane's /eldr/status dict (gauges); `counters`: the data plane's
+    counter snapshot (the request path's metrics)."""
 
-    def __init__(self, state: Callable[[], dict], request_path=None):
+    def __init__(self, state: Callable[[], dict], counters: Callable[[], dict]):
         r = self.registry = CollectorRegistry()
-        if request_path is None:
-            for attr, name, doc, labels in REQUEST_COUNTERS:
-                setattr(self, attr, Counter(name, doc, list(labels), registry=r))
-            for attr, name, doc, buckets in REQUEST_HISTOGRAMS:
-                setattr(self, attr, Histogram(name, doc, buckets=buckets, registry=r))
-        else:
-            r.register(request_path)
+        r.register(RequestPathMetrics(counters))
         self.loads_dropped = Counter(
             "eldr_router_load_reports_dropped", "/v1/loads answers ignored, by worker and cause", ["worker", "cause"], registry=r
         )

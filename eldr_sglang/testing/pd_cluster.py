@@ -104,15 +104,7 @@ def start_cluster(trace: Path, tmp: Path, prefill: int = 2, decode: int = 4, tim
     raise RuntimeError(f"emulated cluster did not start:\n{proc.tail()}")
 
 
-# The data plane the test routers run on when a test does not choose one (--data-plane):
-# ELDR_TEST_DATA_PLANE=rust runs the HTTP-surface suites against the Rust request path.
-TEST_DATA_PLANE_ENV = "ELDR_TEST_DATA_PLANE"
-
-
 def start_router(urls: dict, tmp: Path, args: list[str], timeout: float = 60.0) -> tuple[Proc, str]:
-    plane = os.environ.get(TEST_DATA_PLANE_ENV)
-    if plane and "--data-plane" not in args:
-        args = [*args, "--data-plane", plane]
     port = free_port()
     cmd = ["-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port)]
     for url, bport in urls["prefill"]:

@@ -80,6 +80,30 @@ pub struct Config {
     /// Decisions kept for the drift monitor (`DataPlane::take_signatures`); 0: none.
     #[serde(default)]
     pub signature_reservoir: usize,
+    /// Admission control (see [`crate::admission`]): requests in flight through the router
+    /// at once (None: [`Config::max_concurrent`]'s default; 0: no bound), the wait queue in
+    /// front of them (None: as many as the bound), and the longest wait in it.
+    #[serde(default)]
+    pub max_concurrent_requests: Option<usize>,
+    #[serde(default)]
+    pub queue_size: Option<usize>,
+    #[serde(default = "default_queue_timeout")]
+    pub queue_timeout_s: f64,
+}
+
+/// Requests one decode worker is expected to hold at once, for the default admission bound.
+/// SGLang decode workers run a few hundred requests per batch at most (SGLang 0.5.23 sets
+/// `max_running_requests = 256` for DeepSeek-V4, the emulated decode worker's default is
+/// 256); a router that lets more through only moves the queue into the workers, where the
+/// requests time out, get their workers ejected and can no longer be refused cleanly.
+pub const DEFAULT_SLOTS_PER_DECODE: usize = 256;
+/// The SGLang gateway's `--queue-timeout-secs` default.
+pub const DEFAULT_QUEUE_TIMEOUT_S: f64 = 60.0;
+/// Largest admission bound or queue accepted (beyond it a bound means nothing).
+pub const MAX_ADMISSION: usize = 1 << 20;
+
+fn default_queue_timeout() -> f64 {
+    DEFAULT_QUEUE_TIMEOUT_S
 }
 
 /// Policies that route on the prefill's expert counts (they count fallbacks).
@@ -104,7 +128,7 @@ impl Config {
                 Err(e) => return bad(format!("worker URL {url:?}: {e}")),
             };
             if uri.scheme_str() != Some("http") || uri.host().is_none() {
-                return bad(format!("worker URL {url:?}: the Rust data plane speaks plain http://host:port only (use --data-plane python for https)"));
+                return bad(format!("worker URL {url:?}: the Rust data plane speaks plain http://host:port only"));
             }
         }
         if !PREFILL_POLICIES.contains(&self.prefill_policy.as_str()) {
@@ -125,10 +149,30 @@ impl Config {
                 return bad(format!("{name} must be a positive number of seconds, got {v}"));
             }
         }
+        if !(self.queue_timeout_s.is_finite() && self.queue_timeout_s > 0.0 && self.queue_timeout_s < 1e9) {
+            return bad(format!("queue_timeout_s must be a positive number of seconds, got {}", self.queue_timeout_s));
+        }
+        for (name, v) in [("max_concurrent_requests", self.max_concurrent_requests), ("queue_size", self.queue_size)] {
+            if v.is_some_and(|n| n > MAX_ADMISSION) {
+                return bad(format!("{name} must be at most {MAX_ADMISSION}, got {}", v.unwrap_or(0)));
+            }
+        }
         if self.threads == 0 || self.threads > 64 {
             return bad(format!("threads must be 1..=64, got {}", self.threads));
         }
         Ok(())
+    }
+
+    /// The admission bound: the configured one, else DEFAULT_SLOTS_PER_DECODE per decode
+    /// worker (0: no bound).
+    pub fn max_concurrent(&self) -> usize {
+        self.max_concurrent_requests.unwrap_or(DEFAULT_SLOTS_PER_DECODE * self.decode.len())
+    }
+
+    /// The wait queue: the configured one, else as long as the bound (a queued request then
+    /// waits about one request's time per slot ahead of it, not an unbounded backlog).
+    pub fn queue(&self) -> usize {
+        self.queue_size.unwrap_or_else(|| self.max_concurrent())
     }
 
     pub fn counts_policy(&self) -> bool {

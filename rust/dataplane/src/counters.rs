@@ -119,6 +119,12 @@ pub mod names {
     pub const MALFORMED: &str = "eldr_router_malformed_signatures";
     pub const WORKER_ERRORS: &str = "eldr_router_worker_errors";
     pub const DISCONNECTS: &str = "eldr_router_client_disconnects";
+    pub const ADMITTED: &str = "eldr_router_admission_admitted";
+    pub const QUEUED: &str = "eldr_router_admission_queued";
+    pub const REJECTED: &str = "eldr_router_admission_rejected";
+    pub const PANIC_ROUTES: &str = "eldr_router_panic_routes";
+    pub const OVERLOAD_TIMEOUTS: &str = "eldr_router_overload_timeouts";
+    pub const CONNECTION_ERRORS: &str = "eldr_router_client_connection_errors";
 }
 
 #[cfg(test)]

@@ -69,6 +69,8 @@ pub enum FlowError {
     Upstream(#[from] UpstreamError),
     #[error("no healthy decode worker")]
     NoHealthyWorker,
+    #[error("the router is overloaded ({})", .0.label())]
+    Overloaded(crate::admission::Rejected),
 }
 
 /// `{"error": {"message": ...}}`, the body of every error the router makes itself.

@@ -1,4 +1,4 @@
-//! The per-request PD flow (the Python plane's `router/pd.py` is the spec).
+//! The per-request PD flow: prefill, the signature, late-bound decode, failover, streaming back.
 //!
 //! Late binding: pick a prefill worker, draw a bootstrap room, POST the request there
 //! (always streamed); read its stream until the `eldr_signature` event (or the signature
@@ -33,6 +33,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, timeout_at, Instant};
 
+use crate::admission::{PermitBody, Rejected};
 use crate::config::{secs, Role};
 use crate::counters::names;
 use crate::errors::{error_json, BadRequest, FlowError, UpstreamError};
@@ -78,6 +79,7 @@ pub async fn handle(plane: Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Re
     let mut outcome = Outcome { plane: &plane, kind, status: None };
     let resp = match serve(&plane, kind, req).await {
         Ok(r) => r,
+        Err(FlowError::Overloaded(why)) => overloaded_response(&plane, why),
         Err(e) => error_response(e),
     };
     outcome.status = Some(resp.status().as_u16());
@@ -118,7 +120,38 @@ pub fn error_response(e: FlowError) -> Response<Body> {
             r
         }
         FlowError::NoHealthyWorker => json_response(503, error_json("no healthy decode worker")),
+        FlowError::Overloaded(why) => {
+            let mut r = json_response(why.status(), error_json(&e_overloaded(why)));
+            r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S));
+            r
+        }
     }
+}
+
+/// What a refused client is told to wait before trying again (seconds): the queue turns over
+/// in about one request's time, so a short wait, not a back-off the router cannot estimate.
+const RETRY_AFTER_S: &str = "1";
+
+fn e_overloaded(why: Rejected) -> String {
+    format!("the router is overloaded ({}): retry later", why.label())
+}
+
+/// A refused request's answer, with the router's limits in its message (429 when the queue is
+/// full, 503 after the queue timeout; both with Retry-After).
+fn overloaded_response(plane: &Plane, why: Rejected) -> Response<Body> {
+    let a = &plane.admission;
+    let msg = match why {
+        Rejected::QueueFull => format!(
+            "the router is overloaded: all {} request slots are busy and the wait queue ({}) is full; retry later (--max-concurrent-requests, --queue-size)",
+            a.limit(), a.queue_size()),
+        Rejected::QueueTimeout => format!(
+            "the router is overloaded: no request slot of {} came free within the queue timeout of {} s; retry later (--queue-timeout-secs)",
+            a.limit(), plane.cfg.queue_timeout_s),
+    };
+    let body = serde_json::to_vec(&serde_json::json!({"error": {"message": msg, "type": "overloaded", "code": why.status()}})).expect("json");
+    let mut r = json_response(why.status(), Bytes::from(body));
+    r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S));
+    r
 }
 
 pub fn json_response(status: u16, body: Bytes) -> Response<Body> {
@@ -360,6 +393,14 @@ async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Result
     } else {
         parse_body(kind, &raw)?
     };
+    // Admitted after the body is read: a bad request gets its 4xx whatever the load, and a
+    // refused one has nothing left unread (closing on an unread body can reset the answer).
+    let permit = plane.admission.admit().await.map_err(FlowError::Overloaded)?;
+    let resp = route_request(plane, &path, &base, client_stream).await?;
+    Ok(resp.map(|b| PermitBody::wrap(b, permit)))
+}
+
+async fn route_request(plane: &Arc<Plane>, path: &str, base: &[u8], client_stream: bool) -> Result<Response<Body>, FlowError> {
     let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
     let _active = plane.budget.active();
     let mut tried: Vec<usize> = Vec::new();
@@ -375,7 +416,7 @@ async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Result
             plane.counters.inc(names::RETRIES, &["prefill", &cause]);
             plane.budget.retrying()
         });
-        match serve_with_prefill(plane, &path, &base, p, client_stream, deadline).await {
+        match serve_with_prefill(plane, path, base, p, client_stream, deadline).await {
             Ok(r) => return Ok(r),
             Err(FlowError::Upstream(e)) if e.is_retryable() => {
                 last = Some(e);
@@ -683,7 +724,10 @@ impl Plane {
             };
             (r, None)
         };
-        let r = routed.map_err(|RouteError::NoHealthyWorker| FlowError::NoHealthyWorker)?;
+        let r = match routed {
+            Ok(r) => r,
+            Err(RouteError::NoHealthyWorker) => return self.panic_route(tried),
+        };
         let worker = r.decision.worker.expect("route returns a worker or an error");
         let mut choice = Choice { worker, reason: r.decision.reason.label(), band: r.decision.band.clone(), profile };
         if tried.contains(&worker) {
@@ -711,6 +755,17 @@ impl Plane {
             feed.push(self.drift_sample(sig, &choice, r));
         }
         Ok(choice)
+    }
+
+    /// Panic mode (Envoy's panic threshold at its floor): no decode worker is routable (all
+    /// ejected, on probation or failing their health checks, which overload alone can cause),
+    /// so the request goes to the least loaded one not tried yet rather than failing with 503.
+    /// A worker that really is down answers its own fast error, and the request fails over.
+    fn panic_route(&self, tried: &[usize]) -> Result<Choice, FlowError> {
+        let k = self.decode.panic_pick(tried).ok_or(FlowError::NoHealthyWorker)?;
+        self.counters.inc(names::PANIC_ROUTES, &["decode"]);
+        self.counters.inc(names::ROUTES, &[&k.to_string(), "panic"]);
+        Ok(Choice { worker: k, reason: "panic".into(), band: None, profile: None })
     }
 
     /// What the drift monitor reads of a decision. It measures how far traffic is from the
@@ -922,6 +977,7 @@ async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Choice, prefil
     let left = (t_start + first_byte).min(ctx.deadline).saturating_duration_since(Instant::now());
     let failed = match timeout(left, next_chunk(&mut body)).await {
         Ok(Ok(Some(first))) => {
+            attempt.progress();
             let head = &first[..first.len().min(8192)];
             if head.windows(7).any(|x| x == b"\"abort\"") {
                 if let Some(leg) = prefill {

@@ -5,10 +5,12 @@
 //! It shares the core [`eldr_core::Router`] with Python: routing, the queue tracker, payload
 //! decoding and hot reload (Python's reload thread swaps the centroids) are the core's.
 //!
-//! Modules: [`config`], [`server`] (accept loop), [`flow`] (the PD flow), [`upstream`]
+//! Modules: [`config`], [`server`] (accept loop), [`admission`] (the bound on requests in
+//! flight, its queue), [`flow`] (the PD flow), [`upstream`]
 //! (worker calls with timeouts), [`sse`] (the signature event), [`outlier`] (ejection),
 //! [`counters`] (metrics), [`plane`] (shared state), [`errors`].
 
+pub mod admission;
 pub mod config;
 pub mod counters;
 pub mod errors;
@@ -58,12 +60,12 @@ impl DataPlane {
             .next()
             .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("cannot resolve {}", cfg.host)))?;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(cfg.threads).thread_name("eldr-dataplane").enable_all().build()?;
-        let std_listener = bind(addr)?;
-        let bound = std_listener.local_addr()?;
+        raise_fd_limit();
         let listener = {
             let _g = rt.enter();
-            tokio::net::TcpListener::from_std(std_listener)?
+            bind(addr)?
         };
+        let bound = listener.local_addr()?;
         let (tx, rx) = watch::channel(false);
         rt.spawn(server::serve(listener, Arc::clone(&self.plane), rx));
         self.runtime = Some(rt);
@@ -94,8 +96,31 @@ impl Drop for DataPlane {
     }
 }
 
-fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    let l = std::net::TcpListener::bind(addr)?;
-    l.set_nonblocking(true)?;
-    Ok(l)
+/// Pending connections the kernel holds for the accept loop (capped by net.core.somaxconn).
+/// std's listeners ask for 128, which a burst of a few hundred new clients overflows: the
+/// kernel then drops their handshakes and they see connect timeouts or resets.
+const LISTEN_BACKLOG: u32 = 4096;
+
+fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let sock = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    sock.set_reuseaddr(true)?;
+    sock.bind(addr)?;
+    sock.listen(LISTEN_BACKLOG)
+}
+
+/// Raise this process's open-file limit to its hard limit: each request in flight holds a
+/// client socket and up to two worker sockets, and a soft limit of 1024 (a common default)
+/// would fail connects and accepts (EMFILE) long before the admission bound is reached.
+fn raise_fd_limit() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed to them.
+    unsafe {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            let want = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) != 0 {
+                eprintln!("eldr.dataplane WARNING could not raise the open-file limit from {}", lim.rlim_cur);
+            }
+        }
+    }
 }

@@ -1,5 +1,5 @@
 //! Per-worker availability: health checks plus outlier ejection, for prefill and decode
-//! alike. The semantics are those of `eldr_sglang/router/outlier.py` (the Python plane's):
+//! alike (the semantics the retired Python plane had, as Envoy's outlier detection):
 //!
 //! - closed: routable; `consecutive` counts failures since the last success;
 //! - open (ejected): after `threshold` failures in a row, for `base * 2^(n-1)` seconds (n =
@@ -8,9 +8,18 @@
 //!   success closes the circuit and resets the back-off, failure opens it again for longer.
 //!
 //! At most half the workers of a role (rounded up) are out at once, and never the last
-//! routable one. Health checks (the Python control plane) feed `set_health`. For decode,
-//! every change of routability is mirrored into the core router's queue tracker, which the
-//! policies read.
+//! routable one (Envoy's max_ejection_percent). Health checks (the Python control plane) feed
+//! `set_health`. For decode, every change of routability is mirrored into the core router's
+//! queue tracker, which the policies read.
+//!
+//! Overload is not a fault. A timeout counts towards ejection when another routable worker of
+//! the role made progress (a first byte, a signature, an answer) while the timed-out request
+//! waited, or when the others are idle (nothing to compare with). It does not count when the
+//! others are busy or timing out too and none of them made progress meanwhile: the cluster is
+//! slow (the whole machine or every worker overloaded), and ejecting would only move the load
+//! onto fewer workers. Those timeouts are counted (`eldr_router_overload_timeouts`) and their
+//! requests still fail over. A worker that hangs while the others answer, or answers 5xx, is
+//! ejected as before.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,6 +53,10 @@ struct Worker {
     routable: bool,
     /// Bumped on each ejection: a probation timer of an older ejection does nothing.
     epoch: u64,
+    /// Its last verdict was a timeout.
+    timing_out: bool,
+    /// When it last answered (a first byte, a signature, a whole answer).
+    last_progress: Option<Instant>,
 }
 
 impl Worker {
@@ -82,7 +95,7 @@ impl WorkerPool {
         let now = Instant::now();
         let workers = urls
             .iter()
-            .map(|u| Worker { url: u.clone(), health_ok: true, circuit: Circuit::Closed, consecutive: 0, ejections: 0, ejected_total: 0, ejected_until: now, last_failure: None, routable: true, epoch: 0 })
+            .map(|u| Worker { url: u.clone(), health_ok: true, circuit: Circuit::Closed, consecutive: 0, ejections: 0, ejected_total: 0, ejected_until: now, last_failure: None, routable: true, epoch: 0, timing_out: false, last_progress: None })
             .collect();
         Arc::new(WorkerPool {
             role,
@@ -141,6 +154,13 @@ impl WorkerPool {
             .collect()
     }
 
+    /// Panic mode's pick when no worker is routable: the least loaded worker not in `tried`,
+    /// those whose health check passes first (outlier ejection alone put them out).
+    pub fn panic_pick(&self, tried: &[usize]) -> Option<usize> {
+        let ws = self.lock();
+        (0..ws.len()).filter(|j| !tried.contains(j)).min_by_key(|&j| (!ws[j].health_ok, self.inflight(j), j))
+    }
+
     /// A request goes to worker i: a half-open worker's one trial is now out.
     pub fn dispatched(&self, i: usize) {
         self.inflight[i].fetch_add(1, Ordering::Relaxed);
@@ -160,6 +180,8 @@ impl WorkerPool {
         let mut ws = self.lock();
         let w = &mut ws[i];
         w.consecutive = 0;
+        w.timing_out = false;
+        w.last_progress = Some(Instant::now());
         if matches!(w.circuit, Circuit::Trial | Circuit::HalfOpen) {
             eprintln!("eldr.dataplane WARNING {} worker {i} ({}) passed its probation: back in rotation", self.role, w.url);
             w.circuit = Circuit::Closed;
@@ -168,10 +190,31 @@ impl WorkerPool {
         }
     }
 
+    /// Worker i answered something (not yet a verdict): evidence it is alive.
+    pub fn progress(&self, i: usize) {
+        self.lock()[i].last_progress = Some(Instant::now());
+    }
+
     pub fn failure(self: &Arc<Self>, i: usize, kind: &str) {
+        self.failure_since(i, kind, None)
+    }
+
+    /// A failure of a request sent at `since` (None: unknown).
+    pub fn failure_since(self: &Arc<Self>, i: usize, kind: &str, since: Option<Instant>) {
         let mut ws = self.lock();
-        ws[i].consecutive += 1;
         ws[i].last_failure = Some(kind.to_owned());
+        let timeout = is_timeout(kind);
+        ws[i].timing_out = timeout;
+        if timeout && self.cluster_slow(&ws, i, since) {
+            // not this worker's fault: no step towards ejection; a trial gets another go
+            self.counters.inc(names::OVERLOAD_TIMEOUTS, &[self.role.as_str(), &i.to_string()]);
+            if ws[i].circuit == Circuit::Trial {
+                ws[i].circuit = Circuit::HalfOpen;
+                self.sync(&mut ws, i);
+            }
+            return;
+        }
+        ws[i].consecutive += 1;
         match ws[i].circuit {
             Circuit::Trial | Circuit::HalfOpen => self.eject(&mut ws, i, &format!("probation request failed ({kind})")),
             Circuit::Closed if ws[i].consecutive >= self.threshold => {
@@ -248,25 +291,51 @@ impl WorkerPool {
     }
 }
 
+/// A failure cause that is a timeout (first byte, stall, total, connect).
+fn is_timeout(kind: &str) -> bool {
+    kind.ends_with("timeout")
+}
+
+impl WorkerPool {
+    /// Is worker i's timeout the cluster's slowness rather than its own fault? Yes when no
+    /// other routable worker made progress since the request was sent and at least one of
+    /// them is busy or timing out too.
+    fn cluster_slow(&self, ws: &[Worker], i: usize, since: Option<Instant>) -> bool {
+        let mut slow = false;
+        for (j, w) in ws.iter().enumerate().filter(|(j, w)| *j != i && w.routable()) {
+            if since.is_some_and(|s| w.last_progress.is_some_and(|p| p > s)) {
+                return false; // another worker answered while this one did not
+            }
+            slow |= w.timing_out || self.inflight(j) > 0;
+        }
+        slow
+    }
+}
+
 /// One request on one worker of a pool: `finished` on drop, and `abandoned` unless a
 /// verdict (success or failure) was given.
 pub struct Attempt {
     pool: Arc<WorkerPool>,
     pub worker: usize,
     verdict: bool,
+    started: Instant,
 }
 
 impl Attempt {
     pub fn start(pool: &Arc<WorkerPool>, worker: usize) -> Self {
         pool.dispatched(worker);
-        Attempt { pool: Arc::clone(pool), worker, verdict: false }
+        Attempt { pool: Arc::clone(pool), worker, verdict: false, started: Instant::now() }
     }
     pub fn success(&mut self) {
         self.pool.success(self.worker);
         self.verdict = true;
     }
+    /// The worker answered its first byte (the verdict comes at the end).
+    pub fn progress(&self) {
+        self.pool.progress(self.worker);
+    }
     pub fn failure(&mut self, kind: &str) {
-        self.pool.failure(self.worker, kind);
+        self.pool.failure_since(self.worker, kind, Some(self.started));
         self.verdict = true;
     }
 }
@@ -333,6 +402,40 @@ mod tests {
         assert_eq!(p.state()[0].circuit, Circuit::Closed);
         assert!(p.tracker.as_ref().unwrap().is_healthy(0));
         assert_eq!(p.inflight(0), 0);
+    }
+
+    #[test]
+    fn timeouts_on_every_worker_are_overload_not_faults() {
+        // the others idle: nothing to compare with, a hung worker is ejected as before
+        let p = pool(3);
+        p.failure(0, "first_byte_timeout");
+        p.failure(0, "first_byte_timeout");
+        assert!(!p.routable(0));
+        // worker 0 times out while worker 1 answers: ejected
+        let p = pool(3);
+        let busy = [Attempt::start(&p, 1), Attempt::start(&p, 2)];
+        let mut a = Attempt::start(&p, 0);
+        let mut b = Attempt::start(&p, 0);
+        p.progress(1);
+        a.failure("first_byte_timeout");
+        b.failure("first_byte_timeout");
+        assert!(!p.routable(0));
+        drop(busy);
+        // every worker busy and none answering: the cluster is slow, nobody is ejected
+        let p = pool(3);
+        let mut all: Vec<Attempt> = (0..12).map(|k| Attempt::start(&p, k % 3)).collect();
+        for a in all.iter_mut() {
+            a.failure("first_byte_timeout");
+        }
+        assert_eq!(p.routable_all(), vec![true, true, true]);
+        assert_eq!((0..3).map(|i| p.counters.get(names::OVERLOAD_TIMEOUTS, &["decode", &i.to_string()])).sum::<u64>(), 12);
+        drop(all);
+        // a 500-ing worker is ejected whatever the others do
+        let busy = [Attempt::start(&p, 1), Attempt::start(&p, 2)];
+        p.failure(0, "http_500");
+        p.failure(0, "http_500");
+        assert!(!p.routable(0));
+        drop(busy);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use eldr_core::rng::AtomicRng;
 use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
 
+use crate::admission::Admission;
 use crate::config::{secs, Config, Role};
 use crate::counters::{names, Counters};
 use crate::errors::ConfigError;
@@ -27,6 +28,7 @@ pub struct Plane {
     prefill_signs: Box<[AtomicU8]>,
     pub rng: AtomicRng,
     pub budget: RetryBudget,
+    pub admission: Admission,
     epoch: Instant,
     last_warn_ms: AtomicU64,
     /// Decisions for the Python drift monitor (None: drift handling off).
@@ -83,7 +85,9 @@ impl Plane {
         let decode = WorkerPool::new(Role::Decode, &cfg.decode, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, Some(Arc::clone(router.tracker())), Arc::clone(&counters));
         let prefill_policy = make_policy(&cfg.prefill_policy, cfg.seed).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let cfg_reservoir = if cfg.counts_policy() { cfg.signature_reservoir } else { 0 };
+        let admission = Admission::new(cfg.max_concurrent(), cfg.queue(), secs(cfg.queue_timeout_s), Arc::clone(&counters));
         Ok(Plane {
+            admission,
             client: upstream::client(secs(cfg.connect_timeout_s)),
             prefill_signs: cfg.prefill.iter().map(|_| AtomicU8::new(0)).collect(),
             rng: AtomicRng::new(entropy()),
@@ -133,6 +137,8 @@ impl Plane {
             if !tried.is_empty() {
                 return None;
             }
+            // panic mode, as for decode (flow::Plane::panic_route): route across them anyway
+            self.counters.inc(names::PANIC_ROUTES, &["prefill"]);
             healthy = vec![true; n];
         }
         let loads = self.prefill.inflight_all();

@@ -2,6 +2,7 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -17,6 +18,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
 use crate::config::secs;
+use crate::counters::names;
 use crate::flow::{self, Kind};
 use crate::plane::Plane;
 
@@ -45,6 +47,21 @@ impl hyper::body::Body for ChannelBody {
     }
 }
 
+/// Why hyper closed a client connection.
+fn connection_error_kind(e: &hyper::Error) -> &'static str {
+    if e.is_timeout() {
+        "header_timeout" // no complete request head within --client-header-timeout-secs (after an answer: idle_timeout)
+    } else if e.is_parse() || e.is_parse_too_large() {
+        "bad_request"
+    } else if e.is_incomplete_message() {
+        "incomplete" // the client closed mid-request
+    } else if e.is_body_write_aborted() || e.is_canceled() {
+        "aborted"
+    } else {
+        "io"
+    }
+}
+
 async fn route(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let kind = if req.method() == hyper::Method::POST { Kind::of(req.uri().path()) } else { None };
     Ok(match kind {
@@ -66,8 +83,10 @@ pub async fn serve(listener: TcpListener, plane: Arc<Plane>, mut stop: watch::Re
         let (stream, _) = match accepted {
             Ok(s) => s,
             Err(e) => {
-                // out of file descriptors and the like: back off instead of spinning
-                eprintln!("eldr.dataplane WARNING accept failed: {e}");
+                // out of file descriptors and the like: back off instead of spinning (the
+                // connection waits in the listen backlog meanwhile), and count it
+                plane.counters.inc(names::CONNECTION_ERRORS, &["accept"]);
+                plane.warn_malformed(&format!("accept failed: {e}"));
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             }
@@ -75,9 +94,25 @@ pub async fn serve(listener: TcpListener, plane: Arc<Plane>, mut stop: watch::Re
         let _ = stream.set_nodelay(true);
         let plane = Arc::clone(&plane);
         tokio::spawn(async move {
-            let svc = service_fn(move |req| route(Arc::clone(&plane), req));
+            let counters = Arc::clone(&plane.counters);
+            let served = Arc::new(AtomicBool::new(false));
+            let seen = Arc::clone(&served);
+            let svc = service_fn(move |req| {
+                seen.store(true, Ordering::Relaxed);
+                route(Arc::clone(&plane), req)
+            });
+            // hyper's header read timeout runs from the moment it waits for a request head: on a
+            // new connection, and between two requests of a kept-alive one (its idle timeout)
             let conn = http1::Builder::new().timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true).serve_connection(TokioIo::new(stream), svc);
-            let _ = conn.await;
+            if let Err(e) = conn.await {
+                // a connection closed without an answer: the client sees a disconnect, so the
+                // router counts why (these never reach the request counters)
+                let kind = match connection_error_kind(&e) {
+                    "header_timeout" if served.load(Ordering::Relaxed) => "idle_timeout",
+                    k => k,
+                };
+                counters.inc(names::CONNECTION_ERRORS, &[kind]);
+            }
         });
     }
 }

@@ -88,10 +88,21 @@ pub async fn post(client: &HttpClient, leg: Leg<'_>, url: &str, body: Bytes, fir
             return Err((UpstreamError::retryable(504, &msg, role, format!("{phase}_timeout")), Refused::No));
         }
         Ok(Err(e)) => {
-            leg.error("connect");
-            let refused = e.is_connect();
-            let msg = if refused { format!("{role} worker {i} unreachable: {e}") } else { format!("{role} worker {i} failed: {e}") };
-            return Err((UpstreamError::retryable(502, &msg, role, "connect"), if refused { Refused::Yes } else { Refused::No }));
+            // Only a refused connection says nothing listens there (marked down at once). A
+            // connect that timed out is what an overloaded worker's full accept queue does, and
+            // one that failed here (out of file descriptors or ports) is the router's own
+            // trouble: those are failures for the outlier detector, never a verdict of down.
+            let kind = io_kind(&e);
+            let refused = e.is_connect() && kind == Some(std::io::ErrorKind::ConnectionRefused);
+            let cause = if e.is_connect() && kind == Some(std::io::ErrorKind::TimedOut) {
+                leg.timeout("connect");
+                "connect_timeout"
+            } else {
+                leg.error("connect");
+                "connect"
+            };
+            let msg = if e.is_connect() { format!("{role} worker {i} unreachable: {e}") } else { format!("{role} worker {i} failed: {e}") };
+            return Err((UpstreamError::retryable(502, &msg, role, cause), if refused { Refused::Yes } else { Refused::No }));
         }
         Ok(Ok(r)) => r,
     };
@@ -108,6 +119,18 @@ pub async fn post(client: &HttpClient, leg: Leg<'_>, url: &str, body: Bytes, fir
     };
     let cause = (status >= 500).then(|| format!("http_{status}"));
     Err((UpstreamError { status, body: data, content_type: ctype, role, cause }, Refused::No))
+}
+
+/// The kind of the first I/O error in an error's source chain.
+fn io_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return Some(io.kind());
+        }
+        cur = err.source();
+    }
+    None
 }
 
 /// At most `limit` bytes of a body (the rest is not read).

@@ -134,6 +134,18 @@ impl PyDataPlane {
         }
         Ok(out)
     }
+    /// Admission control now: {"limit", "queue_size", "queue_timeout_s", "in_flight",
+    /// "waiting"} (limit 0: no bound).
+    fn admission<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let a = &self.plane.admission;
+        let d = PyDict::new(py);
+        d.set_item("limit", a.limit())?;
+        d.set_item("queue_size", a.queue_size())?;
+        d.set_item("queue_timeout_s", self.plane.cfg.queue_timeout_s)?;
+        d.set_item("in_flight", a.in_flight())?;
+        d.set_item("waiting", a.waiting())?;
+        Ok(d)
+    }
     /// Decisions the drift queue dropped because the control plane did not drain it in time.
     #[getter]
     fn drift_dropped(&self) -> u64 {

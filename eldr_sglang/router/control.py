@@ -1,0 +1,195 @@
+"""The router's control plane: what the background loops, the admin endpoints and /metrics
+act on. The request path is the Rust data plane's (`eldr_sglang._core.DataPlane`, crate
+rust/dataplane), and so is the routing state: worker health and ejections, prefill and decode
+in-flight counts, reported loads and the prefill policy all live there and in the core
+Router's queue tracker, which the data plane routes on. The control plane reports into them
+through small typed calls (`set_healthy`, `report_load`, `set_prefill_signature`, the
+centroid reload) and reads them back for /eldr/status; it never routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.dataplane import DRIFT_QUEUE, DriftView, plane_config
+from eldr_sglang.router.logsafe import RateLimitedLog, safe
+from eldr_sglang.router.metrics import RouterMetrics
+
+logger = logging.getLogger("eldr.router")
+
+# the control URL of a data plane that is built but never started (an in-process app in tests)
+UNSTARTED_CONTROL_URL = "http://127.0.0.1:9"
+
+
+class ControlPlane:
+    def __init__(self, cfg: RouterConfig, control_url: str = UNSTARTED_CONTROL_URL):
+        from eldr_sglang import _core
+
+        self.cfg = cfg
+        if cfg.policy == "locality" and not cfg.centroids:
+            raise ValueError("policy locality needs a centroid file (its layer selection): give --eldr-centroids")
+        # reload_interval_ms=0: the route path never touches the file (its own rate-limited
+        # check would stat and read it on a data-plane thread); the control plane checks the
+        # file in a worker thread instead (reload_centroids).
+        kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
+                  reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
+        if cfg.centroids:
+            # The Rust set holds a private copy of the file's bytes, so an in-place overwrite
+            # of the user's file cannot fault a route; a bad file is rejected on reload. Its
+            # reader opens regular files only, without blocking, and checks the header against
+            # the size before reading the body (a FIFO or a huge file fails fast, at start too).
+            kw["centroids"] = cfg.centroids
+        if cfg.tau is not None:
+            kw["tau"] = cfg.tau
+        if cfg.load_factor is not None:
+            kw["load_factor"] = cfg.load_factor
+        try:
+            self.router = _core.Router(**kw)
+        except _core.CentroidFileError as exc:
+            raise ValueError(str(exc)) from None
+        self._generation = self.router.centroid_generation
+        self._reload_failures = 0
+        self.on_centroids_reloaded()
+        # The data plane routes on this very Router (shared, not copied).
+        self.dataplane = _core.DataPlane(plane_config(cfg, control_url), self.router)
+        # The control plane's own notes, for /eldr/status and the gauges only (routes read
+        # the data plane's state): the last /v1/loads answer of each decode worker, and what
+        # the /server_info probe found about each prefill (None: not known yet).
+        self.reported: list[int | None] = [None] * len(cfg.decode)
+        self.prefill_signs: list[bool | None] = [None] * len(cfg.prefill)
+        self.session: aiohttp.ClientSession | None = None
+        self._reload_pool = None  # one thread: a stuck file read never takes another thread
+        self._reload_busy_since: float | None = None
+        self.drift = None  # eldr_sglang.drift.router_hook.DriftHook, set by the app when enabled
+        self._drift_dims: dict[int, int] = {}  # centroid generation -> signature dim
+        self.metrics = RouterMetrics(self.state, self.dataplane.counters)
+        self._log = RateLimitedLog(logger)
+
+    # ------------------------------------------------------------------ reports into the data plane
+    def set_healthy(self, role: str, i: int, ok: bool) -> None:
+        """A health check's verdict (the data plane combines it with its outlier ejection)."""
+        self.dataplane.set_healthy(role, i, ok)
+
+    def report_load(self, i: int, running: int) -> None:
+        """Decode worker i's /v1/loads count, blended into the queue tracker's load."""
+        self.reported[i] = running
+        self.router.report_load(i, running)
+
+    def set_prefill_signs(self, i: int, signs: bool | None) -> None:
+        """Whether prefill i streams signatures: one that does not is bound early."""
+        self.prefill_signs[i] = signs
+        self.dataplane.set_prefill_signature(i, signs)
+
+    # ------------------------------------------------------------------ state
+    def on_centroids_reloaded(self) -> None:
+        cs = self.router.centroid_set()
+        if cs is not None and cs.num_workers != len(self.cfg.decode):
+            raise ValueError(
+                f"the centroid file has {cs.num_workers} workers, the router {len(self.cfg.decode)} decode workers"
+            )
+
+    def state(self) -> dict:
+        dp = self.dataplane
+        pre, dec = dp.workers("prefill"), dp.workers("decode")
+        reload_error = self.router.last_reload_error
+        return {
+            "data_plane": "rust",
+            "policy": self.cfg.policy,
+            "late_binding": self.cfg.late_binding,
+            "decode_loads": list(self.router.loads()),
+            "decode_inflight": list(self.router.inflight()),
+            "prefill_inflight": [w["inflight"] for w in pre],
+            "decode_reported": list(self.reported),
+            "decode_healthy": dp.routable("decode"),
+            "prefill_healthy": dp.routable("prefill"),
+            "admission": dp.admission(),
+            "decode_workers": dec,
+            "prefill_workers": pre,
+            "prefill_signatures": list(self.prefill_signs),
+            "centroid_generation": int(self.router.centroid_generation),
+            "centroid_reload_failures": int(self.router.reload_failures),
+            "last_reload_error": reload_error,
+            "centroid_file": {"path": self.cfg.centroids, "ok": reload_error is None} if self.cfg.centroids else None,
+            "tau": float(self.router.tau),
+            "load_factor": self.router.load_factor,
+            "decode_expert_distinct": self.router.expert_distinct(),  # locality only, else None
+        }
+
+    # ------------------------------------------------------------------ drift
+    def sync_drift(self) -> None:
+        """Hand the drift monitor every decision the data plane made so far (the feed calls
+        it periodically, the drift hook before it reports)."""
+        hook = self.drift
+        if hook is None:
+            return
+        for gen, reason, distances, sig in self.dataplane.take_drift(DRIFT_QUEUE):
+            dim = self._drift_dims.get(gen)
+            if dim is None:
+                cs = self.router.centroid_set()
+                dim = self._drift_dims[gen] = cs.dim if cs is not None else 0
+            hook.on_route(DriftView(gen, reason, distances, sig, dim), None)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """The session the background loops and the worker passthrough call workers with."""
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(
+            connector=conn,
+            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s),
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        if self._reload_pool is not None:
+            self._reload_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ hot reload
+    def check_centroids(self) -> bool:
+        """Hot reload, blocking (call it off the event loop): True when a new centroid file is
+        serving. A bad file (a FIFO, a device, a huge or corrupt file: the Rust reader refuses
+        each without blocking or reading it whole) raises CentroidFileError once per version
+        and the previous centroids keep serving."""
+        from eldr_sglang import _core
+
+        if not self.cfg.centroids:
+            return False
+        self.router.maybe_reload()
+        failures = self.router.reload_failures
+        if failures != self._reload_failures:
+            self.metrics.centroid_rejections.inc(failures - self._reload_failures)
+            self._reload_failures = failures
+            raise _core.CentroidFileError(self.router.last_reload_error or "centroid file rejected")
+        gen = self.router.centroid_generation
+        if gen == self._generation:
+            return False
+        self._generation = gen
+        self.on_centroids_reloaded()
+        return True
+
+    async def reload_centroids(self) -> None:
+        """One hot-reload check in the reload thread; the event loop only awaits it. A check
+        still running (a slow disk, a file system that blocks) is never stacked on."""
+        import concurrent.futures as cf
+
+        from eldr_sglang import _core
+
+        if self._reload_busy_since is not None:
+            stuck = time.monotonic() - self._reload_busy_since
+            self._log.warning("reload-stuck", "centroid reload check still running after %.0f s", stuck)
+            return
+        if self._reload_pool is None:
+            self._reload_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eldr-reload")
+        self._reload_busy_since = time.monotonic()
+        fut = asyncio.get_running_loop().run_in_executor(self._reload_pool, self.check_centroids)
+        fut.add_done_callback(lambda _f: setattr(self, "_reload_busy_since", None))
+        try:
+            if await asyncio.shield(fut):
+                logger.info("centroids reloaded from %s (generation %d)", self.cfg.centroids, self.router.centroid_generation)
+        except _core.CentroidFileError as exc:
+            logger.warning("centroid reload rejected, keeping the previous file: %s", safe(str(exc), 500))
