@@ -1,24 +1,115 @@
-//! Criterion benches of the hot path: one ELDR route from sparse counts of a 2k-token
-//! DeepSeek-V3 prompt (58 MoE layers x 256 experts, top-8, K=8), and a queue acquire+release.
+//! Criterion benches of the hot path at DeepSeek-V3 shape (58 MoE layers x 256 experts, top-8,
+//! the middle 60% of layers selected as in benchmarks/bench_router.py, K = 8), for the counts
+//! of a 2k-token prompt:
+//!
+//! * one ELDR route from sparse counts, and from dense f32 counts;
+//! * the wire path and its parts: the prefill's stream event (its payload in the lossy 6-bit
+//!   `log` encoding, as the prefill encodes 2k tokens within 16 KiB, or exact 12-bit `dense`)
+//!   -> `decode_event` -> `fill_signature` -> distances -> `route_counts`;
+//! * a queue acquire+release.
+//!
+//! Timed in the thread's CPU time, not wall time: the machine is shared, and a wall clock
+//! counts the time other processes hold the core (the benches here are single-threaded and
+//! do not sleep, so for them the two agree on an idle machine).
 
 use std::hint::black_box;
 use std::sync::Arc;
 
+use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{criterion_group, criterion_main, Criterion};
-use eldr_core::distance::{from_counts, Counts};
-use eldr_core::{CentroidWriter, QueueTracker, Router};
+use eldr_core::distance::{from_counts, from_fill, Counts};
+use eldr_core::payload::{decode_event, DecodeLimits, Payload};
+use eldr_core::{CentroidWriter, QueueTracker, Router, SparseSignature};
+
+/// CPU time of the calling thread (`CLOCK_THREAD_CPUTIME_ID`), in ns.
+struct ThreadTime;
+
+fn thread_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid clock id and a valid out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Measurement for ThreadTime {
+    type Intermediate = u64;
+    type Value = u64;
+    fn start(&self) -> u64 {
+        thread_ns()
+    }
+    fn end(&self, t0: u64) -> u64 {
+        thread_ns() - t0
+    }
+    fn add(&self, a: &u64, b: &u64) -> u64 {
+        a + b
+    }
+    fn zero(&self) -> u64 {
+        0
+    }
+    fn to_f64(&self, v: &u64) -> f64 {
+        *v as f64
+    }
+    fn formatter(&self) -> &dyn ValueFormatter {
+        static WALL: WallTime = WallTime;
+        WALL.formatter() // values are ns, as wall time's
+    }
+}
 
 fn lcg(state: &mut u64) -> u64 {
     *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     *state >> 33
 }
 
-fn bench(c: &mut Criterion) {
+/// Little-endian bit packing, as `eldr_sglang.sglang_ext.payload._pack`.
+fn pack(values: &[u32], bits: u32) -> Vec<u8> {
+    let mut out = vec![0u8; (values.len() * bits as usize).div_ceil(8)];
+    for (i, &v) in values.iter().enumerate() {
+        for b in 0..bits as usize {
+            if (v >> b) & 1 == 1 {
+                let bit = i * bits as usize + b;
+                out[bit / 8] |= 1 << (bit % 8);
+            }
+        }
+    }
+    out
+}
+
+/// The stream event carrying `counts` `[rows, e]`: exact dense, or the `log` encoding with
+/// `log_bits` (the Python encoder's rule: `rint(log1p(c) / log1p(q_row) * levels)`, >= 1 where c > 0).
+fn event(counts: &[u32], rows: usize, e: usize, log_bits: Option<u32>) -> Vec<u8> {
+    let layers: Vec<usize> = (0..rows).collect();
+    let head = format!(r#"{{"v":1,"layers":{layers:?},"E":{e},"n":2048"#);
+    let b64 = base64_simd::STANDARD;
+    let payload = match log_bits {
+        None => {
+            let bits = 32 - counts.iter().max().unwrap().leading_zeros();
+            format!(r#"{head},"enc":"dense","bits":{bits},"d":"{}"}}"#, b64.encode_to_string(pack(counts, bits)))
+        }
+        Some(bits) => {
+            let levels = ((1u32 << bits) - 1) as f64;
+            let q: Vec<u32> = counts.chunks(e).map(|r| *r.iter().max().unwrap()).collect();
+            let codes: Vec<u32> = counts
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| {
+                    let lm = (q[i / e] as f64).ln_1p();
+                    let code = if lm > 0.0 { ((c as f64).ln_1p() / lm * levels).round_ties_even() as u32 } else { 0 };
+                    if c > 0 { code.max(1) } else { code }
+                })
+                .collect();
+            format!(r#"{head},"enc":"log","bits":{bits},"q":{q:?},"d":"{}"}}"#, b64.encode_to_string(pack(&codes, bits)))
+        }
+    };
+    format!(r#"{{"text":"","meta_info":{{"id":"r0","eldr_signature":[{payload}]}}}}"#).into_bytes()
+}
+
+fn bench(c: &mut Criterion<ThreadTime>) {
     let (l, e, k, topk, tokens) = (58usize, 256usize, 8usize, 8usize, 2048usize);
     let mut s = 42u64;
-    let weights: Vec<f32> = (0..l).map(|i| if (10..48).contains(&i) { 1.0 } else { 0.0 }).collect();
+    let (lo, hi) = ((0.2 * l as f64) as usize, (0.8 * l as f64) as usize);
+    let weights: Vec<f32> = (0..l).map(|i| if (lo..hi).contains(&i) { 1.0 } else { 0.0 }).collect();
     let idf: Vec<f32> = (0..l * e).map(|_| 0.2 + (lcg(&mut s) % 1000) as f32 / 500.0).collect();
-    let d = 38 * e;
+    let d = (hi - lo) * e;
     let cents: Vec<f32> = (0..k * d).map(|_| (lcg(&mut s) % 1000) as f32 / 1000.0).collect();
     let dir = std::env::temp_dir().join(format!("eldr-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -27,23 +118,65 @@ fn bench(c: &mut Criterion) {
         .write(&path)
         .unwrap();
     let router = Router::new("eldr", None, Some(&path), None, 0, 250, 2000).unwrap();
-    // Sparse counts of a 2k-token prompt with skewed (domain-like) expert choice.
+    // Counts of a 2k-token prompt: top-k distinct experts per token and layer, skewed
+    // (domain-like) per layer, so most experts of a layer are used, a few heavily.
     let mut counts = vec![0u32; l * e];
-    for _ in 0..tokens {
-        for layer in 0..l {
-            for _ in 0..topk {
+    for layer in 0..l {
+        for _ in 0..tokens {
+            let mut picked = [usize::MAX; 8];
+            let mut n = 0;
+            while n < topk {
                 let x = lcg(&mut s) % 1000;
-                let ex = ((x * x) / 4000) as usize % e;
-                counts[layer * e + ex] += 1;
+                let ex = ((x * x) / 4000 + layer as u64 * 37) as usize % e;
+                if !picked[..n].contains(&ex) {
+                    picked[n] = ex;
+                    n += 1;
+                    counts[layer * e + ex] += 1;
+                }
             }
         }
     }
     let (idx, val): (Vec<u32>, Vec<u32>) = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| (i as u32, c)).unzip();
     c.bench_function("route_sparse_dsv3_k8_2k_tokens", |b| {
-        b.iter(|| {
-            black_box(router.route(|set| from_counts(set, Counts::Sparse(&idx, &val)), false).unwrap().decision.worker)
-        })
+        b.iter(|| black_box(router.route(|set| from_counts(set, Counts::Sparse(&idx, &val)), false).unwrap().decision.worker))
     });
+
+    let limits = DecodeLimits { layout: Some((l, e)), ..Default::default() };
+    for (name, bits) in [("log6", Some(6)), ("dense_exact", None)] {
+        let ev = event(&counts, l, e, bits);
+        let Ok(Some(Payload::Counts(wire))) = decode_event(&ev, &limits) else { panic!("the bench's payload does not decode") };
+        let dense = wire.to_layout(l, e).unwrap();
+        c.bench_function(&format!("wire_{name}_decode_event"), |b| b.iter(|| black_box(decode_event(black_box(&ev), &limits).unwrap())));
+        let spec = router.store().unwrap().set().spec().clone();
+        let mut sig = SparseSignature::default();
+        c.bench_function(&format!("wire_{name}_fill_signature"), |b| {
+            b.iter(|| {
+                wire.fill_signature(&spec, &mut sig).unwrap();
+                black_box(sig.norm)
+            })
+        });
+        c.bench_function(&format!("wire_{name}_fill_dense_same_counts"), |b| {
+            b.iter(|| {
+                spec.fill_dense(&dense, &mut sig).unwrap();
+                black_box(sig.norm)
+            })
+        });
+        let set = router.store().unwrap().snapshot().set.clone();
+        c.bench_function(&format!("wire_{name}_fill_and_distances"), |b| {
+            b.iter(|| black_box(from_fill(&set, None, |spec, out| wire.fill_signature(spec, out)).unwrap()))
+        });
+        c.bench_function(&format!("wire_{name}_route_counts"), |b| b.iter(|| black_box(router.route_counts(&wire, false, false).unwrap().decision.worker)));
+        c.bench_function(&format!("wire_{name}_route_dense_same_counts"), |b| {
+            b.iter(|| black_box(router.route(|set| from_counts::<u32, f32>(set, Counts::Dense(&dense)), false).unwrap().decision.worker))
+        });
+        c.bench_function(&format!("wire_{name}_event_to_decision"), |b| {
+            b.iter(|| {
+                let Ok(Some(Payload::Counts(w))) = decode_event(black_box(&ev), &limits) else { unreachable!() };
+                black_box(router.route_counts(&w, false, false).unwrap().decision.worker)
+            })
+        });
+    }
+
     let tracker = Arc::new(QueueTracker::new(8, 2000));
     c.bench_function("queue_acquire_release", |b| {
         b.iter(|| {
@@ -54,5 +187,9 @@ fn bench(c: &mut Criterion) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-criterion_group!(benches, bench);
+criterion_group! {
+    name = benches;
+    config = Criterion::default().with_measurement(ThreadTime);
+    targets = bench
+}
 criterion_main!(benches);

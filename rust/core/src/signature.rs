@@ -197,6 +197,9 @@ pub struct SignatureSpec {
     /// input's random access touches one cache line per entry. Masked layers have scale 0 and
     /// output index u32::MAX; a zero product is never emitted, so that index is never seen.
     table: Vec<(u32, f32)>,
+    /// The scales of `table` alone, contiguous, so a row of them loads as SIMD lanes (the
+    /// wire payload's row kernel, `payload.rs`).
+    scales: Vec<f32>,
     selected: Vec<usize>,
 }
 
@@ -229,8 +232,8 @@ impl SignatureSpec {
                 out_index[l * experts + e] = (slot * experts + e) as u32;
             }
         }
-        let table = out_index.into_iter().zip(scale).collect();
-        Ok(SignatureSpec { layers, experts, layer_weights: layer_weights.to_vec(), idf: idf.to_vec(), table, selected })
+        let table = out_index.into_iter().zip(scale.iter().copied()).collect();
+        Ok(SignatureSpec { layers, experts, layer_weights: layer_weights.to_vec(), idf: idf.to_vec(), table, scales: scale, selected })
     }
 
     pub fn num_layers(&self) -> usize {
@@ -254,6 +257,10 @@ impl SignatureSpec {
     /// `(output index, scale)` of every flat input index `l*E + e` (see the field's doc).
     pub(crate) fn table(&self) -> &[(u32, f32)] {
         &self.table
+    }
+    /// `w_l * idf[l][e]` of every flat input index (0 for masked layers), as in [`Self::table`].
+    pub(crate) fn scales(&self) -> &[f32] {
+        &self.scales
     }
 
     /// Validate and weight dense `[L, E]` counts into `out` (cleared first): each nonzero
