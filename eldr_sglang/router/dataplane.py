@@ -73,7 +73,7 @@ class DriftView:
 
         index, value, norm = self._sig
         out = np.zeros(self._dim, dtype=np.float32)
-        out[index] = value / np.float32(norm)
+        out[index] = (value.astype(np.float64) / norm).astype(np.float32)  # as SparseSignature::write_unit: f64, then rounded
         return out
 
 
