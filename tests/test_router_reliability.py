@@ -126,9 +126,17 @@ def test_large_bodies_are_parsed_off_the_event_loop(cluster, trace_files, workdi
                 stop.set()
                 return statuses, await poller
 
-        statuses, worst = asyncio.run(run())
-        assert statuses == [400] * 4  # parsed, then refused for n = 2: the workers never see them
-        # parsed on the loop, a /health call waits out at least one whole parse
-        assert worst < parse_s / 2, (worst, parse_s)
+        # parsed on the loop, a /health call waits out at least one whole parse in every round;
+        # off the loop it does not, but on 2 shared cores one round's worst call can still catch a
+        # scheduling stall (of the router or of this client, which sends the bodies from the same
+        # loop), so the best of up to three rounds is what is checked
+        worsts = []
+        for _ in range(3):
+            statuses, worst = asyncio.run(run())
+            assert statuses == [400] * 4  # parsed, then refused for n = 2: the workers never see them
+            worsts.append(worst)
+            if worst < parse_s / 2:
+                break
+        assert min(worsts) < parse_s / 2, (worsts, parse_s)
     finally:
         router.stop()
