@@ -18,7 +18,7 @@ use std::sync::Arc;
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{criterion_group, criterion_main, Criterion};
 use eldr_core::distance::{from_counts, from_fill, Counts};
-use eldr_core::payload::{decode_event, DecodeLimits, Payload};
+use eldr_core::payload::{decode_event, pack_bits, DecodeLimits, Payload};
 use eldr_core::{CentroidWriter, QueueTracker, Router, SparseSignature};
 
 /// CPU time of the calling thread (`CLOCK_THREAD_CPUTIME_ID`), in ns.
@@ -60,19 +60,6 @@ fn lcg(state: &mut u64) -> u64 {
     *state >> 33
 }
 
-/// Little-endian bit packing, as `eldr_sglang.sglang_ext.payload._pack`.
-fn pack(values: &[u32], bits: u32) -> Vec<u8> {
-    let mut out = vec![0u8; (values.len() * bits as usize).div_ceil(8)];
-    for (i, &v) in values.iter().enumerate() {
-        for b in 0..bits as usize {
-            if (v >> b) & 1 == 1 {
-                let bit = i * bits as usize + b;
-                out[bit / 8] |= 1 << (bit % 8);
-            }
-        }
-    }
-    out
-}
 
 /// The stream event carrying `counts` `[rows, e]`: exact dense, or the `log` encoding with
 /// `log_bits` (the Python encoder's rule: `rint(log1p(c) / log1p(q_row) * levels)`, >= 1 where c > 0).
@@ -83,7 +70,7 @@ fn event(counts: &[u32], rows: usize, e: usize, log_bits: Option<u32>) -> Vec<u8
     let payload = match log_bits {
         None => {
             let bits = 32 - counts.iter().max().unwrap().leading_zeros();
-            format!(r#"{head},"enc":"dense","bits":{bits},"d":"{}"}}"#, b64.encode_to_string(pack(counts, bits)))
+            format!(r#"{head},"enc":"dense","bits":{bits},"d":"{}"}}"#, b64.encode_to_string(pack_bits(counts, bits)))
         }
         Some(bits) => {
             let levels = ((1u32 << bits) - 1) as f64;
@@ -97,7 +84,7 @@ fn event(counts: &[u32], rows: usize, e: usize, log_bits: Option<u32>) -> Vec<u8
                     if c > 0 { code.max(1) } else { code }
                 })
                 .collect();
-            format!(r#"{head},"enc":"log","bits":{bits},"q":{q:?},"d":"{}"}}"#, b64.encode_to_string(pack(&codes, bits)))
+            format!(r#"{head},"enc":"log","bits":{bits},"q":{q:?},"d":"{}"}}"#, b64.encode_to_string(pack_bits(&codes, bits)))
         }
     };
     format!(r#"{{"text":"","meta_info":{{"id":"r0","eldr_signature":[{payload}]}}}}"#).into_bytes()

@@ -429,6 +429,21 @@ fn read_index(data: &[u8], size: usize, t: usize) -> u32 {
     }
 }
 
+/// Little-endian bit packing, the encoder's side of what this module unpacks (as
+/// `eldr_sglang.sglang_ext.payload._pack`): the tests and benches build payloads with it.
+pub fn pack_bits(values: &[u32], bits: u32) -> Vec<u8> {
+    let mut out = vec![0u8; (values.len() * bits as usize).div_ceil(8)];
+    for (i, &v) in values.iter().enumerate() {
+        for b in 0..bits as usize {
+            if (v >> b) & 1 == 1 {
+                let bit = i * bits as usize + b;
+                out[bit / 8] |= 1 << (bit % 8);
+            }
+        }
+    }
+    out
+}
+
 /// Value `i` of a little-endian bit-packed run starting at byte `base`.
 ///
 /// # Safety
@@ -938,22 +953,10 @@ mod tests {
         assert_eq!(dec(r#"{"v":1,"none":"too_long"}"#), Ok(Payload::NoCounts("too_long".into())));
     }
 
-    fn pack(values: &[u32], bits: u32) -> Vec<u8> {
-        let mut out = vec![0u8; (values.len() * bits as usize).div_ceil(8)];
-        for (i, &v) in values.iter().enumerate() {
-            for b in 0..bits as usize {
-                if (v >> b) & 1 == 1 {
-                    let bit = i * bits as usize + b;
-                    out[bit / 8] |= 1 << (bit % 8);
-                }
-            }
-        }
-        out
-    }
 
     /// A dense (`q` None) or log payload of `codes` `[rows, e]`, rows at hidden-layer `ids`.
     fn payload_of(codes: &[u32], ids: &[u32], e: usize, bits: u32, q: Option<&[u64]>) -> DecodedCounts {
-        let d = base64_simd::STANDARD.encode_to_string(pack(codes, bits));
+        let d = base64_simd::STANDARD.encode_to_string(pack_bits(codes, bits));
         let enc = match q {
             None => r#""enc":"dense""#.to_owned(),
             Some(q) => format!(r#""enc":"log","q":{q:?}"#),

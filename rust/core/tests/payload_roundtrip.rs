@@ -5,22 +5,10 @@
 //! dense counts.
 
 use eldr_core::distance::{from_counts, Counts};
-use eldr_core::payload::{decode, decode_event, DecodeLimits, Payload, PayloadError};
+use eldr_core::payload::{decode, decode_event, pack_bits, DecodeLimits, Payload, PayloadError};
 use eldr_core::{CentroidWriter, Router};
 use proptest::prelude::*;
 
-fn pack(values: &[u32], bits: u32) -> Vec<u8> {
-    let mut out = vec![0u8; (values.len() * bits as usize).div_ceil(8)];
-    for (i, &v) in values.iter().enumerate() {
-        for b in 0..bits as usize {
-            if (v >> b) & 1 == 1 {
-                let bit = i * bits as usize + b;
-                out[bit / 8] |= 1 << (bit % 8);
-            }
-        }
-    }
-    out
-}
 
 fn bits_for(max: u32) -> u32 {
     let b = (32 - max.leading_zeros()).max(1);
@@ -43,10 +31,10 @@ fn encode(counts: &[u32], layers: &[u32], e: usize, sparse: bool) -> String {
         } else {
             nz.iter().flat_map(|&i| (i as u32).to_le_bytes()).collect()
         };
-        blob.extend(pack(&nz.iter().map(|&i| counts[i]).collect::<Vec<_>>(), bits));
+        blob.extend(pack_bits(&nz.iter().map(|&i| counts[i]).collect::<Vec<_>>(), bits));
         format!(r#"{head},"enc":"sparse","nnz":{},"d":"{}"}}"#, nz.len(), b64.encode_to_string(blob))
     } else {
-        format!(r#"{head},"enc":"dense","d":"{}"}}"#, b64.encode_to_string(pack(counts, bits)))
+        format!(r#"{head},"enc":"dense","d":"{}"}}"#, b64.encode_to_string(pack_bits(counts, bits)))
     }
 }
 
