@@ -65,7 +65,7 @@ impl Worker {
     }
 }
 
-/// One worker's state, as `/eldr/status` shows it (the Python pool's keys).
+/// One worker's state, as `/eldr/status` shows it.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerView {
     pub url: String,

@@ -176,7 +176,7 @@ fn entropy() -> u64 {
 }
 
 /// Re-sends allowed only while few are under way (Envoy's retry budget: 20% of active
-/// requests, here at least 10 concurrent re-sends), as in the Python plane.
+/// requests, here at least 10 concurrent re-sends).
 #[derive(Default)]
 pub struct RetryBudget {
     active: Arc<AtomicI64>,

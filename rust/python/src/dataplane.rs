@@ -74,7 +74,7 @@ impl PyDataPlane {
         Ok(())
     }
     /// Each worker of a role: url, health_ok, circuit, consecutive_failures, ejections,
-    /// ejected_for_s, last_failure, inflight (the Python pool's keys).
+    /// ejected_for_s, last_failure, inflight (the keys `/eldr/status` shows).
     fn workers<'py>(&self, py: Python<'py>, role: &str) -> PyResult<Bound<'py, PyList>> {
         let r = Self::role(role)?;
         let out = PyList::empty(py);
