@@ -166,7 +166,6 @@ def measure_shape(torch, s: Shape, batches, points, device, dtype, kernel, warmu
                         "note": s.note})
         log(f"   {s.model:18s} B={b:3d}: a {a * 1e6:8.2f} us  b {slope * 1e6:7.3f} us/expert  (rms {resid:.1%}, {used}, "
             f"d {ds[0]}..{ds[-1]})")
-    del w1, w2, wg
     return entries
 
 
