@@ -11,10 +11,20 @@ hits all of them alike):
 - its CPU per request: user + system time of the router's process tree from /proc during its
   own phases, divided by the requests sent (the headline is the median over repeats at
   --cpu-rate);
-- the highest offered rate it holds among sequential, 100, 300, 500, 1000, 2000 req/s open
-  loop: no errors and p99 < 50 ms in a majority of the repeats, and every lower level held
-  too. Within a repeat a router that failed a level is not run at the higher ones, except at
-  --cpu-rate, which every router runs in every repeat.
+- the highest offered rate it holds on a ladder of open-loop Poisson rates (sequential, then
+  100 req/s steps up to 800, then 1000, 1200, 1500, 2000): no errors and p99 < 50 ms in a
+  majority of the repeats, and every lower level held too. Within a repeat a router that failed
+  a level is not run at the higher ones, except at --cpu-rate, which every router runs in every
+  repeat. The table also gives, per level, in how many repeats each router held it.
+
+On a small machine the router, the emulated workers and the load client compete for the same
+cores, and a held rate then measures the scheduler more than the router. So by default (with
+2 or more CPUs) every router alike runs pinned to the last CPU, and the harness (this client
+and the emulated workers) to the others (--router-cpus); the emulated workers hand the KV over
+in-process (`emulate cluster --kv-in-process`) instead of one more HTTP exchange per request.
+The harness's own CPU per request (client + workers, from /proc) is reported for every router:
+where rate x harness CPU per request nears the harness's CPUs, the level measures the harness,
+not the router, and the direct clients (no router at all) show that ceiling.
 
 The gateway is installed from PyPI into a private virtualenv under --cache-dir (reused when it
 is there). It tries to download a tokenizer from the Hugging Face hub at start-up and ignores
@@ -53,7 +63,7 @@ from eldr_sglang.testing.pd_cluster import Proc, free_port, make_trace_files, st
 
 GATEWAY_PACKAGE = "sglang-router"
 GATEWAY_VERSION = "0.3.2"
-LEVELS = (0, 100, 300, 500, 1000, 2000)  # req/s; 0 = sequential
+LEVELS = (0, 100, 200, 300, 400, 500, 600, 700, 800, 1000, 1200, 1500, 2000)  # req/s; 0 = sequential
 P99_LIMIT_MS = 50.0
 OUR_POLICIES = ("random", "eldr", "locality")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eldr-bench"
@@ -95,7 +105,7 @@ def _closed_port() -> socket.socket:
     return s
 
 
-def start_gateway(py: Path, urls: dict, tmp: Path, proxy_port: int) -> tuple[Proc, str]:
+def start_gateway(py: Path, urls: dict, tmp: Path, proxy_port: int, cpus: set[int] | None = None) -> tuple[Proc, str]:
     port, metrics_port = free_port(), free_port()
     cmd = ["-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
            "--policy", "random", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
@@ -107,7 +117,7 @@ def start_gateway(py: Path, urls: dict, tmp: Path, proxy_port: int) -> tuple[Pro
     proxy = f"http://127.0.0.1:{proxy_port}"
     env = {"HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy, "ALL_PROXY": proxy,
            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost", "HF_HUB_OFFLINE": "1"}
-    proc = Proc(cmd, tmp / f"gateway-{port}.log", python=str(py), env=env)
+    proc = Proc(cmd, tmp / f"gateway-{port}.log", python=str(py), env=env, cpus=cpus)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -193,7 +203,21 @@ def phase_ok(st: dict) -> bool:
         st["rate_rps"] == 0 or st["achieved_rate_rps"] >= 0.9 * st["rate_rps"])
 
 
-async def sweep(targets: list[Target], urls: dict, args) -> list[float]:
+def split_cpus(spec: str) -> tuple[set[int] | None, set[int] | None]:
+    """(router CPUs, harness CPUs) for --router-cpus: 'auto' pins the routers to the last CPU this
+    process may use and the harness to the rest (no pinning with fewer than 2); 'off': none; else
+    a comma-separated list for the routers, the rest for the harness."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "off" or (spec == "auto" and len(allowed) < 2):
+        return None, None
+    router = {allowed[-1]} if spec == "auto" else {int(x) for x in spec.split(",")}
+    harness = set(allowed) - router
+    if not router <= set(allowed) or not harness:
+        raise ValueError(f"--router-cpus {spec}: must be a proper subset of this process's CPUs {allowed}")
+    return router, harness
+
+
+async def sweep(targets: list[Target], urls: dict, args, harness_pid: int) -> list[float]:
     """Every repeat: every level, every target (order rotated per repeat). Returns the 1-min load
     average sampled after each phase."""
     rng = random.Random(args.seed)
@@ -212,9 +236,12 @@ async def sweep(targets: list[Target], urls: dict, args) -> list[float]:
                         continue
                     n = args.sequential_requests if level == 0 else max(20, int(level * args.phase_secs))
                     c0 = loadgen.cpu_seconds(t.pid) if t.pid else None
+                    h0 = loadgen.cpu_seconds(harness_pid) + time.process_time()
                     ph = await loadgen.run_phase(sender(t, s, urls, rng), n, float(level), rng,
                                                  request_timeout_s=args.request_timeout, phase_timeout_s=args.phase_timeout)
+                    h1 = loadgen.cpu_seconds(harness_pid) + time.process_time()
                     st = ph.stats()
+                    st["harness_cpu_ms_per_request"] = 1e3 * (h1 - h0) / max(1, ph.sent)
                     st["latencies_ms"] = [x * 1e3 for x in ph.latencies_s] if level == 0 else None
                     if c0 is not None:
                         st["cpu_ms_per_request"] = 1e3 * (loadgen.cpu_seconds(t.pid) - c0) / max(1, ph.sent)
@@ -248,6 +275,12 @@ def summarize(t: Target, direct: dict[str, Target], levels, cpu_rate: float) -> 
             str(lv): _median([x.get("cpu_ms_per_request") for x in t.phases.get(lv, []) if "skipped" not in x])
             for lv in levels}
         out["cpu_ms_per_request"] = out["cpu_ms_per_request_by_rate"].get(str(int(cpu_rate)))
+        out["cpu_cap_rps"] = 1e3 / out["cpu_ms_per_request"] if out["cpu_ms_per_request"] else None
+    out["harness_cpu_ms_per_request_by_rate"] = {
+        str(lv): _median([x.get("harness_cpu_ms_per_request") for x in t.phases.get(lv, []) if "skipped" not in x])
+        for lv in levels}
+    out["held_repeats_by_rate"] = {str(lv): [sum(bool(x.get("held")) for x in t.phases.get(lv, [])),
+                                             len(t.phases.get(lv, []))] for lv in levels}
     held = None
     for lv in levels:
         runs = t.phases.get(lv, [])
@@ -281,6 +314,19 @@ def cpu_ratios(res: dict) -> dict:
     }
 
 
+def held_goal(res: dict) -> dict:
+    """The issue's second goal: our eldr router holds at least the gateway's highest rate."""
+    tg = res["targets"]
+    gw = next((v for v in tg.values() if v["kind"] == "gateway"), None)
+    eldr = next((v for v in tg.values() if v["kind"] == "ours" and v["policy"] == "eldr"), None)
+    if gw is None or eldr is None:
+        return {"held_rate_eldr_rps": eldr and eldr["held_rate_rps"], "held_rate_gateway_rps": None,
+                "eldr_holds_gateway_rate": None}
+    e, g = eldr["held_rate_rps"], gw["held_rate_rps"]
+    return {"held_rate_eldr_rps": e, "held_rate_gateway_rps": g,
+            "eldr_holds_gateway_rate": g is None or (e is not None and e >= g)}
+
+
 def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
@@ -290,23 +336,42 @@ def table(res: dict) -> str:
     lines = [
         f"router vs a direct client on loopback, emulated workers 2P+4D, {res['config']['repeats']} interleaved repeats; "
         f"load average {res['machine']['loadavg_min']:.2f}-{res['machine']['loadavg_max']:.2f} "
-        f"(median {res['machine']['loadavg_median']:.2f}) on {res['machine']['cpus']} CPUs",
+        f"(median {res['machine']['loadavg_median']:.2f}) on {res['machine']['cpus']} CPUs; {res['config']['pinning']}",
         f"{'router':28} {'flow':5} {'seq p50':>8} {'seq p99':>8} {'+p50':>7} {'+p99':>7} "
-        f"{'CPU ms/req':>10} {'@seq':>6} {'held req/s':>10}",
+        f"{'CPU ms/req':>10} {'@seq':>6} {'harness':>7} {'held req/s':>10} {'CPU cap':>8}",
     ]
     for name, v in res["targets"].items():
         s = v["sequential"]
         held = v["held_rate_rps"]
         held_s = "none" if held is None else ("seq" if held == 0 else str(held))
         cpu_seq = v.get("cpu_ms_per_request_by_rate", {}).get("0")
+        harness = v.get("harness_cpu_ms_per_request_by_rate", {}).get(str(int(cpu_rate)))
         lines.append(f"{name:28} {v['flow']:5} {_f(s['p50_ms']):>8} {_f(s['p99_ms']):>8} {_f(v.get('added_p50_ms')):>7} "
-                     f"{_f(v.get('added_p99_ms')):>7} {_f(v.get('cpu_ms_per_request')):>10} {_f(cpu_seq):>6} {held_s:>10}")
+                     f"{_f(v.get('added_p99_ms')):>7} {_f(v.get('cpu_ms_per_request')):>10} {_f(cpu_seq):>6} "
+                     f"{_f(harness):>7} {held_s:>10} {_f(v.get('cpu_cap_rps'), '{:.0f}'):>8}")
     lines.append(f"ms; +p50/+p99: added over the direct client with the same flow (sequential); CPU ms/req: router "
-                 f"process tree, median over repeats at {cpu_rate:g} req/s (@seq: sequential); held: highest level "
-                 f"with p99 < {P99_LIMIT_MS:g} ms and no errors in most repeats")
+                 f"process tree, median over repeats at {cpu_rate:g} req/s (@seq: sequential); harness: CPU ms per "
+                 f"request of the load client + emulated workers at {cpu_rate:g} req/s; held: highest level "
+                 f"with p99 < {P99_LIMIT_MS:g} ms and no errors in most repeats; CPU cap: 1000 / CPU ms/req, the "
+                 f"rate at which the router would fill one CPU (an extrapolation, not a measured rate)")
+    rates = [lv for lv in res["config"]["levels_rps"] if lv > 0]
+    lines.append("")
+    lines.append("repeats held (p99 < 50 ms, no errors) / run, by offered req/s ('-': not run, a lower level failed)")
+    lines.append(f"{'router':28} " + " ".join(f"{lv:>5}" for lv in rates))
+    for name, v in res["targets"].items():
+        cells = []
+        for lv in rates:
+            ok, n = v["held_repeats_by_rate"][str(lv)]
+            ran = sum(1 for x in v["phases"][str(lv)] if "skipped" not in x)
+            cells.append(f"{ok}/{ran}" if ran else "-")
+        lines.append(f"{name:28} " + " ".join(f"{c:>5}" for c in cells))
+    lines.append("")
     r = res["cpu_ratio_eldr_vs_gateway"]
     lines.append(f"cpu_ratio_eldr_vs_gateway: {_f(r, '{:.2f}')}; eldr vs our random: "
                  f"{_f(res['cpu_ratio_eldr_vs_our_random'], '{:.2f}')}")
+    rate = lambda x: "none" if x is None else ("seq" if x == 0 else f"{x} req/s")  # noqa: E731
+    lines.append(f"held: ours eldr {rate(res['held_rate_eldr_rps'])}, gateway {rate(res['held_rate_gateway_rps'])}; "
+                 f"eldr holds the gateway's rate: {res['eldr_holds_gateway_rate']}")
     return "\n".join(lines)
 
 
@@ -315,7 +380,7 @@ def table(res: dict) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the whole sweep (default 3)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats of the whole sweep (default 5)")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)),
                     help="offered rates in req/s, 0 = sequential (default %(default)s)")
     ap.add_argument("--phase-secs", type=float, default=2.5, help="length of one open-loop phase (default 2.5)")
@@ -328,6 +393,9 @@ def parse_args(argv):
     ap.add_argument("--phase-timeout", type=float, default=60.0, help="one phase's limit in seconds (default 60)")
     ap.add_argument("--pause", type=float, default=0.5, help="seconds between phases (default 0.5)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--router-cpus", default="auto",
+                    help="CPUs every router runs on, the harness (client + emulated workers) on the rest: 'auto' "
+                    "(the last CPU, with 2 or more), 'off', or a list such as 1 (default auto)")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where the gateway's virtualenv lives (default {DEFAULT_CACHE})")
     ap.add_argument("--no-gateway", action="store_true", help="measure our router only (no install)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run: 1 repeat, levels 0,100, small phases")
@@ -354,6 +422,10 @@ def parse_args(argv):
     for name in ("phase_secs", "request_timeout", "phase_timeout"):
         if not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
+    try:
+        args.router_cpu_set, args.harness_cpu_set = split_cpus(args.router_cpus)
+    except ValueError as exc:
+        ap.error(str(exc))
     return args
 
 
@@ -364,17 +436,20 @@ def run(args) -> dict:
         gateway_info = {"package": f"{GATEWAY_PACKAGE}=={GATEWAY_VERSION}", "python": str(gateway_py)}
     targets = build_targets(gateway_py is not None, args.policies)
     load0 = os.getloadavg()
+    router_cpus, harness_cpus = args.router_cpu_set, args.harness_cpu_set
+    if harness_cpus:  # this process, and the emulated workers it starts below, run on the harness CPUs
+        os.sched_setaffinity(0, harness_cpus)
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         tmp = Path(tmp)
         _, tpath, cpath = make_trace_files(tmp, requests=50, seed=1, workers=4)
-        cluster, urls = start_cluster(tpath, tmp, prefill=2, decode=4, time_scale=1e-9)
+        cluster, urls = start_cluster(tpath, tmp, prefill=2, decode=4, time_scale=1e-9, extra=["--kv-in-process"])
         closed = _closed_port()
         try:
             for t in targets:
                 if t.kind == "gateway":
-                    t.proc, t.url = start_gateway(gateway_py, urls, tmp, closed.getsockname()[1])
+                    t.proc, t.url = start_gateway(gateway_py, urls, tmp, closed.getsockname()[1], cpus=router_cpus)
                 elif t.kind == "ours":
-                    t.proc, t.url = start_router(urls, tmp, our_args(t, cpath))
+                    t.proc, t.url = start_router(urls, tmp, our_args(t, cpath), cpus=router_cpus)
             for t in targets:
                 if t.proc is not None:
                     wait_serving(t.url, t.proc)
@@ -384,7 +459,7 @@ def run(args) -> dict:
                 uvloop.install()
             except ImportError:
                 pass
-            load = asyncio.run(sweep(targets, urls, args))
+            load = asyncio.run(sweep(targets, urls, args, cluster.p.pid))
             gw = next((t for t in targets if t.kind == "gateway"), None)
             if gw is not None:
                 gateway_info["hub_downloads_refused"] = hub_attempts(gw.proc.log)
@@ -402,11 +477,17 @@ def run(args) -> dict:
                     "loadavg_min": min(load), "loadavg_median": statistics.median(load), "loadavg_max": max(load)},
         "config": {"repeats": args.repeats, "levels_rps": args.levels, "phase_secs": args.phase_secs,
                    "sequential_requests": args.sequential_requests, "cpu_rate_rps": args.cpu_rate,
-                   "p99_limit_ms": P99_LIMIT_MS, "quick": args.quick, "seed": args.seed},
+                   "p99_limit_ms": P99_LIMIT_MS, "quick": args.quick, "seed": args.seed,
+                   "router_cpus": sorted(router_cpus) if router_cpus else None,
+                   "harness_cpus": sorted(harness_cpus) if harness_cpus else None,
+                   "pinning": (f"routers pinned to CPU {','.join(map(str, sorted(router_cpus)))}, client + workers to "
+                               f"{','.join(map(str, sorted(harness_cpus)))}") if router_cpus else "no CPU pinning",
+                   "kv_in_process": True},
         "gateway": gateway_info,
         "targets": {t.name: summarize(t, direct, args.levels, args.cpu_rate) for t in targets},
     }
     res.update(cpu_ratios(res))
+    res.update(held_goal(res))
     return res
 
 

@@ -285,6 +285,8 @@ class Router:
         """This router's own in-flight requests per worker (without external reports)."""
     def loads(self) -> list[int]: ...
     def tokens(self) -> list[int]: ...
+    def reported(self) -> list[int | None]:
+        """Each decode worker's last /v1/loads count, however old (None: never reported)."""
     def report_load(self, worker: int, running: int) -> None:
         """A decode worker's own count of the requests it holds (its /v1/loads); the load the
         policies see is the larger of it and this router's in-flight count, for load_report_ttl_ms."""

@@ -26,7 +26,8 @@ def quick(tmp_path_factory):
     mp.setattr(bench_gateway, "ensure_gateway", lambda cache_dir: Path(sys.executable))
     # the stand-in peer: our router with its random policy, launched where the gateway would be
     mp.setattr(bench_gateway, "start_gateway",
-               lambda py, urls, tmp, proxy_port: start_router(urls, tmp, ["--disagg-router", "random", "--log-level", "warning"]))
+               lambda py, urls, tmp, proxy_port, cpus=None: start_router(
+                   urls, tmp, ["--disagg-router", "random", "--log-level", "warning"], cpus=cpus))
     try:
         assert bench_gateway.main(["--quick", "--policies", "random,eldr", "--json", str(out)]) == 0
     finally:
@@ -84,3 +85,37 @@ def test_a_failed_install_is_a_clear_error(tmp_path):
     with pytest.raises(bench_gateway.GatewayUnavailable, match="failed"):
         bench_gateway.ensure_gateway(blocker)
     assert blocker.read_text().startswith("a file")  # nothing destroyed
+
+
+def test_harness_cpu_and_pinning_are_recorded(quick):
+    cfg = quick["config"]
+    if cfg["router_cpus"] is not None:  # 2+ CPUs: routers on one, the client + workers on the rest
+        assert set(cfg["router_cpus"]).isdisjoint(cfg["harness_cpus"])
+    for name, t in quick["targets"].items():
+        for lv, runs in t["phases"].items():
+            for r in runs:
+                if "skipped" not in r:
+                    assert r["harness_cpu_ms_per_request"] > 0, (name, lv)  # the workers served them: CPU from /proc
+        ok_runs = {lv: [sum(bool(r.get("held")) for r in runs), len(runs)] for lv, runs in t["phases"].items()}
+        assert t["held_repeats_by_rate"] == ok_runs
+
+
+def test_a_router_started_pinned_runs_on_its_cpus(tmp_path):
+    import os
+
+    from eldr_sglang.testing.pd_cluster import Proc
+
+    cpu = max(os.sched_getaffinity(0))
+    p = Proc(["-c", "import time; time.sleep(30)"], tmp_path / "p.log", cpus={cpu})
+    try:
+        assert os.sched_getaffinity(p.p.pid) == {cpu}
+    finally:
+        p.stop()
+
+
+def test_the_held_goal_compares_the_two_held_rates(quick):
+    tg = quick["targets"]
+    e = tg["ours eldr"]["held_rate_rps"]
+    g = tg[f"gateway {bench_gateway.GATEWAY_VERSION} random"]["held_rate_rps"]
+    assert (quick["held_rate_eldr_rps"], quick["held_rate_gateway_rps"]) == (e, g)
+    assert quick["eldr_holds_gateway_rate"] == (g is None or (e is not None and e >= g))

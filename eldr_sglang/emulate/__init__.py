@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prefill", type=int, default=2)
     c.add_argument("--decode", type=int, default=4)
     c.add_argument("--base-port", type=int, required=True)
+    c.add_argument("--kv-in-process", action="store_true",
+                   help="decode takes the KV of this process's prefill workers by a call instead of GET /kv/{room} "
+                   "(same handoff and answers, less CPU: for benchmarks whose bottleneck must not be the emulator)")
     return ap
 
 
@@ -90,6 +93,7 @@ async def _run(args) -> None:
         else:
             faults.setdefault((args.role, 0), []).append(f)
     seen = {"prefill": 0, "decode": 0}
+    local_bootstrap: dict = {}  # (host, bootstrap port) -> PrefillWorker, with --kv-in-process
     for role, port, bport in plan:
         index = seen[role]
         seen[role] += 1
@@ -99,9 +103,12 @@ async def _run(args) -> None:
                               sequence=sequence)
             await site(w.app(), port)
             await site(w.bootstrap_app(), bport)
+            if getattr(args, "kv_in_process", False):
+                local_bootstrap[(args.host, bport)] = w
             urls["prefill"].append([f"http://{args.host}:{port}", bport])
         else:
-            w = DecodeWorker(spec, max_running=args.max_running_requests, kv_timeout_s=args.bootstrap_timeout_secs)
+            w = DecodeWorker(spec, max_running=args.max_running_requests, kv_timeout_s=args.bootstrap_timeout_secs,
+                             local_bootstrap=local_bootstrap)
             await site(w.app(), port)
             urls["decode"].append(f"http://{args.host}:{port}")
         for mode in specs:

@@ -13,7 +13,8 @@ Prefill worker (`--enable-eldr-signature --enable-eldr-late-binding` emulated):
   sglext.eldr_signature on the OpenAI routes), then waits until a decode worker fetches the
   room from its bootstrap server and finishes the request.
   Bootstrap server (its own port): GET /kv/{room} waits for the room to be parked, then
-  "transfers" it (ExecutionModel.kv_transfer_time) and answers the trace request id.
+  "transfers" it (ExecutionModel.kv_transfer_time) and answers the trace request id. A
+  decode in the same process may take it by a call instead (`cluster --kv-in-process`).
 Decode worker:
   fetches the KV from the request's bootstrap host/port/room, then joins a continuous-batching
   loop; each step's time is ExecutionModel.decode_step_time(batch, kv_tokens, distinct
@@ -146,8 +147,13 @@ class WorkerSpec:
         self.replay = TraceReplay(self.trace)
 
 
+def _err(status: int, msg: str) -> tuple[int, dict]:
+    return status, {"error": {"message": msg, "code": status}}
+
+
 def _json_err(status: int, msg: str) -> web.Response:
-    return web.json_response({"error": {"message": msg, "code": status}}, status=status)
+    status, body = _err(status, msg)
+    return web.json_response(body, status=status)
 
 
 def _sse(obj: dict) -> bytes:
@@ -317,27 +323,32 @@ class PrefillWorker:
         return web.json_response({"served": self.served, "inflight": self.inflight, "parked": len(self.rooms)})
 
     async def kv(self, request: web.Request) -> web.Response:
-        """Decode side of the KV transfer: wait until the room is parked, then take it."""
+        """Decode side of the KV transfer over HTTP (the bootstrap server's GET /kv/{room})."""
         try:
             room = int(request.match_info["room"])
         except ValueError:
             return _json_err(400, "room must be an integer")
+        status, info = await self.take_kv(room)
+        return web.json_response(info, status=status)
+
+    async def take_kv(self, room: int) -> tuple[int, dict]:
+        """Wait until the room is parked, then take it: (HTTP status, JSON answer)."""
         deadline = time.monotonic() + self.bootstrap_timeout_s
         while room not in self.rooms:  # decode may arrive before the prefill request
             if room in self.transferred:
                 self.log.add("kv_refused", room=room)
-                return _json_err(409, f"room {room} is already transferred to another decode worker")
+                return _err(409, f"room {room} is already transferred to another decode worker")
             if time.monotonic() > deadline:
-                return _json_err(404, f"unknown bootstrap room {room}")
+                return _err(404, f"unknown bootstrap room {room}")
             await asyncio.sleep(0.002)
         entry = self.rooms[room]
         try:
             await asyncio.wait_for(entry.parked.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            return _json_err(504, f"room {room} was never prefilled")
+            return _err(504, f"room {room} was never prefilled")
         if entry.claimed:
             self.log.add("kv_refused", room=room)
-            return _json_err(409, f"room {room} is already transferred to another decode worker")
+            return _err(409, f"room {room} is already transferred to another decode worker")
         entry.claimed = True
         try:
             await asyncio.sleep(self.spec.exec_model.kv_transfer_time(entry.prompt_len) * self.spec.time_scale)
@@ -350,7 +361,7 @@ class PrefillWorker:
         if len(self._transferred_order) > 100_000:  # remember the recent ones: a bounded set
             self.transferred.discard(self._transferred_order.popleft())
         self.log.add("kv_fetched", room=room)
-        return web.json_response({"trace_request": entry.trace_request, "prompt_len": entry.prompt_len})
+        return 200, {"trace_request": entry.trace_request, "prompt_len": entry.prompt_len}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -460,8 +471,12 @@ class _Running:
 
 
 class DecodeWorker:
-    def __init__(self, spec: WorkerSpec, *, max_running: int = 256, kv_timeout_s: float = 300.0, fault: str | None = None):
+    def __init__(self, spec: WorkerSpec, *, max_running: int = 256, kv_timeout_s: float = 300.0, fault: str | None = None,
+                 local_bootstrap: dict[tuple[str, int], PrefillWorker] | None = None):
         self.spec = spec
+        # prefill workers of this process by bootstrap (host, port): their KV is taken by a call,
+        # not an HTTP exchange (--kv-in-process), the same handoff at a fraction of the CPU
+        self.local_bootstrap = local_bootstrap or {}
         self.faults = Faults(fault)
         self.max_running = max_running
         self.kv_timeout_s = kv_timeout_s
@@ -581,12 +596,16 @@ class DecodeWorker:
         failure = None
         failure_status = 502
         try:
-            async with self._session.get(f"http://{host}:{port}/kv/{room}") as r:
-                info = await r.json(content_type=None)
-                if r.status != 200:
-                    failure = f"KV transfer for room {room} failed: {info}"
-                    if r.status == 409:  # another decode took this room's KV: the request's fault, not ours
-                        failure_status = 409
+            local = self.local_bootstrap.get((host, port)) if isinstance(port, int) else None
+            if local is not None:
+                status, info = await asyncio.wait_for(local.take_kv(room), self.kv_timeout_s + 5)
+            else:
+                async with self._session.get(f"http://{host}:{port}/kv/{room}") as r:
+                    status, info = r.status, await r.json(content_type=None)
+            if status != 200:
+                failure = f"KV transfer for room {room} failed: {info}"
+                if status == 409:  # another decode took this room's KV: the request's fault, not ours
+                    failure_status = 409
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             failure = f"cannot reach the prefill bootstrap server {host}:{port}: {exc}"
         finally:

@@ -57,10 +57,9 @@ class ControlPlane:
         self.on_centroids_reloaded()
         # The data plane routes on this very Router (shared, not copied).
         self.dataplane = _core.DataPlane(plane_config(cfg, control_url), self.router)
-        # The control plane's own notes, for /eldr/status and the gauges only (routes read
-        # the data plane's state): the last /v1/loads answer of each decode worker, and what
-        # the /server_info probe found about each prefill (None: not known yet).
-        self.reported: list[int | None] = [None] * len(cfg.decode)
+        # The control plane's own note, for /eldr/status and the gauges only (routes read the
+        # data plane's state): what the /server_info probe found about each prefill (None: not
+        # known yet). The decode workers' /v1/loads reports live in the queue tracker alone.
         self.prefill_signs: list[bool | None] = [None] * len(cfg.prefill)
         self.session: aiohttp.ClientSession | None = None
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
@@ -77,7 +76,6 @@ class ControlPlane:
 
     def report_load(self, i: int, running: int) -> None:
         """Decode worker i's /v1/loads count, blended into the queue tracker's load."""
-        self.reported[i] = running
         self.router.report_load(i, running)
 
     def set_prefill_signs(self, i: int, signs: bool | None) -> None:
@@ -104,7 +102,7 @@ class ControlPlane:
             "decode_loads": list(self.router.loads()),
             "decode_inflight": list(self.router.inflight()),
             "prefill_inflight": [w["inflight"] for w in pre],
-            "decode_reported": list(self.reported),
+            "decode_reported": self.router.reported(),
             "decode_healthy": dp.routable("decode"),
             "prefill_healthy": dp.routable("prefill"),
             "admission": dp.admission(),

@@ -60,13 +60,16 @@ def _env() -> dict:
 
 class Proc:
     """`python args...` with its output in `log` (python: this interpreter unless given, e.g. the
-    private virtualenv of a peer router; env: extra environment variables)."""
+    private virtualenv of a peer router; env: extra environment variables; cpus: the CPUs it and
+    every thread it starts may run on, set before exec so a runtime's worker threads inherit it)."""
 
-    def __init__(self, args: list[str], log: Path, python: str | None = None, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, python: str | None = None, env: dict | None = None,
+                 cpus: set[int] | None = None):
         self.log = log
         self.fh = open(log, "w")
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.p = subprocess.Popen([python or sys.executable, *args], stdout=self.fh, stderr=subprocess.STDOUT, cwd=REPO,
-                                  env={**_env(), **(env or {})})
+                                  env={**_env(), **(env or {})}, preexec_fn=pin)
 
     def stop(self) -> None:
         if self.p.poll() is None:
@@ -104,14 +107,15 @@ def start_cluster(trace: Path, tmp: Path, prefill: int = 2, decode: int = 4, tim
     raise RuntimeError(f"emulated cluster did not start:\n{proc.tail()}")
 
 
-def start_router(urls: dict, tmp: Path, args: list[str], timeout: float = 60.0) -> tuple[Proc, str]:
+def start_router(urls: dict, tmp: Path, args: list[str], timeout: float = 60.0,
+                 cpus: set[int] | None = None) -> tuple[Proc, str]:
     port = free_port()
     cmd = ["-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port)]
     for url, bport in urls["prefill"]:
         cmd += ["--prefill", url, str(bport)]
     for url in urls["decode"]:
         cmd += ["--decode", url]
-    proc = Proc(cmd + args, tmp / f"router-{port}.log")
+    proc = Proc(cmd + args, tmp / f"router-{port}.log", cpus=cpus)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -78,6 +78,13 @@ impl QueueTracker {
         s.ext_at_ms.store(self.epoch.elapsed().as_millis() as u64 + 1, Ordering::Release);
     }
 
+    /// The worker's last own report of the requests it holds, however old (None: never
+    /// reported); what status pages show. The load the policies see is [`QueueTracker::load`].
+    pub fn reported(&self, worker: usize) -> Option<i64> {
+        let s = &self.slots[worker];
+        (s.ext_at_ms.load(Ordering::Acquire) != 0).then(|| s.ext_running.load(Ordering::Acquire))
+    }
+
     /// The load the policies see: our own in-flight count, raised to the worker's fresh report
     /// when it says more (other router replicas also send it work). A stale report is ignored,
     /// so a dead poller never freezes the picture.
@@ -182,6 +189,15 @@ mod tests {
         t.report(0, 9);
         std::thread::sleep(std::time::Duration::from_millis(80));
         assert_eq!(t.load(0), 1, "a stale report is ignored");
+        assert_eq!(t.reported(0), Some(9), "but it is still the last report");
+    }
+
+    #[test]
+    fn reported_is_none_until_a_report() {
+        let t = QueueTracker::new(2, 1000);
+        assert_eq!((t.reported(0), t.reported(1)), (None, None));
+        t.report(1, -3);
+        assert_eq!((t.reported(0), t.reported(1)), (None, Some(0)), "negative counts clamp to 0");
     }
 
     #[test]

@@ -1004,6 +1004,10 @@ impl PyRouter {
     fn tokens(&self) -> Vec<i64> {
         (0..self.inner.num_workers()).map(|w| self.inner.tracker().tokens(w)).collect()
     }
+    /// Each decode worker's last /v1/loads count, however old (None: never reported).
+    fn reported(&self) -> Vec<Option<i64>> {
+        (0..self.inner.num_workers()).map(|w| self.inner.tracker().reported(w)).collect()
+    }
     /// A worker's own count of the requests it holds (its /v1/loads), kept for the report TTL.
     fn report_load(&self, worker: usize, running: i64) -> PyResult<()> {
         self.check_worker(worker)?;
