@@ -658,6 +658,9 @@ def _row_blocks(X) -> list[tuple[int, int, object]]:
     return out
 
 
+_T_BLOCK = 8192  # rows per block of the products' transpose
+
+
 class _Data:
     """Unit rows X with the two products Lloyd's iterations need."""
 
@@ -671,8 +674,14 @@ class _Data:
         """[K, N] float64 inner products <mu_k, s_i>."""
         if not self.sparse:
             # X @ M.T, not M @ X.T: with K rows in M, BLAS streams X at close to memory speed
-            # in this orientation (about 1.6x faster measured at 20k x 7680, K = 8)
-            return np.ascontiguousarray((self.X @ np.asarray(M, dtype=self.X.dtype).T).T, dtype=np.float64)
+            # in this orientation (about 1.6x faster measured at 20k x 7680, K = 8). The
+            # [N, K] -> [K, N] float64 transpose goes by row blocks that stay in cache: done
+            # whole it read X @ M.T column by column (2.4x slower at 200k x 64, measured)
+            R = self.X @ np.asarray(M, dtype=self.X.dtype).T
+            out = np.empty((R.shape[1], self.N), dtype=np.float64)
+            for a in range(0, self.N, _T_BLOCK):
+                out[:, a : a + _T_BLOCK] = R[a : a + _T_BLOCK].T
+            return out
         out = np.empty((M.shape[0], self.N), dtype=np.float64)
         MT = np.ascontiguousarray(M.T, dtype=np.float32)
 
