@@ -1,4 +1,4 @@
-"""The routing default the protocol study supports, in one place.
+"""The routing default the protocol study supports, in one place (and the fit's stopping share).
 
 `eldr simulate --policies default` resolves to it, and the router service's config can import
 it (this module imports nothing). It was chosen from benchmarks/results/tpot_study_protocol.md:
@@ -8,6 +8,11 @@ see the README's TPOT section for the numbers and every cell where it loses to a
 DEFAULT_POLICY = "locality"  # the locality-aware balancer (Rust policies/locality.rs)
 DEFAULT_TAU = 0.1  # used only when DEFAULT_POLICY is "eldr"
 DEFAULT_LOAD_FACTOR = 0.05  # the bounded-load cap of eldr/F, shared by locality/F
+
+# `eldr fit`: Lloyd's iterations stop once at most this share of the requests changed cluster
+# in one (or the objective improved by at most --tol). Chosen on GPT-OSS-20B traces at 200k
+# and 1M requests, K = 64: benchmarks/results/bench_scale.md ("stopping rule").
+FIT_CHANGE_TOL = 2e-3
 
 
 def default_policy_label() -> str:

@@ -136,12 +136,18 @@ def synth_bytes(requests: int, mean_tokens: float, layers: int, top_k: int, num_
 
 
 def streaming_synth_bytes(requests: int, block_tokens: int, layers: int, top_k: int, num_experts: int,
-                          block_requests: int) -> float:
+                          block_requests: int, jobs: int = 1) -> float:
     """synth to a v2 file holds about 160 bytes per request (the workload's arrays and the
-    written per-request columns), and for one block of requests its tokens' ids, concepts and
-    draw indices, and the block's dense count rows while counting."""
-    return requests * 160 + block_tokens * (layers * top_k * (1 if num_experts <= 256 else 2) + 4 + 8 + 8 + 8) \
+    written per-request columns), and for one block of requests its tokens' ids (twice: the
+    layer-major gather buffer), concepts and draw indices, and the block's dense count rows
+    while counting. With `jobs` worker processes, each holds the per-request arrays and one
+    block, and up to two finished blocks per worker wait in the parent (their ids as counts
+    are smaller than the ids; bounded by them)."""
+    block = block_tokens * (2 * layers * top_k * (1 if num_experts <= 256 else 2) + 4 + 8 + 8 + 8) \
         + block_requests * layers * num_experts * 4
+    if jobs <= 1:
+        return requests * 160 + block
+    return (jobs + 1) * requests * 160 + jobs * block + 2 * jobs * block_tokens * layers * top_k
 
 
 def fit_bytes(shape: TraceShape, num_experts: int, selected_layers: int, profile_sample: int, chunk_tokens: int) -> float:

@@ -240,3 +240,38 @@ def test_kmeans_with_screening_equals_the_whole_solve(monkeypatch):
     assert np.array_equal(a.centroids, b.centroids)
     assert a.restart_objectives == b.restart_objectives
     assert a.optimal_assignment and b.optimal_assignment
+
+
+def test_change_tol_stops_at_the_first_quiet_iteration():
+    """change_tol: a run stops at its first iteration in which at most that share of the
+    points changed cluster (rtol off), every assignment still the certified exact optimum."""
+    rng = np.random.default_rng(8)
+    X = _unit_rows(rng, 4000, 24, k_latent=6, sparse_pow=2.0)
+    full = spherical_kmeans(X, 8, seed=0, n_init=1, max_iter=60, rtol=0.0)
+    changed = [h["changed"] for h in full.history]
+    tol = 0.01
+    quiet = next(i for i, c in enumerate(changed) if c <= tol * 4000)
+    assert 0 < quiet < len(changed) - 1  # the rule fires, and earlier than the plain run stops
+    cut = spherical_kmeans(X, 8, seed=0, n_init=1, max_iter=60, rtol=0.0, change_tol=tol)
+    assert cut.iterations == quiet + 1 and [h["changed"] for h in cut.history] == changed[: quiet + 1]
+    assert all(h["optimal"] for h in cut.history) and cut.optimal_assignment
+    assert sorted(set(np.bincount(cut.assignment).tolist())) == [500]
+    assert cut.objective >= full.objective - 1e-9 * abs(full.objective)
+    with pytest.raises(ValueError, match="change_tol"):
+        spherical_kmeans(X, 8, change_tol=1.5)
+
+
+def test_sample_growth_refines_on_nested_samples_then_all_points():
+    """sample_growth: after the restarts, the winner is refined on samples growing by that
+    factor, then on all points; deterministic, balanced and certified at every step."""
+    rng = np.random.default_rng(3)
+    X = _unit_rows(rng, 9000, 16, k_latent=5)
+    a = spherical_kmeans(X, 6, seed=0, n_init=2, restart_sample=500, sample_growth=4.0, change_tol=1e-3)
+    b = spherical_kmeans(X, 6, seed=0, n_init=2, restart_sample=500, sample_growth=4.0, change_tol=1e-3)
+    runs = list(dict.fromkeys(h["run"] for h in a.history))
+    assert runs == ["restart 1/2", "restart 2/2", "refine (2000 points)", "refine (8000 points)", "final (all points)"]
+    assert np.array_equal(a.assignment, b.assignment) and np.array_equal(a.centroids, b.centroids)
+    assert sorted(set(np.bincount(a.assignment).tolist())) == [1500]
+    assert all(h["optimal"] for h in a.history) and a.optimal_assignment
+    d = X - a.centroids[a.assignment]
+    assert a.objective == pytest.approx(float((d.astype(np.float64) ** 2).sum()), rel=1e-5)

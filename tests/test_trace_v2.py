@@ -91,6 +91,57 @@ def test_streaming_synth_equals_in_memory_synth(v1, tmp_path):
             tb.decode_trace()
 
 
+def _arrays(path):
+    with np.load(path) as z:
+        return {f: z[f] for f in z.files}
+
+
+def test_parallel_synth_writes_the_same_trace(tmp_path):
+    """Two worker processes over the blocks write the same arrays as one process (block i's
+    draws depend only on the seed and i), in block order, with the same progress total."""
+    import multiprocessing
+
+    kw = dict(requests=9 * synth.RNG_BLOCK + 17, domains=4, seed=11, prompt_len=(3, 9), output_len=(1, 3),
+              keep_decode=synth.RNG_BLOCK + 5)  # decode kept in the first two blocks only
+    a, b = tmp_path / "one.npz", tmp_path / "two.npz"
+    rows = {1: [], 2: []}
+    synth.write_synth(a, "gpt-oss-20b", jobs=1, progress=rows[1].append, **kw)
+    synth.write_synth(b, "gpt-oss-20b", jobs=2, progress=rows[2].append, **kw)
+    za, zb = _arrays(a), _arrays(b)
+    assert sorted(za) == sorted(zb) and len([f for f in za if f.startswith("c") and f.endswith("_count")]) == 10
+    for name in za:
+        np.testing.assert_array_equal(za[name], zb[name], err_msg=name)
+    assert rows[1] == rows[2] and len(rows[2]) == 10
+    with open_counts_trace(b) as t:
+        assert t.decode_requests().size == synth.RNG_BLOCK + 5
+        assert sum(rows[2]) == int(t.prefill_len.sum() + t.decode_len()[: 2 * synth.RNG_BLOCK].sum())  # rows drawn
+    assert multiprocessing.active_children() == []
+
+
+def test_parallel_synth_interrupted_leaves_nothing(tmp_path):
+    """Ctrl-C in the parent (here raised from the progress callback after three blocks): no
+    file at the output path, no staged file beside it, no worker left running; and what
+    stood at the path is untouched."""
+    import multiprocessing
+
+    out = tmp_path / "t.npz"
+    out.write_bytes(b"keep me")
+    seen = []
+
+    def interrupt(n):
+        seen.append(n)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        synth.write_synth(out, "gpt-oss-20b", requests=10 * synth.RNG_BLOCK, prompt_len=(3, 9), output_len=2,
+                          jobs=2, progress=interrupt)
+    assert out.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="jobs must be a positive integer"):
+        synth.write_synth(tmp_path / "u.npz", "gpt-oss-20b", requests=10, jobs=0)
+
+
 @pytest.mark.parametrize("layers", ["middle", "auto"])
 def test_fit_from_disk_equals_fit_in_memory(v1, tmp_path, layers):
     path = tmp_path / "t2.npz"

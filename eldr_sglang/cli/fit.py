@@ -10,6 +10,7 @@ import numpy as np
 
 from eldr_sglang.cli import CliError
 from eldr_sglang.cli import args as A
+from eldr_sglang.defaults import FIT_CHANGE_TOL
 
 
 def register(subparsers) -> None:
@@ -36,6 +37,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-iter", type=A.integer(1, 100_000), default=50, help="k-means iterations per restart (default 50)")
     p.add_argument(
         "--tol", type=A.real(0.0, 1.0), default=1e-5, help="stop when an iteration improves the objective by at most this share (default 1e-5)"
+    )
+    p.add_argument(
+        "--change-tol", type=A.real(0.0, 1.0), default=FIT_CHANGE_TOL,
+        help="also stop when at most this share of the requests changed cluster in an iteration "
+             "(default %g; 0: only when none did)" % FIT_CHANGE_TOL,
     )
     p.add_argument("--no-idf-plus-one", action="store_true", help="use log((|C|+1)/(df+1)) without the +1")
     p.add_argument("--worker-names", help="comma-separated names of the K decode workers, in order")
@@ -110,6 +116,7 @@ def run(args) -> int:
             n_init=args.restarts,
             max_iter=args.max_iter,
             rtol=args.tol,
+            change_tol=args.change_tol,
             idf_plus_one=not args.no_idf_plus_one,
             worker_names=names,
             source_path=args.trace,

@@ -35,6 +35,11 @@ def _keep(text: str):
     return None if str(text).strip().lower() == "all" else A.integer(0, A.MAX_REQUESTS)(text)
 
 
+def _jobs(text: str):
+    """'auto' -> None (one per CPU), else a process count."""
+    return None if str(text).strip().lower() == "auto" else A.integer(1, 1024)(text)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "synth",
@@ -60,6 +65,9 @@ def register(subparsers) -> None:
     p.add_argument("--keep-decode", type=_keep, default=KEEP_DECODE_DEFAULT, metavar="N|all",
                    help=f"(v2) keep the decode routing of the first N requests, or 'all' (default {KEEP_DECODE_DEFAULT}: "
                         "enough for a simulator study; the fit needs none)")
+    p.add_argument("--jobs", type=_jobs, default=None, metavar="N|auto",
+                   help="(v2) worker processes drawing blocks of requests in parallel (default auto: one per CPU); "
+                        "the trace is the same for any N")
     p.add_argument("--out", required=True, help="output trace (.npz), written atomically")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     A.add_max_memory(p)
@@ -90,7 +98,7 @@ def run(args) -> int:
                 bars[0].update(n)
 
             write_synth(args.out, keep_decode=args.keep_decode, progress=update if show else None,
-                        max_memory=args.max_memory, **gen)
+                        max_memory=args.max_memory, jobs=args.jobs, **gen)
         with open_counts_trace(args.out) as t:
             kept = t.meta["decode_requests"]
             print(f"wrote {args.out} (trace v2): {args.model} {'uniform' if args.uniform else f'{args.domains} domains'}, "

@@ -658,6 +658,9 @@ def _row_blocks(X) -> list[tuple[int, int, object]]:
     return out
 
 
+_T_BLOCK = 8192  # rows per block of the products' transpose
+
+
 class _Data:
     """Unit rows X with the two products Lloyd's iterations need."""
 
@@ -671,8 +674,14 @@ class _Data:
         """[K, N] float64 inner products <mu_k, s_i>."""
         if not self.sparse:
             # X @ M.T, not M @ X.T: with K rows in M, BLAS streams X at close to memory speed
-            # in this orientation (about 1.6x faster measured at 20k x 7680, K = 8)
-            return np.ascontiguousarray((self.X @ np.asarray(M, dtype=self.X.dtype).T).T, dtype=np.float64)
+            # in this orientation (about 1.6x faster measured at 20k x 7680, K = 8). The
+            # [N, K] -> [K, N] float64 transpose goes by row blocks that stay in cache: done
+            # whole it read X @ M.T column by column (2.4x slower at 200k x 64, measured)
+            R = self.X @ np.asarray(M, dtype=self.X.dtype).T
+            out = np.empty((R.shape[1], self.N), dtype=np.float64)
+            for a in range(0, self.N, _T_BLOCK):
+                out[:, a : a + _T_BLOCK] = R[a : a + _T_BLOCK].T
+            return out
         out = np.empty((M.shape[0], self.N), dtype=np.float64)
         MT = np.ascontiguousarray(M.T, dtype=np.float32)
 
@@ -769,13 +778,13 @@ class KMeansResult:
     history: list[dict]
 
 
-def _lloyd(X, K, M, *, balanced, max_iter, rtol, stats, tag, progress, prices=None):
+def _lloyd(X, K, M, *, balanced, max_iter, rtol, change_tol, stats, tag, progress, prices=None):
     """Lloyd iterations from centroids M. Returns (M, assign, objective, iterations, optimal, prices)."""
-    return _lloyd_many(X, K, [M], balanced=balanced, max_iter=max_iter, rtol=rtol, stats=stats, tags=[tag],
-                       progress=progress, prices=[prices])[0]
+    return _lloyd_many(X, K, [M], balanced=balanced, max_iter=max_iter, rtol=rtol, change_tol=change_tol, stats=stats,
+                       tags=[tag], progress=progress, prices=[prices])[0]
 
 
-def _lloyd_many(X, K, Ms, *, balanced, max_iter, rtol, stats, tags, progress, prices=None):
+def _lloyd_many(X, K, Ms, *, balanced, max_iter, rtol, change_tol, stats, tags, progress, prices=None):
     """Lloyd iterations of several runs in lockstep, from centroids Ms[r]: every step computes
     the products of all runs still going in one pass over X (their centroids stacked), then
     assigns and updates each run on its own, so each run goes exactly as it would alone.
@@ -827,7 +836,7 @@ def _lloyd_many(X, K, Ms, *, balanced, max_iter, rtol, stats, tags, progress, pr
             new_obj, obj = run["new_obj"], run["obj"]
             if progress:
                 progress(f"k-means {run['tag']} iter {it} objective {new_obj:.6f} changed {run['changed']}")
-            run["done"] = run["changed"] == 0 or (np.isfinite(obj) and obj - new_obj <= rtol * abs(new_obj))
+            run["done"] = run["changed"] <= change_tol * N or (np.isfinite(obj) and obj - new_obj <= rtol * abs(new_obj))
             run["obj"] = new_obj
             run["CT"] = None
         del D
@@ -846,7 +855,9 @@ def spherical_kmeans(
     max_iter: int = 50,
     balanced: bool = True,
     rtol: float = 1e-5,
+    change_tol: float = 0.0,
     restart_sample: int = 20_000,
+    sample_growth: float = 0.0,
     progress: Callable[[str], None] | None = None,
 ) -> KMeansResult:
     """Spherical K-means on unit rows X ([N, D] ndarray or scipy.sparse CSR).
@@ -856,19 +867,26 @@ def spherical_kmeans(
     k-means++ with the generator (seed, r), so results are deterministic for a seed.
     When N > restart_sample, the n_init restarts are run and compared on one seeded
     subsample of restart_sample points, and only the winner is refined on all N points
-    (the restarts then cost O(restart_sample) each instead of O(N)).
-    Lloyd's iterations stop when the assignment no longer changes or the objective
-    improves by at most ``rtol`` (relative) in one iteration, or after ``max_iter``.
+    (the restarts then cost O(restart_sample) each instead of O(N)). With
+    ``sample_growth`` g > 1 the winner is first refined on nested subsamples g, g^2, ...
+    times restart_sample (each started from the last one's centroids and prices) before
+    all N points: the cheap steps on a sample do most of the moving.
+    Lloyd's iterations stop when at most ``change_tol`` (a share of the points; 0: none)
+    changed cluster in an iteration, or the objective improves by at most ``rtol``
+    (relative) in one, or after ``max_iter``. Every balanced assignment, the last
+    included, is the exact (certified) optimum for its centroids, whatever stops the run.
     """
     t0 = time.perf_counter()
     N = X.shape[0]
     balanced_sizes(N, K)
+    if not 0.0 <= change_tol <= 1.0:
+        raise ValueError(f"change_tol must lie in [0, 1], got {change_tol}")
     if sp.issparse(X):
         X = X.tocsr().astype(np.float32)
     else:
         X = np.ascontiguousarray(X, dtype=np.float32)
     stats = {"assign_seconds": 0.0, "history": []}
-    kw = dict(balanced=balanced, max_iter=max_iter, rtol=rtol, stats=stats, progress=progress)
+    kw = dict(balanced=balanced, max_iter=max_iter, rtol=rtol, change_tol=change_tol, stats=stats, progress=progress)
     on_sub = n_init > 1 and N > restart_sample >= K
     Xr = X
     if on_sub:
@@ -888,8 +906,20 @@ def spherical_kmeans(
     assert best is not None
     M, assign, obj, it, opt, rs, prices = best
     if on_sub:
-        # the winner's dual prices on the subsample warm-start the first step on all points
-        # (the first step's screening then applies; its assignment is the exact optimum anyway)
+        # the winner's dual prices on the subsample warm-start the first step of the next
+        # sample (the first step's screening then applies; its assignment is the exact optimum
+        # anyway). Samples grow by sample_growth: each is the previous one plus fresh points.
+        stages = []
+        n = restart_sample * sample_growth if sample_growth > 1 else N
+        while n < N:
+            stages.append(int(n))
+            n *= sample_growth
+        if stages:
+            rest = np.setdiff1d(np.arange(N), sub)
+            extra = np.random.default_rng([int(seed), 0x5AC]).permutation(rest)
+        for n in stages:
+            idx = np.sort(np.concatenate([sub, extra[: n - restart_sample]]))
+            M, assign, obj, it, opt, prices = _lloyd(X[idx], K, M, tag=f"refine ({n} points)", prices=prices, **kw)
         M, assign, obj, it, opt, _ = _lloyd(X, K, M, tag="final (all points)", prices=prices, **kw)
     return KMeansResult(
         centroids=M,
