@@ -119,3 +119,17 @@ def test_the_held_goal_compares_the_two_held_rates(quick):
     g = tg[f"gateway {bench_gateway.GATEWAY_VERSION} random"]["held_rate_rps"]
     assert (quick["held_rate_eldr_rps"], quick["held_rate_gateway_rps"]) == (e, g)
     assert quick["eldr_holds_gateway_rate"] == (g is None or (e is not None and e >= g))
+
+
+def test_a_sequential_phase_stops_at_its_phase_timeout():
+    import asyncio
+    import random
+
+    from eldr_sglang.testing import loadgen
+
+    async def slow(_body):  # a worker that never answers: every request runs into its timeout
+        await asyncio.sleep(10)
+
+    ph = asyncio.run(loadgen.run_phase(slow, 50, 0.0, random.Random(0), request_timeout_s=0.1, phase_timeout_s=0.35))
+    assert ph.sent == 50 and ph.errors == 50 and not ph.latencies_s
+    assert 0 < ph.unsent < 50  # some were sent and timed out; the rest, past the phase timeout, never were

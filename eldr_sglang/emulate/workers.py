@@ -424,10 +424,8 @@ class PrefillWorker:
                     "type": "abort", "message": "bootstrap timeout: no decode worker fetched the KV"}}}
             self.served += 1
             self.log.add("prefill_done", room=room)
-            if stream:
-                await resp.write(_sse(final))
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
+            if stream:  # the last event, [DONE] and the end of the body in one write
+                await resp.write_eof(_sse(final) + b"data: [DONE]\n\n")
                 return resp
             if sig is not None and not isinstance(sig, _RawJSON):
                 final["meta_info"][META_KEY] = [sig]
@@ -638,8 +636,7 @@ class DecodeWorker:
                 finished = await item.queue.get()
                 n += 1
                 await resp.write(_sse(_chunk(kind, rid, item, n, finished)))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await resp.write_eof(b"data: [DONE]\n\n")
             self.log.add("decode_done", room=room)
             return resp
         finally:

@@ -76,6 +76,7 @@ class Phase:
     rate: float  # requests/s offered; 0 = sequential
     latencies_s: list[float] = field(default_factory=list)
     errors: int = 0
+    unsent: int = 0  # of the errors: sequential requests not sent before the phase timeout
     first_error: str | None = None
     send_s: float = 0.0  # from the first to the last send
     schedule_s: float = 0.0  # from the first to the last send as the Poisson schedule planned them
@@ -104,8 +105,8 @@ class Phase:
 async def run_phase(send, n: int, rate: float, rng: random.Random, request_timeout_s: float = 30.0,
                     phase_timeout_s: float = 120.0) -> Phase:
     """n requests `await send(body)`: open-loop Poisson at `rate`, or one after another when rate
-    is 0. A request slower than request_timeout_s, or still open phase_timeout_s after the phase
-    began, counts as an error."""
+    is 0. A request slower than request_timeout_s, or still open (sequentially: not yet sent)
+    phase_timeout_s after the phase began, counts as an error."""
     ph = Phase(rate=rate)
     t_begin = time.perf_counter()
 
@@ -122,6 +123,11 @@ async def run_phase(send, n: int, rate: float, rng: random.Random, request_timeo
 
     if rate <= 0:
         for i in range(n):
+            if time.perf_counter() - t_begin > phase_timeout_s:  # the rest would not start in time
+                ph.errors += n - i
+                ph.unsent = n - i
+                ph.first_error = ph.first_error or f"{n - i} requests not sent within {phase_timeout_s:g} s"
+                break
             await one(i)
         ph.send_s = ph.wall_s = time.perf_counter() - t_begin
         return ph
