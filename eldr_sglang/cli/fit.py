@@ -13,6 +13,16 @@ from eldr_sglang.cli import args as A
 from eldr_sglang.defaults import FIT_CHANGE_TOL, FIT_SAMPLE_GROWTH
 
 
+def _growth(text: str) -> float:
+    """--sample-growth: 0 (off) or a factor of at least 2."""
+    import argparse
+
+    g = A.real(0.0, 1e6)(text)
+    if 0 < g < 2:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 2, got {text!r}")
+    return g
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "fit",
@@ -44,7 +54,7 @@ def register(subparsers) -> None:
              "(default %g; 0: only when none did)" % FIT_CHANGE_TOL,
     )
     p.add_argument(
-        "--sample-growth", type=A.real(0.0, 1e6), default=FIT_SAMPLE_GROWTH,
+        "--sample-growth", type=_growth, default=FIT_SAMPLE_GROWTH,
         help="refine the winning restart on samples this many times larger, then on all requests "
              "(0 or >= 2; default %g; 0: straight to all)" % FIT_SAMPLE_GROWTH,
     )
