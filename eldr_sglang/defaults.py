@@ -13,6 +13,9 @@ DEFAULT_LOAD_FACTOR = 0.05  # the bounded-load cap of eldr/F, shared by locality
 # in one (or the objective improved by at most --tol). Chosen on GPT-OSS-20B traces at 200k
 # and 1M requests, K = 64: benchmarks/results/bench_scale.md ("stopping rule").
 FIT_CHANGE_TOL = 2e-3
+# `eldr fit`: the winning restart (on a 20k sample) is refined on samples this many times
+# larger before all requests (0: straight to all of them); same source.
+FIT_SAMPLE_GROWTH = 10.0
 
 
 def default_policy_label() -> str:

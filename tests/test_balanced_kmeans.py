@@ -275,3 +275,5 @@ def test_sample_growth_refines_on_nested_samples_then_all_points():
     assert all(h["optimal"] for h in a.history) and a.optimal_assignment
     d = X - a.centroids[a.assignment]
     assert a.objective == pytest.approx(float((d.astype(np.float64) ** 2).sum()), rel=1e-5)
+    with pytest.raises(ValueError, match="sample_growth"):
+        spherical_kmeans(X, 6, sample_growth=1.01)

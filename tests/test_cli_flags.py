@@ -50,6 +50,8 @@ CASES = [
     ("fit", "--restarts", ["0", HUGE_INT]),
     ("fit", "--max-iter", ["0", HUGE_INT]),
     ("fit", "--tol", ["-1", "nan", "inf"]),
+    ("fit", "--change-tol", ["-1", "1.5", "nan", "inf"]),
+    ("fit", "--sample-growth", ["-1", "1.5", "nan", "inf", "1e400"]),
     ("inspect", "--top", ["-1", HUGE_INT]),
     ("route-demo", "--workers", ["0", HUGE_INT]),
     ("route-demo", "--requests", ["0", HUGE_INT]),
@@ -90,6 +92,7 @@ CASES = [
     ("simulate", "--max-memory", ["0", "inf"]),
     ("demo", "--max-memory", ["0", "x"]),
     ("synth", "--keep-decode", ["-1", HUGE_INT, "some"]),
+    ("synth", "--jobs", ["0", "-1", HUGE_INT, "some"]),
     ("convert", "--keep-decode", ["-1", HUGE_INT]),
     ("convert", "--chunk-requests", ["0", HUGE_INT]),
 ]

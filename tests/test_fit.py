@@ -145,14 +145,15 @@ def test_fit_stopping_share_is_passed_on_and_recorded(toy):
     """change_tol reaches the K-means (a share of 1 stops every run after its first step,
     0 and rtol 0 only when nothing moves) and the provenance records it; the assignment
     stays exactly balanced and certified either way."""
-    from eldr_sglang.defaults import FIT_CHANGE_TOL
+    from eldr_sglang.defaults import FIT_CHANGE_TOL, FIT_SAMPLE_GROWTH
 
     one = fit_trace(toy, workers=4, seed=3, change_tol=1.0)
     assert one.report["kmeans"]["iterations"] == 1 and one.provenance["params"]["change_tol"] == 1.0
     assert one.report["kmeans"]["optimal_assignment"] and sorted(np.bincount(one.assignment).tolist()) == [15] * 4
     still = fit_trace(toy, workers=4, seed=3, change_tol=0.0, rtol=0.0)
     assert still.report["kmeans"]["iterations"] > 1 and still.report["objective"] <= one.report["objective"] + 1e-9
-    assert fit_trace(toy, workers=4, seed=3).provenance["params"]["change_tol"] == FIT_CHANGE_TOL
+    params = fit_trace(toy, workers=4, seed=3).provenance["params"]
+    assert params["change_tol"] == FIT_CHANGE_TOL and params["sample_growth"] == FIT_SAMPLE_GROWTH
 
 
 def test_fit_report_fields(toy):

@@ -10,7 +10,17 @@ import numpy as np
 
 from eldr_sglang.cli import CliError
 from eldr_sglang.cli import args as A
-from eldr_sglang.defaults import FIT_CHANGE_TOL
+from eldr_sglang.defaults import FIT_CHANGE_TOL, FIT_SAMPLE_GROWTH
+
+
+def _growth(text: str) -> float:
+    """--sample-growth: 0 (off) or a factor of at least 2."""
+    import argparse
+
+    g = A.real(0.0, 1e6)(text)
+    if 0 < g < 2:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 2, got {text!r}")
+    return g
 
 
 def register(subparsers) -> None:
@@ -42,6 +52,11 @@ def register(subparsers) -> None:
         "--change-tol", type=A.real(0.0, 1.0), default=FIT_CHANGE_TOL,
         help="also stop when at most this share of the requests changed cluster in an iteration "
              "(default %g; 0: only when none did)" % FIT_CHANGE_TOL,
+    )
+    p.add_argument(
+        "--sample-growth", type=_growth, default=FIT_SAMPLE_GROWTH,
+        help="refine the winning restart on samples this many times larger, then on all requests "
+             "(0 or >= 2; default %g; 0: straight to all)" % FIT_SAMPLE_GROWTH,
     )
     p.add_argument("--no-idf-plus-one", action="store_true", help="use log((|C|+1)/(df+1)) without the +1")
     p.add_argument("--worker-names", help="comma-separated names of the K decode workers, in order")
@@ -117,6 +132,7 @@ def run(args) -> int:
             max_iter=args.max_iter,
             rtol=args.tol,
             change_tol=args.change_tol,
+            sample_growth=args.sample_growth,
             idf_plus_one=not args.no_idf_plus_one,
             worker_names=names,
             source_path=args.trace,

@@ -881,6 +881,8 @@ def spherical_kmeans(
     balanced_sizes(N, K)
     if not 0.0 <= change_tol <= 1.0:
         raise ValueError(f"change_tol must lie in [0, 1], got {change_tol}")
+    if not (sample_growth == 0 or 2 <= sample_growth < float("inf")):
+        raise ValueError(f"sample_growth must be 0 (off) or at least 2, got {sample_growth}")
     if sp.issparse(X):
         X = X.tocsr().astype(np.float32)
     else:
@@ -910,7 +912,7 @@ def spherical_kmeans(
         # sample (the first step's screening then applies; its assignment is the exact optimum
         # anyway). Samples grow by sample_growth: each is the previous one plus fresh points.
         stages = []
-        n = restart_sample * sample_growth if sample_growth > 1 else N
+        n = restart_sample * sample_growth if sample_growth else N
         while n < N:
             stages.append(int(n))
             n *= sample_growth

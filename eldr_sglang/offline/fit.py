@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from eldr_sglang.defaults import FIT_CHANGE_TOL
+from eldr_sglang.defaults import FIT_CHANGE_TOL, FIT_SAMPLE_GROWTH
 from eldr_sglang.offline import report as rpt
 from eldr_sglang.offline.balanced_kmeans import KMeansResult, balanced_sizes, spherical_kmeans
 from eldr_sglang.offline.layers import parse_layers, select_layers_auto
@@ -127,6 +127,7 @@ def fit_trace(
     max_iter: int = 50,
     rtol: float = 1e-5,
     change_tol: float = FIT_CHANGE_TOL,
+    sample_growth: float = FIT_SAMPLE_GROWTH,
     idf_plus_one: bool = True,
     worker_names: list[str] | None = None,
     source_path: str | None = None,
@@ -163,7 +164,8 @@ def fit_trace(
     t_sig = time.perf_counter() - t0
     with status_line(desc="eldr fit", enabled=progress) as line:  # balanced spherical K-means
         km: KMeansResult = spherical_kmeans(
-            X, K, seed=seed, n_init=n_init, max_iter=max_iter, rtol=rtol, change_tol=change_tol, balanced=True,
+            X, K, seed=seed, n_init=n_init, max_iter=max_iter, rtol=rtol, change_tol=change_tol,
+            sample_growth=sample_growth, balanced=True,
             progress=line.status if progress else None,
         )
     assignment = np.full(len(req), -1, dtype=np.int64)
@@ -176,8 +178,8 @@ def fit_trace(
         "kmeans": km.seconds,
         "total": time.perf_counter() - t0,
     }
-    provenance = _provenance(trace, src, rep, km, K, tau, layers, seed, n_init, max_iter, (rtol, change_tol), idf_plus_one, req,
-                             requests is not None, source_path)
+    provenance = _provenance(trace, src, rep, km, K, tau, layers, seed, n_init, max_iter,
+                             (rtol, change_tol, sample_growth), idf_plus_one, req, requests is not None, source_path)
     return FitResult(
         centroids=km.centroids,
         layer_weights=weights.astype(np.float32),
@@ -319,7 +321,7 @@ def _report(trace, src, req, valid, X, km, K, tau, seed, spec, idf, idf_plus_one
 def _provenance(trace, src, rep: dict, km, K, tau, layers, seed, n_init, max_iter, tols, idf_plus_one, req,
                 subset: bool, source_path) -> dict:
     """What the centroid file records of how it was made (its provenance JSON)."""
-    rtol, change_tol = tols
+    rtol, change_tol, sample_growth = tols
     n_valid = rep["n_fitted"]
     sizes = np.asarray(rep["cluster_sizes"])
     provenance = {
@@ -337,6 +339,7 @@ def _provenance(trace, src, rep: dict, km, K, tau, layers, seed, n_init, max_ite
             "max_iter": int(max_iter),
             "rtol": float(rtol),
             "change_tol": float(change_tol),
+            "sample_growth": float(sample_growth),
             "idf_plus_one": bool(idf_plus_one),
             "calibration_requests": int(len(req)),
             "calibration_subset": subset,
