@@ -121,8 +121,9 @@ struct Header<'a> {
     v: Option<&'a RawValue>,
     #[serde(borrow, default)]
     none: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    layers: Option<&'a RawValue>,
+    /// Read in the header's one pass (not captured raw and parsed again).
+    #[serde(default)]
+    layers: Option<U64List>,
     #[serde(borrow, default, rename = "E")]
     experts: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -133,11 +134,139 @@ struct Header<'a> {
     bits: Option<&'a RawValue>,
     #[serde(borrow, default)]
     nnz: Option<&'a RawValue>,
+    #[serde(default)]
+    q: Option<U64List>,
+    /// Borrowed from the input when it holds no escape (base64 has none).
     #[serde(borrow, default)]
-    q: Option<&'a RawValue>,
-    /// Borrowed from the input (base64 has no escapes), so the largest field is scanned once.
-    #[serde(borrow, default)]
-    d: Option<Cow<'a, str>>,
+    d: Option<Text<'a>>,
+}
+
+/// A JSON string, borrowed from the input when it holds no escape. (serde's own `Cow<str>`
+/// borrows only as a field's whole type, not inside an `Option`.)
+struct Text<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+            type Value = Text<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Text<'a>, E> {
+                Ok(Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Text<'a>, E> {
+                Ok(Text(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(V(std::marker::PhantomData))
+    }
+}
+
+/// A header list of non-negative integers, read as the header is parsed. Any other value, or
+/// any other element, makes it `Bad` instead of failing the parse, so the field gets its own
+/// message. It accepts what `Vec<u64>`'s own deserializer accepts (serde's u64 takes a
+/// non-negative i64 such as `-0`, never a float).
+enum U64List {
+    Ok(Vec<u64>),
+    Bad,
+}
+
+impl<'de> Deserialize<'de> for U64List {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = U64List;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of integers")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<U64List, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(MAX_LAYERS));
+                let mut ok = true;
+                while let Some(MaybeU64(v)) = seq.next_element()? {
+                    match v {
+                        Some(v) if ok => out.push(v),
+                        _ => ok = false,
+                    }
+                }
+                Ok(if ok { U64List::Ok(out) } else { U64List::Bad })
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<U64List, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(U64List::Bad)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_unit<E>(self) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One element of a [`U64List`]: the integer, or None for anything else.
+struct MaybeU64(Option<u64>);
+
+impl<'de> Deserialize<'de> for MaybeU64 {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = MaybeU64;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an integer")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(Some(v)))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(u64::try_from(v).ok()))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_unit<E>(self) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<MaybeU64, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(MaybeU64(None))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<MaybeU64, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(MaybeU64(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The list a [`U64List`] field holds, or the field's message.
+fn u64_list<W: std::fmt::Display>(list: Option<U64List>, name: &'static str, what: impl Fn() -> W) -> Result<Vec<u64>, PayloadError> {
+    match list {
+        Some(U64List::Ok(v)) => Ok(v),
+        _ => Err(PayloadError::Field { field: name, problem: format!("must be {}", what()) }),
+    }
 }
 
 #[derive(Deserialize)]
@@ -283,13 +412,76 @@ pub fn decode(json: &[u8], limits: &DecodeLimits) -> Result<Payload, PayloadErro
 /// Find and decode the payload in one stream event (`data:` JSON of an SSE line). `Ok(None)`:
 /// the event is not JSON, not an object, or carries no payload; the caller's own parser sees it.
 pub fn decode_event(event: &[u8], limits: &DecodeLimits) -> Result<Option<Payload>, PayloadError> {
+    if let Some(Ok(found)) = decode_event_split(event, limits) {
+        return Ok(found);
+    }
+    // No `d` to split off, or a refusal: the one-pass parse of the whole event decides (and
+    // words every error as it always has).
+    decode_event_whole(event, limits)
+}
+
+/// [`decode_event`] with the base64 field cut out before the JSON parse. That field is almost
+/// all of an event's bytes, and a JSON parser reads a string byte by byte; base64 has no
+/// escapes, so its end is the next quote, which memchr finds with SIMD. The event less the
+/// field's text is parsed as usual (a few hundred bytes), and the cut is taken for the
+/// payload's `d` only if serde's `d` is the empty string left at the very place of the cut:
+/// then the whole event would have parsed the same, with that text as `d`. Base64 decoding
+/// then validates the text (anything outside the alphabet fails it). None: no such field, or
+/// serde's `d` is another one (a key `d` elsewhere, a payload sent as a JSON string).
+fn decode_event_split(event: &[u8], limits: &DecodeLimits) -> Option<Result<Option<Payload>, PayloadError>> {
+    let (start, end) = find_data_field(event)?;
+    let mut rest = Vec::with_capacity(event.len() - (end - start));
+    rest.extend_from_slice(&event[..start]);
+    rest.extend_from_slice(&event[end..]);
+    let ev = serde_json::from_slice::<Event>(&rest).ok()?;
+    let cut = rest.as_ptr().wrapping_add(start);
+    for h in [ev.meta_info, ev.sglext].into_iter().flatten() {
+        match h.eldr_signature {
+            None | Some(Found::Null) => continue,
+            Some(Found::Header(h)) => {
+                let at_cut = matches!(&h.d, Some(Text(Cow::Borrowed(d))) if d.is_empty() && d.as_ptr() == cut);
+                return at_cut.then(|| from_header(h, Some(&event[start..end]), limits).map(Some));
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// The byte range of the text of the first `"d": "..."` in `event` whose text holds no quote
+/// and no backslash (so it ends at the next quote).
+fn find_data_field(event: &[u8]) -> Option<(usize, usize)> {
+    let skip_ws = |mut i: usize| {
+        while i < event.len() && matches!(event[i], b' ' | b'\t' | b'\n' | b'\r') {
+            i += 1;
+        }
+        i
+    };
+    for key in memchr::memmem::find_iter(event, b"\"d\"") {
+        let colon = skip_ws(key + 3);
+        if event.get(colon) != Some(&b':') {
+            continue;
+        }
+        let quote = skip_ws(colon + 1);
+        if event.get(quote) != Some(&b'"') {
+            continue;
+        }
+        let start = quote + 1;
+        let len = memchr::memchr2(b'"', b'\\', &event[start..])?;
+        return (event[start + len] == b'"').then_some((start, start + len));
+    }
+    None
+}
+
+/// [`decode_event`] by one serde pass over the whole event.
+fn decode_event_whole(event: &[u8], limits: &DecodeLimits) -> Result<Option<Payload>, PayloadError> {
     // One pass over the event; one that does not fit the schema (a field of another type,
     // a payload header serde cannot read) is left to the caller's parser.
     let Ok(ev) = serde_json::from_slice::<Event>(event) else { return Ok(None) };
     for h in [ev.meta_info, ev.sglext].into_iter().flatten() {
         match h.eldr_signature {
             None | Some(Found::Null) => continue,
-            Some(Found::Header(h)) => return from_header(h, limits).map(Some),
+            Some(Found::Header(h)) => return from_header_own_d(h, limits).map(Some),
             Some(Found::Text(t)) => return decode(t.as_bytes(), limits).map(Some),
             Some(Found::Other(kind)) => return Err(PayloadError::NotObject(kind)),
         }
@@ -316,10 +508,16 @@ fn decode_value(raw: &RawValue, limits: &DecodeLimits, depth: u8) -> Result<Payl
         }
         _ => return Err(PayloadError::NotObject(kind_of(text))),
     }
-    from_header(serde_json::from_str(text).map_err(|e| header_error(text, e))?, limits)
+    from_header_own_d(serde_json::from_str(text).map_err(|e| header_error(text, e))?, limits)
 }
 
-fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
+fn from_header_own_d(mut h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
+    let d = h.d.take();
+    from_header(h, d.as_ref().map(|t| t.0.as_bytes()), limits)
+}
+
+/// A parsed header, with the text of its base64 field `d` (None: the field is missing).
+fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
     let version_ok = h.v.is_some_and(|v| serde_json::from_str::<u64>(v.get()).ok() == Some(PAYLOAD_VERSION));
     if !version_ok {
         return Err(PayloadError::Version(h.v.map_or("None".into(), |v| shown(v.get()))));
@@ -328,7 +526,7 @@ fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadE
         let reason = serde_json::from_str::<String>(why.get()).unwrap_or_else(|_| why.get().to_owned());
         return Ok(Payload::NoCounts(reason));
     }
-    let layers: Vec<u64> = field(h.layers, "layers", || LAYERS_WHAT)?;
+    let layers: Vec<u64> = u64_list(h.layers, "layers", || LAYERS_WHAT)?;
     if layers.is_empty() || layers.len() > MAX_LAYERS || layers.iter().any(|&l| l >= MAX_LAYERS as u64) {
         return Err(PayloadError::Field { field: "layers", problem: format!("must be {LAYERS_WHAT}") });
     }
@@ -358,14 +556,14 @@ fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadE
         }
     }
     let enc: Cow<str> = field(h.enc, "enc", || "a string")?;
-    let d = h.d.ok_or_else(|| PayloadError::Field { field: "d", problem: "must be a base64 string".into() })?;
+    let d = d.ok_or_else(|| PayloadError::Field { field: "d", problem: "must be a base64 string".into() })?;
     if d.len() > limits.max_bytes {
         return Err(PayloadError::TooLarge { size: d.len(), limit: limits.max_bytes });
     }
     let size = rows * experts;
     // decoded straight into a buffer that has room for the 8 bytes of padding (no copy)
     let mut data = vec![0u8; BASE64.estimated_decoded_length(d.len()) + 8];
-    let got = BASE64.decode(d.as_bytes(), base64_simd::Out::from_slice(&mut data)).map_err(|e| PayloadError::Base64(e.to_string()))?.len();
+    let got = BASE64.decode(d, base64_simd::Out::from_slice(&mut data)).map_err(|e| PayloadError::Base64(e.to_string()))?.len();
     data.truncate(got);
     let packed = |n: usize| (n * bits as usize).div_ceil(8);
     let encoding = match enc.as_ref() {
@@ -393,7 +591,7 @@ fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadE
         }
         "log" => {
             let q_what = || format!("a list of one maximum count in [0, {MAX_COUNT}] per layer");
-            let q: Vec<u64> = field(h.q, "q", q_what)?;
+            let q: Vec<u64> = u64_list(h.q, "q", q_what)?;
             if q.len() != rows || q.iter().any(|&x| x > MAX_COUNT) {
                 return Err(PayloadError::Field { field: "q", problem: format!("must be {}", q_what()) });
             }
@@ -1041,6 +1239,53 @@ mod tests {
             for (&code, &got) in codes.iter().zip(&c.to_dense()) {
                 proptest::prop_assert!(ulps(got, formula(code)) <= 1, "code {}: {} vs {}", code, got, formula(code));
             }
+        }
+    }
+
+    /// The event parsed with its base64 field cut out gives what the whole-event parse gives,
+    /// for events where the cut is right and where it must be refused (a decoy key `d`
+    /// elsewhere, a payload sent as a JSON string, an escaped `d`, text outside the base64
+    /// alphabet), with either separator style; and it is taken for a plain event.
+    #[test]
+    fn split_parse_matches_whole_parse() {
+        let lim = DecodeLimits::default();
+        let d = base64_simd::STANDARD.encode_to_string([1u8, 2, 3, 4, 5, 6]);
+        let head = r#""v":1,"layers":[0,1],"E":3,"n":1,"enc":"dense","bits":8"#;
+        let payload = format!(r#"{{{head},"d":"{d}"}}"#);
+        let spaced = format!(r#"{{"v": 1, "layers": [0, 1], "E": 3, "n": 1, "enc": "dense", "bits": 8, "d" :  "{d}"}}"#);
+        let as_text = serde_json::to_string(&payload).unwrap();
+        let events = [
+            format!(r#"{{"text":"","meta_info":{{"id":"r0","eldr_signature":[{payload}]}}}}"#),
+            format!(r#"{{"text": "", "meta_info": {{"id": "r0", "eldr_signature": [{spaced}]}}}}"#),
+            format!(r#"{{"sglext":{{"eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"meta_info":{{"x":{{"d":"BwgJCgsM"}},"eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"meta_info":{{"d":"BwgJCgsM","eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"text":"say "d":"AAAA"","meta_info":{{"eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{as_text}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQID\/AUG"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQ ID"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAUG"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAU"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAUG""#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAUG","d":"AQIDBAUG"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[0,1.0],"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[0,-0],"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[[0],1],"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":{{"a":1}},"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[0,1],"E":3,"n":1,"enc":"log","bits":4,"q":[3,"x"],"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"none":"too_long","d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"{}"}}}}}}"#, "A".repeat(DEFAULT_MAX_BYTES + 4)),
+        ];
+        for ev in &events {
+            assert_eq!(decode_event(ev.as_bytes(), &lim), decode_event_whole(ev.as_bytes(), &lim), "{ev}");
+        }
+        for ev in &events[..3] {
+            assert!(matches!(decode_event_split(ev.as_bytes(), &lim), Some(Ok(Some(Payload::Counts(_))))), "{ev}");
+        }
+        let Ok(Some(Payload::Counts(c))) = decode_event(events[1].as_bytes(), &lim) else { panic!() };
+        assert_eq!(c.to_dense(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        for ev in &events[3..7] {
+            assert!(decode_event_split(ev.as_bytes(), &lim).is_none(), "{ev}");
         }
     }
 
