@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use thiserror::Error;
 
+use crate::centroid_file::CentroidSet;
 use crate::signature::{norm_of, NoSignature, SignatureSpec, SparseSignature};
 
 pub const PAYLOAD_VERSION: u64 = 1;
@@ -833,6 +834,109 @@ impl DecodedCounts {
         self.fill_signature_with(spec, out, RowKernel::detect())
     }
 
+    /// Distances from the request's signature to `set`'s centroids, read straight from the
+    /// packed counts: each value is dotted into its centroid row as it is unpacked, with no
+    /// signature in between unless `keep` asks for it (then it is written there, as
+    /// [`Self::fill_signature`] writes it). The same bits as [`crate::distance::from_fill`] of
+    /// `fill_signature` (both sum in [`crate::distance::order`]; `fused_matches_fill` checks).
+    pub fn distances(&self, set: &CentroidSet, keep: Option<&mut SparseSignature>) -> Result<Vec<f64>, NoSignature> {
+        self.distances_with(set, keep, RowKernel::detect())
+    }
+
+    fn distances_with(&self, set: &CentroidSet, keep: Option<&mut SparseSignature>, kernel: RowKernel) -> Result<Vec<f64>, NoSignature> {
+        #[cfg(target_arch = "x86_64")]
+        if kernel == RowKernel::Avx2 && self.fusable() {
+            // SAFETY: AVX2 was detected (RowKernel::Avx2 is only made so), and the checks of fusable.
+            unsafe {
+                match set.num_workers() {
+                    8 => return self.distances_avx2::<1>(set, keep),
+                    16 => return self.distances_avx2::<2>(set, keep),
+                    32 => return self.distances_avx2::<4>(set, keep),
+                    64 => return self.distances_avx2::<8>(set, keep),
+                    _ => {}
+                }
+            }
+        }
+        crate::distance::from_fill(set, keep, |spec, sig| self.fill_signature_with(spec, sig, kernel))
+    }
+
+    /// Whether the fused AVX2 route reads this payload: packed dense or log rows of at most
+    /// `AVX2_MAX_BITS` bits, every log row tabled, and rows of whole 8-lane blocks (E a
+    /// multiple of 8, so a block's lanes are its positions mod 8).
+    #[cfg(target_arch = "x86_64")]
+    fn fusable(&self) -> bool {
+        let tabled = match self.encoding {
+            Encoding::Dense => true,
+            Encoding::Log { .. } => LogRow::tabled(self.bits, self.experts),
+            Encoding::Sparse { .. } => false,
+        };
+        tabled && self.bits <= AVX2_MAX_BITS && self.experts % 8 == 0
+    }
+
+    /// # Safety
+    /// AVX2 is available, `self.fusable()`, and K = 8 * LANES.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn distances_avx2<const LANES: usize>(&self, set: &CentroidSet, keep: Option<&mut SparseSignature>) -> Result<Vec<f64>, NoSignature> {
+        let spec = set.spec();
+        let map = self.row_map(spec.num_layers(), spec.num_experts()).map_err(|_| NoSignature::Shape)?;
+        let (e_n, bits) = (self.experts, self.bits);
+        // the payload row of each layer, so rows are read in signature order (ascending positions)
+        let mut row_of = Vec::new();
+        if let RowMap::ById = map {
+            row_of = vec![usize::MAX; spec.num_layers()];
+            for (row, &l) in self.layers.iter().enumerate() {
+                row_of[l as usize] = row;
+            }
+        }
+        let mut none = SparseSignature::default();
+        let (out, keeping) = match keep {
+            Some(out) => {
+                out.index.clear();
+                out.value.clear();
+                out.index.reserve(spec.dim() + 8); // the SIMD stores write up to 8 past the last kept value
+                out.value.reserve(spec.dim() + 8);
+                (out, true)
+            }
+            None => (&mut none, false),
+        };
+        let m = set.centroids_t().as_ptr();
+        let (scales, table) = (spec.scales(), spec.table());
+        let mut st = crate::distance::avx2::Lanes::<LANES>::new();
+        let (mut dots, mut n2) = (vec![0f64; 8 * LANES], 0f64);
+        let mut lut = LogRow::default();
+        let mut len = 0;
+        for &l in spec.selected_layers() {
+            let row = match map {
+                RowMap::Identity => l,
+                RowMap::ById => row_of[l],
+            };
+            if row == usize::MAX {
+                continue; // a selected layer the payload does not hold: zeros
+            }
+            let row_scales = &scales[l * e_n..(l + 1) * e_n];
+            let base = table[l * e_n].0;
+            let args = (&self.data[..], row * e_n, bits, row_scales, base, m, &mut st, &mut dots[..], &mut n2, &mut *out, len);
+            len = match (&self.encoding, keeping) {
+                (Encoding::Log { q }, k) => {
+                    lut.prepare(q[row], bits, e_n);
+                    if k { fused_row::<LANES, true, true>(&lut.table, args) } else { fused_row::<LANES, true, false>(&lut.table, args) }
+                }
+                (_, true) => fused_row::<LANES, false, true>(&[], args),
+                (_, false) => fused_row::<LANES, false, false>(&[], args),
+            };
+        }
+        st.flush::<true>(&mut dots, &mut n2);
+        let norm = crate::signature::norm_from_squares(n2)?;
+        if keeping {
+            out.index.set_len(len);
+            out.value.set_len(len);
+            out.norm = norm;
+        }
+        let inv = 1.0 / norm;
+        Ok(dots.into_iter().map(|v| 1.0 - v * inv).collect())
+    }
+
     fn fill_signature_with(&self, spec: &SignatureSpec, out: &mut SparseSignature, kernel: RowKernel) -> Result<(), NoSignature> {
         out.index.clear();
         out.value.clear();
@@ -899,7 +1003,7 @@ impl DecodedCounts {
         if !self.layers_ascending && matches!(map, RowMap::ById) {
             SignatureSpec::sort_merge(out);
         }
-        out.norm = norm_of(&out.value)?;
+        out.norm = norm_of(&out.index, &out.value)?;
         Ok(())
     }
 }
@@ -1038,6 +1142,74 @@ unsafe fn fill_row_avx2<const LOG: bool>(data: &[u8], first: usize, bits: u32, l
     len
 }
 
+/// What [`fused_row`] reads and updates: the packed data, the row's first value, bits, the
+/// row's scales, its first output position, the feature-major centroids `[D][K]`, the lane
+/// sums, the f64 dot and norm totals, and the kept signature with its length.
+#[cfg(target_arch = "x86_64")]
+type FusedArgs<'a, const LANES: usize> = (&'a [u8], usize, u32, &'a [f32], u32, *const f32, &'a mut crate::distance::avx2::Lanes<LANES>, &'a mut [f64], &'a mut f64, &'a mut SparseSignature, usize);
+
+/// One row of the fused wire route: eight codes at a time unpacked and valued as in
+/// [`fill_row_avx2`], then each value dotted into its centroid row and squared into the norm,
+/// in [`crate::distance::order`] (lane = position mod 8, as the row starts at a multiple of 8);
+/// with `KEEP` the nonzeros are also left-packed into the kept signature. Returns its length.
+///
+/// # Safety
+/// As [`fill_row_avx2`] (the kept signature has room for D + 8 entries when `KEEP`), the
+/// row's positions lie below D, its first position is a multiple of 8, and K = 8 * LANES.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn fused_row<const LANES: usize, const LOG: bool, const KEEP: bool>(lut: &[f32], args: FusedArgs<'_, LANES>) -> usize {
+    use crate::distance::order::GROUP;
+    use std::arch::x86_64::*;
+    let (data, first, bits, scales, base, m, st, dots, n2, out, mut len) = args;
+    let k = 8 * LANES;
+    let n = scales.len();
+    let (ip, vp) = (out.index.as_mut_ptr(), out.value.as_mut_ptr());
+    let src = data.as_ptr() as *const i32;
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let lane_bits = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bits as i32));
+    let mask = _mm256_set1_epi32(((1u64 << bits) - 1) as u32 as i32);
+    let seven = _mm256_set1_epi32(7);
+    let zero = _mm256_setzero_ps();
+    let mut idx = _mm256_add_epi32(_mm256_set1_epi32(base as i32), lanes);
+    let mut pos = _mm256_add_epi32(_mm256_set1_epi32((first * bits as usize) as i32), lane_bits);
+    let pos_step = _mm256_set1_epi32(8 * bits as i32);
+    let mut xs = [0f32; 8];
+    let mut e = 0;
+    while e < n {
+        let words = _mm256_i32gather_epi32::<1>(src, _mm256_srli_epi32::<3>(pos));
+        let codes = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_and_si256(pos, seven)), mask);
+        let c = if LOG { _mm256_i32gather_ps::<4>(lut.as_ptr(), codes) } else { _mm256_cvtepi32_ps(codes) };
+        let x = _mm256_mul_ps(c, _mm256_loadu_ps(scales.as_ptr().add(e)));
+        if KEEP {
+            let keep = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NEQ_UQ>(x, zero)) as usize;
+            let perm = _mm256_loadu_si256(LEFT_PACK[keep].as_ptr() as *const __m256i);
+            _mm256_storeu_ps(vp.add(len), _mm256_permutevar8x32_ps(x, perm));
+            _mm256_storeu_si256(ip.add(len) as *mut __m256i, _mm256_permutevar8x32_epi32(idx, perm));
+            len += keep.count_ones() as usize;
+            idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+        }
+        let j0 = base as usize + e;
+        if j0 / GROUP != st.group {
+            st.flush::<true>(dots, n2);
+            st.group = j0 / GROUP;
+        }
+        st.nrm = _mm256_add_ps(st.nrm, _mm256_mul_ps(x, x));
+        _mm256_storeu_ps(xs.as_mut_ptr(), x);
+        let rows = m.add(j0 * k);
+        for (i, acc) in st.acc.iter_mut().enumerate() {
+            let xi = _mm256_set1_ps(xs[i]);
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(xi, _mm256_loadu_ps(rows.add(i * k + 8 * l))));
+            }
+        }
+        pos = _mm256_add_epi32(pos, pos_step);
+        e += 8;
+    }
+    len
+}
+
 /// One row's log-decoded values `c(code) = expm1(code * ln(1 + q) / (2^bits - 1))`, as the
 /// Python encoder defines them (f64, then rounded to f32). With no more codes than
 /// max(E, 64) they are tabled once per row, for every code, by the recurrence
@@ -1058,7 +1230,7 @@ impl LogRow {
         let levels = (1u64 << bits) - 1;
         self.scale = (qmax as f64).ln_1p() / levels as f64;
         self.table.clear();
-        if levels as usize <= experts.max(64) {
+        if Self::tabled(bits, experts) {
             // u(1..=8) in one chain, then eight independent chains u(j + 8i) (each step adds
             // u(8)), so the table is not one long chain of dependent multiply-adds
             let step = |u: f64, v: f64| u + v + u * v;
@@ -1081,6 +1253,11 @@ impl LogRow {
             }
             self.table.truncate(n);
         }
+    }
+
+    /// Whether rows of `bits`-bit codes get a table (`prepare`).
+    fn tabled(bits: u32, experts: usize) -> bool {
+        ((1u64 << bits) - 1) as usize <= experts.max(64)
     }
 
     fn values(&self, codes: &[u32], out: &mut [f32]) {
@@ -1210,6 +1387,61 @@ mod tests {
             if std::arch::is_x86_feature_detected!("avx2") {
                 let simd = c.fill_signature_with(&spec, &mut got, RowKernel::Avx2).map(|_| bits_of(&got));
                 proptest::prop_assert_eq!(&simd, &portable);
+            }
+        }
+
+        /// The fused wire route (values dotted as they are unpacked) against the signature it
+        /// replaces (`fill_signature`, then the sparse dot), to the bit: distances, and the kept
+        /// signature's indices, values and norm; for dense and log rows, E a multiple of 8 or
+        /// not (which leaves the fused path), K with and without a SIMD kernel, rows placed by
+        /// id out of order, and selected layers the payload lacks.
+        #[test]
+        fn fused_matches_fill(
+            rows in 1usize..6, e8 in 1usize..6, ragged in proptest::bool::ANY, bits in 1u32..=24, log in proptest::bool::ANY,
+            seed in 0u64..u64::MAX, zeros in 0u32..4, by_id in proptest::bool::ANY,
+            k in proptest::sample::select(vec![1usize, 3, 8, 16, 32]),
+        ) {
+            let e = if ragged { 8 * e8 + 3 } else { 8 * e8 };
+            let bits = if log { bits.min(16) } else { bits };
+            let mut s = seed | 1;
+            let mut next = move || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s };
+            let codes: Vec<u32> = (0..rows * e).map(|_| if next() % 4 < zeros as u64 { 0 } else { (next() & ((1u64 << bits) - 1)) as u32 }).collect();
+            let q: Vec<u64> = (0..rows).map(|_| next() % (1 << (next() % 41))).collect();
+            let num_layers = if by_id { rows + 2 } else { rows };
+            let mut ids: Vec<u32> = (0..num_layers as u32).collect();
+            if by_id {
+                ids.reverse();
+            }
+            ids.truncate(rows);
+            let c = payload_of(&codes, &ids, e, bits, log.then_some(&q[..]));
+            let weights: Vec<f32> = (0..num_layers).map(|l| if l % 3 == 1 { 0.0 } else { 0.5 + (next() % 100) as f32 / 50.0 }).collect();
+            proptest::prop_assume!(weights.iter().any(|&w| w > 0.0));
+            let idf: Vec<f32> = (0..num_layers * e).map(|_| (next() % 400) as f32 / 100.0).collect();
+            let dim = weights.iter().filter(|&&w| w > 0.0).count() * e;
+            let cents: Vec<f32> = (0..k * dim).map(|_| (next() % 1000) as f32 / 997.0).collect();
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("c.eldr");
+            crate::CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| i.to_string()).collect(), provenance: "" }
+                .write(&path)
+                .unwrap();
+            let set = CentroidSet::open(&path).unwrap();
+            let mut want_sig = SparseSignature::default();
+            let want = crate::distance::from_fill(&set, Some(&mut want_sig), |spec, sig| c.fill_signature_with(spec, sig, RowKernel::Portable));
+            let bits_of_d = |d: &Result<Vec<f64>, NoSignature>| d.clone().map(|d| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            let mut kernels = vec![RowKernel::Portable];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                kernels.push(RowKernel::Avx2);
+            }
+            for kernel in kernels {
+                let mut sig = SparseSignature { index: vec![7], value: vec![1.0], norm: 1.0 };
+                let got = c.distances_with(&set, Some(&mut sig), kernel);
+                proptest::prop_assert_eq!(bits_of_d(&got), bits_of_d(&want), "{:?}", kernel);
+                if want.is_ok() {
+                    proptest::prop_assert_eq!(bits_of(&sig), bits_of(&want_sig), "{:?}", kernel);
+                }
+                let unkept = c.distances_with(&set, None, kernel);
+                proptest::prop_assert_eq!(bits_of_d(&unkept), bits_of_d(&want), "{:?}", kernel);
             }
         }
 
