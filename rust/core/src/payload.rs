@@ -110,7 +110,8 @@ pub struct DecodedCounts {
     num_tokens: u64,
     bits: u32,
     encoding: Encoding,
-    /// The base64-decoded bytes, followed by 8 zero bytes so every value reads one u64.
+    /// The base64-decoded bytes, followed by [`PAD`] zero bytes so every value reads one u64
+    /// and every block of 8 values one 16-byte window.
     data: Vec<u8>,
     /// Length of the base64 field (the size the prefill sent).
     data_bytes: usize,
@@ -396,6 +397,9 @@ fn shown(s: &str) -> String {
     }
 }
 
+/// Zero bytes after the decoded data (see [`DecodedCounts`]'s `data`).
+const PAD: usize = 16;
+
 /// As Python's b64decode(validate=True): the standard alphabet, padding required. (SIMD: the
 /// base64 field is most of the payload's bytes.)
 const BASE64: base64_simd::Base64 = base64_simd::STANDARD;
@@ -563,7 +567,7 @@ fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits) -> Result
     }
     let size = rows * experts;
     // decoded straight into a buffer that has room for the 8 bytes of padding (no copy)
-    let mut data = vec![0u8; BASE64.estimated_decoded_length(d.len()) + 8];
+    let mut data = vec![0u8; BASE64.estimated_decoded_length(d.len()) + PAD];
     let got = BASE64.decode(d, base64_simd::Out::from_slice(&mut data)).map_err(|e| PayloadError::Base64(e.to_string()))?.len();
     data.truncate(got);
     let packed = |n: usize| (n * bits as usize).div_ceil(8);
@@ -606,7 +610,7 @@ fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits) -> Result
         }
         other => return Err(PayloadError::Encoding(shown(other))),
     };
-    data.extend_from_slice(&[0u8; 8]);
+    data.extend_from_slice(&[0u8; PAD]);
     let layers_ascending = layers.windows(2).all(|w| w[0] < w[1]);
     Ok(Payload::Counts(DecodedCounts { layers, layers_ascending, experts, num_tokens, bits, encoding, data, data_bytes: d.len() }))
 }
@@ -646,7 +650,7 @@ pub fn pack_bits(values: &[u32], bits: u32) -> Vec<u8> {
 /// Value `i` of a little-endian bit-packed run starting at byte `base`.
 ///
 /// # Safety
-/// `base + (i * bits) / 8 + 8 <= data.len()` (the decoder pads the data with 8 zero bytes).
+/// `base + (i * bits) / 8 + 8 <= data.len()` (the decoder pads the data with PAD zero bytes).
 #[inline(always)]
 unsafe fn unpack(data: &[u8], base: usize, i: usize, bits: u32) -> u32 {
     let bp = i * bits as usize;
@@ -658,7 +662,7 @@ unsafe fn unpack(data: &[u8], base: usize, i: usize, bits: u32) -> u32 {
 /// `out.len()` consecutive values of a bit-packed run, starting at bit `start`.
 ///
 /// # Safety
-/// Every value's 8-byte window lies in `data` (the decoder pads the data with 8 zero bytes).
+/// Every value's 8-byte window lies in `data` (the decoder pads the data with PAD zero bytes).
 #[inline(always)]
 unsafe fn unpack_run(data: &[u8], start: usize, bits: u32, out: &mut [u32]) {
     let mask = (1u64 << bits) - 1;
@@ -1049,7 +1053,7 @@ impl RowKernel {
     /// at `out[len..]`, output indices from `base`; returns the new length.
     ///
     /// # Safety
-    /// Every code's 8-byte window lies in `data` (the decoder pads it with 8 zero bytes), and
+    /// Every code's 8-byte window lies in `data` (the decoder pads it with PAD zero bytes), and
     /// `out` has capacity for `len + scales.len() + 8` entries.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
@@ -1175,11 +1179,40 @@ unsafe fn fused_row<const LANES: usize, const LOG: bool, const KEEP: bool>(lut: 
     let mut idx = _mm256_add_epi32(_mm256_set1_epi32(base as i32), lanes);
     let mut pos = _mm256_add_epi32(_mm256_set1_epi32((first * bits as usize) as i32), lane_bits);
     let pos_step = _mm256_set1_epi32(8 * bits as i32);
+    // A block of 8 codes spans `bits` whole bytes, at the row's bit offset s0 within its first
+    // byte: when the block fits one 16-byte window, a byte shuffle lays each code's 4-byte
+    // window into its lane (bytes past the window's end are zeros the mask would drop anyway),
+    // instead of a gather.
+    let (start, s0) = ((first * bits as usize) >> 3, (first * bits as usize) & 7);
+    let shuffled = s0 + 8 * bits as usize <= 128;
+    let mut ctrl = [0x80u8; 32];
+    let mut shifts = [0i32; 8];
+    for (i, sh) in shifts.iter_mut().enumerate() {
+        let at = s0 + i * bits as usize;
+        *sh = (at & 7) as i32;
+        for t in 0..4 {
+            if (at >> 3) + t < 16 {
+                ctrl[(i / 4) * 16 + (i % 4) * 4 + t] = ((at >> 3) + t) as u8;
+            }
+        }
+    }
+    let ctrl = _mm256_loadu_si256(ctrl.as_ptr() as *const __m256i);
+    let shifts = _mm256_loadu_si256(shifts.as_ptr() as *const __m256i);
+    let mut window = data.as_ptr().add(start);
     let mut xs = [0f32; 8];
     let mut e = 0;
     while e < n {
-        let words = _mm256_i32gather_epi32::<1>(src, _mm256_srli_epi32::<3>(pos));
-        let codes = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_and_si256(pos, seven)), mask);
+        let codes = if shuffled {
+            // SAFETY: the window starts in the data and the data ends with PAD = 16 zero bytes
+            let w = _mm256_broadcastsi128_si256(_mm_loadu_si128(window as *const __m128i));
+            window = window.add(bits as usize);
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(w, ctrl), shifts), mask)
+        } else {
+            let words = _mm256_i32gather_epi32::<1>(src, _mm256_srli_epi32::<3>(pos));
+            let codes = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_and_si256(pos, seven)), mask);
+            pos = _mm256_add_epi32(pos, pos_step);
+            codes
+        };
         let c = if LOG { _mm256_i32gather_ps::<4>(lut.as_ptr(), codes) } else { _mm256_cvtepi32_ps(codes) };
         let x = _mm256_mul_ps(c, _mm256_loadu_ps(scales.as_ptr().add(e)));
         if KEEP {
@@ -1204,7 +1237,6 @@ unsafe fn fused_row<const LANES: usize, const LOG: bool, const KEEP: bool>(lut: 
                 *a = _mm256_add_ps(*a, _mm256_mul_ps(xi, _mm256_loadu_ps(rows.add(i * k + 8 * l))));
             }
         }
-        pos = _mm256_add_epi32(pos, pos_step);
         e += 8;
     }
     len
@@ -1241,16 +1273,17 @@ impl LogRow {
                 u = step(u, u1);
                 *c = u;
             }
-            let u8 = cur[7];
             let n = levels as usize + 1;
             self.table.resize(n + 8, 0.0); // whole blocks of 8, cut back to n below
             self.table[0] = 0.0;
-            for block in self.table[1..n + 7].chunks_exact_mut(8) {
-                for (t, c) in block.iter_mut().zip(cur.iter_mut()) {
-                    *t = *c as f32;
-                    *c = step(*c, u8);
-                }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: AVX2 was detected. The same operations in the same order, on wider lanes.
+                unsafe { table_chains_avx2(&mut self.table[1..n + 7], cur) };
+                self.table.truncate(n);
+                return;
             }
+            table_chains(&mut self.table[1..n + 7], cur);
             self.table.truncate(n);
         }
     }
@@ -1284,6 +1317,30 @@ impl LogRow {
             None => (code as f64 * self.scale).exp_m1() as f32,
         }
     }
+}
+
+/// The table's eight chains from `u(1..=8)` (see [`LogRow`]): block i holds `u(j + 8i)`.
+#[inline(always)]
+fn table_chains(table: &mut [f32], mut cur: [f64; 8]) {
+    let step = |u: f64, v: f64| u + v + u * v;
+    let u8 = cur[7];
+    for block in table.chunks_exact_mut(8) {
+        for (t, c) in block.iter_mut().zip(cur.iter_mut()) {
+            *t = *c as f32;
+            *c = step(*c, u8);
+        }
+    }
+}
+
+/// [`table_chains`] compiled for AVX2, whose 4-wide f64 lanes the compiler then uses (the
+/// baseline target has 2-wide ones); the values are the same bits.
+///
+/// # Safety
+/// AVX2 is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn table_chains_avx2(table: &mut [f32], cur: [f64; 8]) {
+    table_chains(table, cur)
 }
 
 #[cfg(test)]
