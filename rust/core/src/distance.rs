@@ -143,58 +143,17 @@ pub mod order {
 
 use order::{lane_tree, GROUP};
 
-/// The entries from `t` on that lie in the block of 8 positions from `j0`, laid out in its
-/// lanes (the others zero, which add exactly nothing), and the first entry after them. A
-/// block ends where positions stop increasing, so a repeated position is summed as its own
-/// term, as one entry at a time would.
-#[inline(always)]
-fn block_of(index: &[u32], value: &[f32], mut t: usize, j0: usize) -> ([f32; 8], usize) {
-    let mut xs = [0f32; 8];
-    let mut last = None;
-    while let (Some(&j), Some(&x)) = (index.get(t), value.get(t)) {
-        let j = j as usize;
-        if j & !7 != j0 || last.is_some_and(|p| j <= p) {
-            break;
-        }
-        xs[j & 7] = x;
-        last = Some(j);
-        t += 1;
-    }
-    (xs, t)
-}
-
 /// `sum_j x_j^2` of a sparse signature (ascending positions), in the [`order`].
 pub(crate) fn norm2_sparse(index: &[u32], value: &[f32]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 was detected. The same operations, on wider lanes.
-        return unsafe { norm2_sparse_avx2(index, value) };
-    }
-    norm2_blocks(index, value)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn norm2_sparse_avx2(index: &[u32], value: &[f32]) -> f64 {
-    norm2_blocks(index, value)
-}
-
-#[inline(always)]
-fn norm2_blocks(index: &[u32], value: &[f32]) -> f64 {
     let (mut n2, mut lanes, mut group) = (0f64, [0f32; 8], usize::MAX);
-    let mut t = 0;
-    while let Some(&j) = index.get(t) {
-        let j0 = j as usize & !7;
-        if j0 / GROUP != group {
+    for (&j, &x) in index.iter().zip(value) {
+        let j = j as usize;
+        if j / GROUP != group {
             n2 += lane_tree(lanes) as f64;
             lanes = [0.0; 8];
-            group = j0 / GROUP;
+            group = j / GROUP;
         }
-        let (xs, next) = block_of(index, value, t, j0);
-        t = next.max(t + 1);
-        for (l, x) in lanes.iter_mut().zip(xs) {
-            *l += x * x;
-        }
+        lanes[j % 8] += x * x;
     }
     n2 + lane_tree(lanes) as f64
 }
@@ -268,37 +227,19 @@ unsafe fn dot_rows_avx2<const LANES: usize>(index: &[u32], value: &[f32], m: &[f
     use std::arch::x86_64::*;
     let k = 8 * LANES;
     let base = m.as_ptr();
-    let d = m.len() / k;
     let mut st = avx2::Lanes::<LANES>::new();
     let mut unused = 0f64;
-    let (n, mut t) = (index.len(), 0);
-    while t < n {
-        let j = *index.get_unchecked(t) as usize;
-        let j0 = j & !7;
-        if j0 / GROUP != st.group {
+    for (&j, &x) in index.iter().zip(value) {
+        let j = j as usize;
+        if j / GROUP != st.group {
             st.flush::<false>(dots, &mut unused);
-            st.group = j0 / GROUP;
+            st.group = j / GROUP;
         }
-        if j0 + 8 > d {
-            // the last, partial block of positions: one entry at a time (rows past D do not exist)
-            let xv = _mm256_set1_ps(*value.get_unchecked(t));
-            let row = base.add(j * k);
-            for (l, a) in st.acc.get_unchecked_mut(j % 8).iter_mut().enumerate() {
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(xv, _mm256_loadu_ps(row.add(8 * l))));
-            }
-            t += 1;
-            continue;
-        }
-        // the entries of one block of 8 positions laid out in its lanes (the others zero,
-        // which add exactly nothing), so the lane sums stay in registers
-        let (xs, next) = block_of(index, value, t, j0);
-        t = next.max(t + 1);
-        let rows = base.add(j0 * k);
-        for (i, acc) in st.acc.iter_mut().enumerate() {
-            let xi = _mm256_set1_ps(xs[i]);
-            for (l, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(xi, _mm256_loadu_ps(rows.add(i * k + 8 * l))));
-            }
+        let xv = _mm256_set1_ps(x);
+        let row = base.add(j * k);
+        let a = st.acc.get_unchecked_mut(j % 8);
+        for (l, a) in a.iter_mut().enumerate() {
+            *a = _mm256_add_ps(*a, _mm256_mul_ps(xv, _mm256_loadu_ps(row.add(8 * l))));
         }
     }
     st.flush::<false>(dots, &mut unused);
