@@ -5,7 +5,8 @@
 //! * one ELDR route from sparse counts, and from dense f32 counts;
 //! * the wire path and its parts: the prefill's stream event (its payload in the lossy 6-bit
 //!   `log` encoding, as the prefill encodes 2k tokens within 16 KiB, or exact 12-bit `dense`)
-//!   -> `decode_event` -> `fill_signature` -> distances -> `route_counts`;
+//!   -> `decode_event` -> `fill_signature` -> distances (`fill_and_distances`; fused in one
+//!   pass: `distances_fused`) -> `route_counts` (with the signature kept: `route_counts_keep`);
 //! * a queue acquire+release.
 //!
 //! Timed in the thread's CPU time, not wall time: the machine is shared, and a wall clock
@@ -152,7 +153,9 @@ fn bench(c: &mut Criterion<ThreadTime>) {
         c.bench_function(&format!("wire_{name}_fill_and_distances"), |b| {
             b.iter(|| black_box(from_fill(&set, None, |spec, out| wire.fill_signature(spec, out)).unwrap()))
         });
+        c.bench_function(&format!("wire_{name}_distances_fused"), |b| b.iter(|| black_box(wire.distances(&set, None).unwrap())));
         c.bench_function(&format!("wire_{name}_route_counts"), |b| b.iter(|| black_box(router.route_counts(&wire, false, false).unwrap().decision.worker)));
+        c.bench_function(&format!("wire_{name}_route_counts_keep"), |b| b.iter(|| black_box(router.route_counts(&wire, true, false).unwrap().signature)));
         c.bench_function(&format!("wire_{name}_route_dense_same_counts"), |b| {
             b.iter(|| black_box(router.route(|set| from_counts::<u32, f32>(set, Counts::Dense(&dense)), false).unwrap().decision.worker))
         });

@@ -2,18 +2,17 @@
 //!
 //! A route fills a reused, per-thread signature buffer from the raw counts
 //! ([`SignatureSpec::fill_dense`] / `fill_sparse`), then dots each nonzero value into its
-//! K-wide row of the feature-major centroid matrix. The dot loop keeps four independent
-//! accumulators (so the adds pipeline instead of waiting on each other), sums in f32 and
-//! flushes into f64 every `BLOCK` features, which keeps the error near f64's (the parity
-//! tests hold distances to 1e-6). With AVX2 (detected once at run time) and K in
-//! {4, 8, 16, 32, 64} it runs on explicit SIMD lanes; otherwise on portable code.
+//! K-wide row of the feature-major centroid matrix; the wire payload's route
+//! ([`crate::payload::DecodedCounts::distances`]) dots its values as they are unpacked, with
+//! no signature in between. All sum in one [`order`] (eight f32 lane sums by position,
+//! flushed into f64 every 64 positions), so every path gives the same bits. With AVX2
+//! (detected once at run time) and K in {8, 16, 32, 64} the sums run on explicit SIMD lanes;
+//! otherwise on portable code.
 
 use std::cell::RefCell;
 
 use crate::centroid_file::CentroidSet;
 use crate::signature::{CountValue, NoSignature, SparseIndex, SparseSignature};
-
-const BLOCK: usize = 64;
 
 /// Raw per-request counts, as the prefill worker sends them.
 #[derive(Clone, Copy)]
@@ -93,18 +92,18 @@ pub fn from_dense_signature(set: &CentroidSet, s: &[f32]) -> Result<Vec<f64>, No
         sig.index.push(j as u32);
         sig.value.push(v);
     }
-    sig.norm = crate::signature::norm_of(&sig.value)?;
+    sig.norm = crate::signature::norm_of(&sig.index, &sig.value)?;
     from_signature(set, &sig)
 }
 
-/// `dots[k] += sum_t value[t] * m[index[t] * K + k]`. Every index must be below `m.len() / K`.
+/// `dots[k] += sum_t value[t] * m[index[t] * K + k]`, in the [`order`] every route path
+/// uses. Every index must be below `m.len() / K`, ascending.
 fn dot_rows(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
     let k = dots.len();
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was detected; indices were checked against the matrix by the caller.
         match k {
-            4 => return unsafe { dot_rows_k4(index, value, m, dots) },
             8 => return unsafe { dot_rows_avx2::<1>(index, value, m, dots) },
             16 => return unsafe { dot_rows_avx2::<2>(index, value, m, dots) },
             32 => return unsafe { dot_rows_avx2::<4>(index, value, m, dots) },
@@ -115,40 +114,109 @@ fn dot_rows(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
     dot_rows_portable(index, value, m, dots);
 }
 
-fn dot_rows_portable(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
-    let k = dots.len();
-    let mut acc = vec![0f32; 4 * k];
-    for (ib, vb) in index.chunks(BLOCK).zip(value.chunks(BLOCK)) {
-        for (t, (&j, &x)) in ib.iter().zip(vb).enumerate() {
-            let row = &m[j as usize * k..(j as usize + 1) * k];
-            let a = &mut acc[(t % 4) * k..(t % 4 + 1) * k];
-            for (a, &c) in a.iter_mut().zip(row) {
-                *a += x * c;
-            }
-        }
-        for i in 0..k {
-            dots[i] += ((acc[i] + acc[k + i]) + (acc[2 * k + i] + acc[3 * k + i])) as f64;
-        }
-        acc.iter_mut().for_each(|a| *a = 0.0);
+/// The one summation order of a route's dot products `sum_j x_j * mu[j][k]` and of the
+/// signature's squared norm `sum_j x_j^2`, over its positions j in the D-dim signature space.
+/// Every path (sparse, dense and wire counts; portable and SIMD) sums in it, so they agree
+/// to the bit:
+///
+/// * positions in groups of [`GROUP`] (64); within a group, eight f32 lane sums by `j % 8`,
+///   each adding `x_j * mu[j][k]` (a rounded multiply, then a rounded add; no FMA, so
+///   machines with and without it agree) and `x_j * x_j` in ascending j;
+/// * at the end of a group, its lanes are added in f32 as `((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`
+///   ([`lane_tree`]) and that sum goes into an f64 total.
+///
+/// A zero `x_j` adds exactly nothing (`mu` is finite: the centroid file refuses NaN and
+/// infinity; a lane sum starts at +0 and never becomes -0), and neither does a group of zeros,
+/// so a sparse signature (nonzeros only) and the same values laid out dense (the wire path,
+/// eight positions at a time) give the same bits. The f32 sums are short (8 terms a lane, then
+/// a tree of 8), which keeps the error near f64's: the parity tests hold distances to 1e-6.
+pub mod order {
+    /// Positions summed in f32 before the f64 total.
+    pub const GROUP: usize = 64;
+
+    /// The eight lane sums of a group, added pairwise.
+    #[inline(always)]
+    pub fn lane_tree(l: [f32; 8]) -> f32 {
+        ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
     }
 }
 
-/// K = 4: one 128-bit lane per row.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot_rows_k4(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
-    use std::arch::x86_64::*;
-    let base = m.as_ptr();
-    let mut out = [0f32; 4];
-    for (ib, vb) in index.chunks(BLOCK).zip(value.chunks(BLOCK)) {
-        let mut a = [_mm_setzero_ps(); 4];
-        for (t, (&j, &x)) in ib.iter().zip(vb).enumerate() {
-            let u = t & 3;
-            a[u] = _mm_add_ps(a[u], _mm_mul_ps(_mm_set1_ps(x), _mm_loadu_ps(base.add(j as usize * 4))));
+use order::{lane_tree, GROUP};
+
+/// `sum_j x_j^2` of a sparse signature (ascending positions), in the [`order`].
+pub(crate) fn norm2_sparse(index: &[u32], value: &[f32]) -> f64 {
+    let (mut n2, mut lanes, mut group) = (0f64, [0f32; 8], usize::MAX);
+    for (&j, &x) in index.iter().zip(value) {
+        let j = j as usize;
+        if j / GROUP != group {
+            n2 += lane_tree(lanes) as f64;
+            lanes = [0.0; 8];
+            group = j / GROUP;
         }
-        _mm_storeu_ps(out.as_mut_ptr(), _mm_add_ps(_mm_add_ps(a[0], a[1]), _mm_add_ps(a[2], a[3])));
-        for i in 0..4 {
-            dots[i] += out[i] as f64;
+        lanes[j % 8] += x * x;
+    }
+    n2 + lane_tree(lanes) as f64
+}
+
+fn dot_rows_portable(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
+    let k = dots.len();
+    let mut lanes = vec![0f32; 8 * k]; // [lane][k]
+    let mut group = usize::MAX;
+    let flush = |lanes: &mut [f32], dots: &mut [f64]| {
+        for (c, d) in dots.iter_mut().enumerate() {
+            *d += lane_tree(std::array::from_fn(|i| lanes[i * k + c])) as f64;
+        }
+        lanes.iter_mut().for_each(|a| *a = 0.0);
+    };
+    for (&j, &x) in index.iter().zip(value) {
+        let j = j as usize;
+        if j / GROUP != group {
+            flush(&mut lanes, dots);
+            group = j / GROUP;
+        }
+        let row = &m[j * k..(j + 1) * k];
+        for (a, &c) in lanes[(j % 8) * k..(j % 8 + 1) * k].iter_mut().zip(row) {
+            *a += x * c;
+        }
+    }
+    flush(&mut lanes, dots);
+}
+
+/// The [`order`]'s lane sums on AVX2 for K = 8 * LANES: `acc[lane][l]` holds centroids
+/// `8l..8l+8` of lane `j % 8`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    pub(crate) struct Lanes<const LANES: usize> {
+        pub acc: [[__m256; LANES]; 8],
+        pub nrm: __m256,
+        pub group: usize,
+    }
+
+    impl<const LANES: usize> Lanes<LANES> {
+        #[inline(always)]
+        pub unsafe fn new() -> Self {
+            Lanes { acc: [[_mm256_setzero_ps(); LANES]; 8], nrm: _mm256_setzero_ps(), group: usize::MAX }
+        }
+
+        /// End the group: its lane trees into `dots` (and the norm's into `n2` with `NORM`).
+        #[inline(always)]
+        pub unsafe fn flush<const NORM: bool>(&mut self, dots: &mut [f64], n2: &mut f64) {
+            let a = &self.acc;
+            for l in 0..LANES {
+                let t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0][l], a[1][l]), _mm256_add_ps(a[2][l], a[3][l])), _mm256_add_ps(_mm256_add_ps(a[4][l], a[5][l]), _mm256_add_ps(a[6][l], a[7][l])));
+                let d = dots.as_mut_ptr().add(8 * l);
+                _mm256_storeu_pd(d, _mm256_add_pd(_mm256_loadu_pd(d), _mm256_cvtps_pd(_mm256_castps256_ps128(t))));
+                _mm256_storeu_pd(d.add(4), _mm256_add_pd(_mm256_loadu_pd(d.add(4)), _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(t))));
+            }
+            if NORM {
+                let mut l = [0f32; 8];
+                _mm256_storeu_ps(l.as_mut_ptr(), self.nrm);
+                *n2 += super::lane_tree(l) as f64;
+                self.nrm = _mm256_setzero_ps();
+            }
+            self.acc = [[_mm256_setzero_ps(); LANES]; 8];
         }
     }
 }
@@ -159,39 +227,24 @@ unsafe fn dot_rows_avx2<const LANES: usize>(index: &[u32], value: &[f32], m: &[f
     use std::arch::x86_64::*;
     let k = 8 * LANES;
     let base = m.as_ptr();
-    let mut out = [0f32; 8];
-    for (ib, vb) in index.chunks(BLOCK).zip(value.chunks(BLOCK)) {
-        let mut a = [[_mm256_setzero_ps(); LANES]; 4];
-        let n = ib.len();
-        let full = n / 4 * 4;
-        let mut t = 0;
-        while t < full {
-            for u in 0..4 {
-                let xv = _mm256_set1_ps(*vb.get_unchecked(t + u));
-                let row = base.add(*ib.get_unchecked(t + u) as usize * k);
-                for l in 0..LANES {
-                    a[u][l] = _mm256_add_ps(a[u][l], _mm256_mul_ps(xv, _mm256_loadu_ps(row.add(8 * l))));
-                }
-            }
-            t += 4;
+    let mut st = avx2::Lanes::<LANES>::new();
+    let mut unused = 0f64;
+    for (&j, &x) in index.iter().zip(value) {
+        let j = j as usize;
+        if j / GROUP != st.group {
+            st.flush::<false>(dots, &mut unused);
+            st.group = j / GROUP;
         }
-        while t < n {
-            let xv = _mm256_set1_ps(*vb.get_unchecked(t));
-            let row = base.add(*ib.get_unchecked(t) as usize * k);
-            for l in 0..LANES {
-                a[0][l] = _mm256_add_ps(a[0][l], _mm256_mul_ps(xv, _mm256_loadu_ps(row.add(8 * l))));
-            }
-            t += 1;
-        }
-        for l in 0..LANES {
-            let v = _mm256_add_ps(_mm256_add_ps(a[0][l], a[1][l]), _mm256_add_ps(a[2][l], a[3][l]));
-            _mm256_storeu_ps(out.as_mut_ptr(), v);
-            for i in 0..8 {
-                dots[8 * l + i] += out[i] as f64;
-            }
+        let xv = _mm256_set1_ps(x);
+        let row = base.add(j * k);
+        let a = st.acc.get_unchecked_mut(j % 8);
+        for (l, a) in a.iter_mut().enumerate() {
+            *a = _mm256_add_ps(*a, _mm256_mul_ps(xv, _mm256_loadu_ps(row.add(8 * l))));
         }
     }
+    st.flush::<false>(dots, &mut unused);
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use thiserror::Error;
 
+use crate::centroid_file::CentroidSet;
 use crate::signature::{norm_of, NoSignature, SignatureSpec, SparseSignature};
 
 pub const PAYLOAD_VERSION: u64 = 1;
@@ -109,7 +110,8 @@ pub struct DecodedCounts {
     num_tokens: u64,
     bits: u32,
     encoding: Encoding,
-    /// The base64-decoded bytes, followed by 8 zero bytes so every value reads one u64.
+    /// The base64-decoded bytes, followed by [`PAD`] zero bytes so every value reads one u64
+    /// and every block of 8 values one 16-byte window.
     data: Vec<u8>,
     /// Length of the base64 field (the size the prefill sent).
     data_bytes: usize,
@@ -121,8 +123,9 @@ struct Header<'a> {
     v: Option<&'a RawValue>,
     #[serde(borrow, default)]
     none: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    layers: Option<&'a RawValue>,
+    /// Read in the header's one pass (not captured raw and parsed again).
+    #[serde(default)]
+    layers: Option<U64List>,
     #[serde(borrow, default, rename = "E")]
     experts: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -133,11 +136,139 @@ struct Header<'a> {
     bits: Option<&'a RawValue>,
     #[serde(borrow, default)]
     nnz: Option<&'a RawValue>,
+    #[serde(default)]
+    q: Option<U64List>,
+    /// Borrowed from the input when it holds no escape (base64 has none).
     #[serde(borrow, default)]
-    q: Option<&'a RawValue>,
-    /// Borrowed from the input (base64 has no escapes), so the largest field is scanned once.
-    #[serde(borrow, default)]
-    d: Option<Cow<'a, str>>,
+    d: Option<Text<'a>>,
+}
+
+/// A JSON string, borrowed from the input when it holds no escape. (serde's own `Cow<str>`
+/// borrows only as a field's whole type, not inside an `Option`.)
+struct Text<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+            type Value = Text<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Text<'a>, E> {
+                Ok(Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Text<'a>, E> {
+                Ok(Text(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(V(std::marker::PhantomData))
+    }
+}
+
+/// A header list of non-negative integers, read as the header is parsed. Any other value, or
+/// any other element, makes it `Bad` instead of failing the parse, so the field gets its own
+/// message. It accepts what `Vec<u64>`'s own deserializer accepts (serde's u64 takes a
+/// non-negative i64 such as `-0`, never a float).
+enum U64List {
+    Ok(Vec<u64>),
+    Bad,
+}
+
+impl<'de> Deserialize<'de> for U64List {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = U64List;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of integers")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<U64List, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(MAX_LAYERS));
+                let mut ok = true;
+                while let Some(MaybeU64(v)) = seq.next_element()? {
+                    match v {
+                        Some(v) if ok => out.push(v),
+                        _ => ok = false,
+                    }
+                }
+                Ok(if ok { U64List::Ok(out) } else { U64List::Bad })
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<U64List, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(U64List::Bad)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+            fn visit_unit<E>(self) -> Result<U64List, E> {
+                Ok(U64List::Bad)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One element of a [`U64List`]: the integer, or None for anything else.
+struct MaybeU64(Option<u64>);
+
+impl<'de> Deserialize<'de> for MaybeU64 {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = MaybeU64;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an integer")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(Some(v)))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(u64::try_from(v).ok()))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_unit<E>(self) -> Result<MaybeU64, E> {
+                Ok(MaybeU64(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<MaybeU64, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(MaybeU64(None))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<MaybeU64, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(MaybeU64(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The list a [`U64List`] field holds, or the field's message.
+fn u64_list<W: std::fmt::Display>(list: Option<U64List>, name: &'static str, what: impl Fn() -> W) -> Result<Vec<u64>, PayloadError> {
+    match list {
+        Some(U64List::Ok(v)) => Ok(v),
+        _ => Err(PayloadError::Field { field: name, problem: format!("must be {}", what()) }),
+    }
 }
 
 #[derive(Deserialize)]
@@ -266,6 +397,9 @@ fn shown(s: &str) -> String {
     }
 }
 
+/// Zero bytes after the decoded data (see [`DecodedCounts`]'s `data`).
+const PAD: usize = 16;
+
 /// As Python's b64decode(validate=True): the standard alphabet, padding required. (SIMD: the
 /// base64 field is most of the payload's bytes.)
 const BASE64: base64_simd::Base64 = base64_simd::STANDARD;
@@ -283,13 +417,76 @@ pub fn decode(json: &[u8], limits: &DecodeLimits) -> Result<Payload, PayloadErro
 /// Find and decode the payload in one stream event (`data:` JSON of an SSE line). `Ok(None)`:
 /// the event is not JSON, not an object, or carries no payload; the caller's own parser sees it.
 pub fn decode_event(event: &[u8], limits: &DecodeLimits) -> Result<Option<Payload>, PayloadError> {
+    if let Some(Ok(found)) = decode_event_split(event, limits) {
+        return Ok(found);
+    }
+    // No `d` to split off, or a refusal: the one-pass parse of the whole event decides (and
+    // words every error as it always has).
+    decode_event_whole(event, limits)
+}
+
+/// [`decode_event`] with the base64 field cut out before the JSON parse. That field is almost
+/// all of an event's bytes, and a JSON parser reads a string byte by byte; base64 has no
+/// escapes, so its end is the next quote, which memchr finds with SIMD. The event less the
+/// field's text is parsed as usual (a few hundred bytes), and the cut is taken for the
+/// payload's `d` only if serde's `d` is the empty string left at the very place of the cut:
+/// then the whole event would have parsed the same, with that text as `d`. Base64 decoding
+/// then validates the text (anything outside the alphabet fails it). None: no such field, or
+/// serde's `d` is another one (a key `d` elsewhere, a payload sent as a JSON string).
+fn decode_event_split(event: &[u8], limits: &DecodeLimits) -> Option<Result<Option<Payload>, PayloadError>> {
+    let (start, end) = find_data_field(event)?;
+    let mut rest = Vec::with_capacity(event.len() - (end - start));
+    rest.extend_from_slice(&event[..start]);
+    rest.extend_from_slice(&event[end..]);
+    let ev = serde_json::from_slice::<Event>(&rest).ok()?;
+    let cut = rest.as_ptr().wrapping_add(start);
+    for h in [ev.meta_info, ev.sglext].into_iter().flatten() {
+        match h.eldr_signature {
+            None | Some(Found::Null) => continue,
+            Some(Found::Header(h)) => {
+                let at_cut = matches!(&h.d, Some(Text(Cow::Borrowed(d))) if d.is_empty() && d.as_ptr() == cut);
+                return at_cut.then(|| from_header(h, Some(&event[start..end]), limits).map(Some));
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// The byte range of the text of the first `"d": "..."` in `event` whose text holds no quote
+/// and no backslash (so it ends at the next quote).
+fn find_data_field(event: &[u8]) -> Option<(usize, usize)> {
+    let skip_ws = |mut i: usize| {
+        while i < event.len() && matches!(event[i], b' ' | b'\t' | b'\n' | b'\r') {
+            i += 1;
+        }
+        i
+    };
+    for key in memchr::memmem::find_iter(event, b"\"d\"") {
+        let colon = skip_ws(key + 3);
+        if event.get(colon) != Some(&b':') {
+            continue;
+        }
+        let quote = skip_ws(colon + 1);
+        if event.get(quote) != Some(&b'"') {
+            continue;
+        }
+        let start = quote + 1;
+        let len = memchr::memchr2(b'"', b'\\', &event[start..])?;
+        return (event[start + len] == b'"').then_some((start, start + len));
+    }
+    None
+}
+
+/// [`decode_event`] by one serde pass over the whole event.
+fn decode_event_whole(event: &[u8], limits: &DecodeLimits) -> Result<Option<Payload>, PayloadError> {
     // One pass over the event; one that does not fit the schema (a field of another type,
     // a payload header serde cannot read) is left to the caller's parser.
     let Ok(ev) = serde_json::from_slice::<Event>(event) else { return Ok(None) };
     for h in [ev.meta_info, ev.sglext].into_iter().flatten() {
         match h.eldr_signature {
             None | Some(Found::Null) => continue,
-            Some(Found::Header(h)) => return from_header(h, limits).map(Some),
+            Some(Found::Header(h)) => return from_header_own_d(h, limits).map(Some),
             Some(Found::Text(t)) => return decode(t.as_bytes(), limits).map(Some),
             Some(Found::Other(kind)) => return Err(PayloadError::NotObject(kind)),
         }
@@ -316,10 +513,16 @@ fn decode_value(raw: &RawValue, limits: &DecodeLimits, depth: u8) -> Result<Payl
         }
         _ => return Err(PayloadError::NotObject(kind_of(text))),
     }
-    from_header(serde_json::from_str(text).map_err(|e| header_error(text, e))?, limits)
+    from_header_own_d(serde_json::from_str(text).map_err(|e| header_error(text, e))?, limits)
 }
 
-fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
+fn from_header_own_d(mut h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
+    let d = h.d.take();
+    from_header(h, d.as_ref().map(|t| t.0.as_bytes()), limits)
+}
+
+/// A parsed header, with the text of its base64 field `d` (None: the field is missing).
+fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
     let version_ok = h.v.is_some_and(|v| serde_json::from_str::<u64>(v.get()).ok() == Some(PAYLOAD_VERSION));
     if !version_ok {
         return Err(PayloadError::Version(h.v.map_or("None".into(), |v| shown(v.get()))));
@@ -328,7 +531,7 @@ fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadE
         let reason = serde_json::from_str::<String>(why.get()).unwrap_or_else(|_| why.get().to_owned());
         return Ok(Payload::NoCounts(reason));
     }
-    let layers: Vec<u64> = field(h.layers, "layers", || LAYERS_WHAT)?;
+    let layers: Vec<u64> = u64_list(h.layers, "layers", || LAYERS_WHAT)?;
     if layers.is_empty() || layers.len() > MAX_LAYERS || layers.iter().any(|&l| l >= MAX_LAYERS as u64) {
         return Err(PayloadError::Field { field: "layers", problem: format!("must be {LAYERS_WHAT}") });
     }
@@ -358,14 +561,14 @@ fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadE
         }
     }
     let enc: Cow<str> = field(h.enc, "enc", || "a string")?;
-    let d = h.d.ok_or_else(|| PayloadError::Field { field: "d", problem: "must be a base64 string".into() })?;
+    let d = d.ok_or_else(|| PayloadError::Field { field: "d", problem: "must be a base64 string".into() })?;
     if d.len() > limits.max_bytes {
         return Err(PayloadError::TooLarge { size: d.len(), limit: limits.max_bytes });
     }
     let size = rows * experts;
     // decoded straight into a buffer that has room for the 8 bytes of padding (no copy)
-    let mut data = vec![0u8; BASE64.estimated_decoded_length(d.len()) + 8];
-    let got = BASE64.decode(d.as_bytes(), base64_simd::Out::from_slice(&mut data)).map_err(|e| PayloadError::Base64(e.to_string()))?.len();
+    let mut data = vec![0u8; BASE64.estimated_decoded_length(d.len()) + PAD];
+    let got = BASE64.decode(d, base64_simd::Out::from_slice(&mut data)).map_err(|e| PayloadError::Base64(e.to_string()))?.len();
     data.truncate(got);
     let packed = |n: usize| (n * bits as usize).div_ceil(8);
     let encoding = match enc.as_ref() {
@@ -393,7 +596,7 @@ fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadE
         }
         "log" => {
             let q_what = || format!("a list of one maximum count in [0, {MAX_COUNT}] per layer");
-            let q: Vec<u64> = field(h.q, "q", q_what)?;
+            let q: Vec<u64> = u64_list(h.q, "q", q_what)?;
             if q.len() != rows || q.iter().any(|&x| x > MAX_COUNT) {
                 return Err(PayloadError::Field { field: "q", problem: format!("must be {}", q_what()) });
             }
@@ -407,7 +610,7 @@ fn from_header(h: Header<'_>, limits: &DecodeLimits) -> Result<Payload, PayloadE
         }
         other => return Err(PayloadError::Encoding(shown(other))),
     };
-    data.extend_from_slice(&[0u8; 8]);
+    data.extend_from_slice(&[0u8; PAD]);
     let layers_ascending = layers.windows(2).all(|w| w[0] < w[1]);
     Ok(Payload::Counts(DecodedCounts { layers, layers_ascending, experts, num_tokens, bits, encoding, data, data_bytes: d.len() }))
 }
@@ -447,7 +650,7 @@ pub fn pack_bits(values: &[u32], bits: u32) -> Vec<u8> {
 /// Value `i` of a little-endian bit-packed run starting at byte `base`.
 ///
 /// # Safety
-/// `base + (i * bits) / 8 + 8 <= data.len()` (the decoder pads the data with 8 zero bytes).
+/// `base + (i * bits) / 8 + 8 <= data.len()` (the decoder pads the data with PAD zero bytes).
 #[inline(always)]
 unsafe fn unpack(data: &[u8], base: usize, i: usize, bits: u32) -> u32 {
     let bp = i * bits as usize;
@@ -459,7 +662,7 @@ unsafe fn unpack(data: &[u8], base: usize, i: usize, bits: u32) -> u32 {
 /// `out.len()` consecutive values of a bit-packed run, starting at bit `start`.
 ///
 /// # Safety
-/// Every value's 8-byte window lies in `data` (the decoder pads the data with 8 zero bytes).
+/// Every value's 8-byte window lies in `data` (the decoder pads the data with PAD zero bytes).
 #[inline(always)]
 unsafe fn unpack_run(data: &[u8], start: usize, bits: u32, out: &mut [u32]) {
     let mask = (1u64 << bits) - 1;
@@ -635,6 +838,109 @@ impl DecodedCounts {
         self.fill_signature_with(spec, out, RowKernel::detect())
     }
 
+    /// Distances from the request's signature to `set`'s centroids, read straight from the
+    /// packed counts: each value is dotted into its centroid row as it is unpacked, with no
+    /// signature in between unless `keep` asks for it (then it is written there, as
+    /// [`Self::fill_signature`] writes it). The same bits as [`crate::distance::from_fill`] of
+    /// `fill_signature` (both sum in [`crate::distance::order`]; `fused_matches_fill` checks).
+    pub fn distances(&self, set: &CentroidSet, keep: Option<&mut SparseSignature>) -> Result<Vec<f64>, NoSignature> {
+        self.distances_with(set, keep, RowKernel::detect())
+    }
+
+    fn distances_with(&self, set: &CentroidSet, keep: Option<&mut SparseSignature>, kernel: RowKernel) -> Result<Vec<f64>, NoSignature> {
+        #[cfg(target_arch = "x86_64")]
+        if kernel == RowKernel::Avx2 && self.fusable() {
+            // SAFETY: AVX2 was detected (RowKernel::Avx2 is only made so), and the checks of fusable.
+            unsafe {
+                match set.num_workers() {
+                    8 => return self.distances_avx2::<1>(set, keep),
+                    16 => return self.distances_avx2::<2>(set, keep),
+                    32 => return self.distances_avx2::<4>(set, keep),
+                    64 => return self.distances_avx2::<8>(set, keep),
+                    _ => {}
+                }
+            }
+        }
+        crate::distance::from_fill(set, keep, |spec, sig| self.fill_signature_with(spec, sig, kernel))
+    }
+
+    /// Whether the fused AVX2 route reads this payload: packed dense or log rows of at most
+    /// `AVX2_MAX_BITS` bits, every log row tabled, and rows of whole 8-lane blocks (E a
+    /// multiple of 8, so a block's lanes are its positions mod 8).
+    #[cfg(target_arch = "x86_64")]
+    fn fusable(&self) -> bool {
+        let tabled = match self.encoding {
+            Encoding::Dense => true,
+            Encoding::Log { .. } => LogRow::tabled(self.bits, self.experts),
+            Encoding::Sparse { .. } => false,
+        };
+        tabled && self.bits <= AVX2_MAX_BITS && self.experts % 8 == 0
+    }
+
+    /// # Safety
+    /// AVX2 is available, `self.fusable()`, and K = 8 * LANES.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn distances_avx2<const LANES: usize>(&self, set: &CentroidSet, keep: Option<&mut SparseSignature>) -> Result<Vec<f64>, NoSignature> {
+        let spec = set.spec();
+        let map = self.row_map(spec.num_layers(), spec.num_experts()).map_err(|_| NoSignature::Shape)?;
+        let (e_n, bits) = (self.experts, self.bits);
+        // the payload row of each layer, so rows are read in signature order (ascending positions)
+        let mut row_of = Vec::new();
+        if let RowMap::ById = map {
+            row_of = vec![usize::MAX; spec.num_layers()];
+            for (row, &l) in self.layers.iter().enumerate() {
+                row_of[l as usize] = row;
+            }
+        }
+        let mut none = SparseSignature::default();
+        let (out, keeping) = match keep {
+            Some(out) => {
+                out.index.clear();
+                out.value.clear();
+                out.index.reserve(spec.dim() + 8); // the SIMD stores write up to 8 past the last kept value
+                out.value.reserve(spec.dim() + 8);
+                (out, true)
+            }
+            None => (&mut none, false),
+        };
+        let m = set.centroids_t().as_ptr();
+        let (scales, table) = (spec.scales(), spec.table());
+        let mut st = crate::distance::avx2::Lanes::<LANES>::new();
+        let (mut dots, mut n2) = (vec![0f64; 8 * LANES], 0f64);
+        let mut lut = LogRow::default();
+        let mut len = 0;
+        for &l in spec.selected_layers() {
+            let row = match map {
+                RowMap::Identity => l,
+                RowMap::ById => row_of[l],
+            };
+            if row == usize::MAX {
+                continue; // a selected layer the payload does not hold: zeros
+            }
+            let row_scales = &scales[l * e_n..(l + 1) * e_n];
+            let base = table[l * e_n].0;
+            let args = (&self.data[..], row * e_n, bits, row_scales, base, m, &mut st, &mut dots[..], &mut n2, &mut *out, len);
+            len = match (&self.encoding, keeping) {
+                (Encoding::Log { q }, k) => {
+                    lut.prepare(q[row], bits, e_n);
+                    if k { fused_row::<LANES, true, true>(&lut.table, args) } else { fused_row::<LANES, true, false>(&lut.table, args) }
+                }
+                (_, true) => fused_row::<LANES, false, true>(&[], args),
+                (_, false) => fused_row::<LANES, false, false>(&[], args),
+            };
+        }
+        st.flush::<true>(&mut dots, &mut n2);
+        let norm = crate::signature::norm_from_squares(n2)?;
+        if keeping {
+            out.index.set_len(len);
+            out.value.set_len(len);
+            out.norm = norm;
+        }
+        let inv = 1.0 / norm;
+        Ok(dots.into_iter().map(|v| 1.0 - v * inv).collect())
+    }
+
     fn fill_signature_with(&self, spec: &SignatureSpec, out: &mut SparseSignature, kernel: RowKernel) -> Result<(), NoSignature> {
         out.index.clear();
         out.value.clear();
@@ -701,7 +1007,7 @@ impl DecodedCounts {
         if !self.layers_ascending && matches!(map, RowMap::ById) {
             SignatureSpec::sort_merge(out);
         }
-        out.norm = norm_of(&out.value)?;
+        out.norm = norm_of(&out.index, &out.value)?;
         Ok(())
     }
 }
@@ -747,7 +1053,7 @@ impl RowKernel {
     /// at `out[len..]`, output indices from `base`; returns the new length.
     ///
     /// # Safety
-    /// Every code's 8-byte window lies in `data` (the decoder pads it with 8 zero bytes), and
+    /// Every code's 8-byte window lies in `data` (the decoder pads it with PAD zero bytes), and
     /// `out` has capacity for `len + scales.len() + 8` entries.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
@@ -840,6 +1146,102 @@ unsafe fn fill_row_avx2<const LOG: bool>(data: &[u8], first: usize, bits: u32, l
     len
 }
 
+/// What [`fused_row`] reads and updates: the packed data, the row's first value, bits, the
+/// row's scales, its first output position, the feature-major centroids `[D][K]`, the lane
+/// sums, the f64 dot and norm totals, and the kept signature with its length.
+#[cfg(target_arch = "x86_64")]
+type FusedArgs<'a, const LANES: usize> = (&'a [u8], usize, u32, &'a [f32], u32, *const f32, &'a mut crate::distance::avx2::Lanes<LANES>, &'a mut [f64], &'a mut f64, &'a mut SparseSignature, usize);
+
+/// One row of the fused wire route: eight codes at a time unpacked and valued as in
+/// [`fill_row_avx2`], then each value dotted into its centroid row and squared into the norm,
+/// in [`crate::distance::order`] (lane = position mod 8, as the row starts at a multiple of 8);
+/// with `KEEP` the nonzeros are also left-packed into the kept signature. Returns its length.
+///
+/// # Safety
+/// As [`fill_row_avx2`] (the kept signature has room for D + 8 entries when `KEEP`), the
+/// row's positions lie below D, its first position is a multiple of 8, and K = 8 * LANES.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn fused_row<const LANES: usize, const LOG: bool, const KEEP: bool>(lut: &[f32], args: FusedArgs<'_, LANES>) -> usize {
+    use crate::distance::order::GROUP;
+    use std::arch::x86_64::*;
+    let (data, first, bits, scales, base, m, st, dots, n2, out, mut len) = args;
+    let k = 8 * LANES;
+    let n = scales.len();
+    let (ip, vp) = (out.index.as_mut_ptr(), out.value.as_mut_ptr());
+    let src = data.as_ptr() as *const i32;
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let lane_bits = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bits as i32));
+    let mask = _mm256_set1_epi32(((1u64 << bits) - 1) as u32 as i32);
+    let seven = _mm256_set1_epi32(7);
+    let zero = _mm256_setzero_ps();
+    let mut idx = _mm256_add_epi32(_mm256_set1_epi32(base as i32), lanes);
+    let mut pos = _mm256_add_epi32(_mm256_set1_epi32((first * bits as usize) as i32), lane_bits);
+    let pos_step = _mm256_set1_epi32(8 * bits as i32);
+    // A block of 8 codes spans `bits` whole bytes, at the row's bit offset s0 within its first
+    // byte: when the block fits one 16-byte window, a byte shuffle lays each code's 4-byte
+    // window into its lane (bytes past the window's end are zeros the mask would drop anyway),
+    // instead of a gather.
+    let (start, s0) = ((first * bits as usize) >> 3, (first * bits as usize) & 7);
+    let shuffled = s0 + 8 * bits as usize <= 128;
+    let mut ctrl = [0x80u8; 32];
+    let mut shifts = [0i32; 8];
+    for (i, sh) in shifts.iter_mut().enumerate() {
+        let at = s0 + i * bits as usize;
+        *sh = (at & 7) as i32;
+        for t in 0..4 {
+            if (at >> 3) + t < 16 {
+                ctrl[(i / 4) * 16 + (i % 4) * 4 + t] = ((at >> 3) + t) as u8;
+            }
+        }
+    }
+    let ctrl = _mm256_loadu_si256(ctrl.as_ptr() as *const __m256i);
+    let shifts = _mm256_loadu_si256(shifts.as_ptr() as *const __m256i);
+    let mut window = data.as_ptr().add(start);
+    let mut xs = [0f32; 8];
+    let mut e = 0;
+    while e < n {
+        let codes = if shuffled {
+            // SAFETY: the window starts in the data and the data ends with PAD = 16 zero bytes
+            let w = _mm256_broadcastsi128_si256(_mm_loadu_si128(window as *const __m128i));
+            window = window.add(bits as usize);
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(w, ctrl), shifts), mask)
+        } else {
+            let words = _mm256_i32gather_epi32::<1>(src, _mm256_srli_epi32::<3>(pos));
+            let codes = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_and_si256(pos, seven)), mask);
+            pos = _mm256_add_epi32(pos, pos_step);
+            codes
+        };
+        let c = if LOG { _mm256_i32gather_ps::<4>(lut.as_ptr(), codes) } else { _mm256_cvtepi32_ps(codes) };
+        let x = _mm256_mul_ps(c, _mm256_loadu_ps(scales.as_ptr().add(e)));
+        if KEEP {
+            let keep = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NEQ_UQ>(x, zero)) as usize;
+            let perm = _mm256_loadu_si256(LEFT_PACK[keep].as_ptr() as *const __m256i);
+            _mm256_storeu_ps(vp.add(len), _mm256_permutevar8x32_ps(x, perm));
+            _mm256_storeu_si256(ip.add(len) as *mut __m256i, _mm256_permutevar8x32_epi32(idx, perm));
+            len += keep.count_ones() as usize;
+            idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+        }
+        let j0 = base as usize + e;
+        if j0 / GROUP != st.group {
+            st.flush::<true>(dots, n2);
+            st.group = j0 / GROUP;
+        }
+        st.nrm = _mm256_add_ps(st.nrm, _mm256_mul_ps(x, x));
+        _mm256_storeu_ps(xs.as_mut_ptr(), x);
+        let rows = m.add(j0 * k);
+        for (i, acc) in st.acc.iter_mut().enumerate() {
+            let xi = _mm256_set1_ps(xs[i]);
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(xi, _mm256_loadu_ps(rows.add(i * k + 8 * l))));
+            }
+        }
+        e += 8;
+    }
+    len
+}
+
 /// One row's log-decoded values `c(code) = expm1(code * ln(1 + q) / (2^bits - 1))`, as the
 /// Python encoder defines them (f64, then rounded to f32). With no more codes than
 /// max(E, 64) they are tabled once per row, for every code, by the recurrence
@@ -860,7 +1262,7 @@ impl LogRow {
         let levels = (1u64 << bits) - 1;
         self.scale = (qmax as f64).ln_1p() / levels as f64;
         self.table.clear();
-        if levels as usize <= experts.max(64) {
+        if Self::tabled(bits, experts) {
             // u(1..=8) in one chain, then eight independent chains u(j + 8i) (each step adds
             // u(8)), so the table is not one long chain of dependent multiply-adds
             let step = |u: f64, v: f64| u + v + u * v;
@@ -871,18 +1273,24 @@ impl LogRow {
                 u = step(u, u1);
                 *c = u;
             }
-            let u8 = cur[7];
             let n = levels as usize + 1;
             self.table.resize(n + 8, 0.0); // whole blocks of 8, cut back to n below
             self.table[0] = 0.0;
-            for block in self.table[1..n + 7].chunks_exact_mut(8) {
-                for (t, c) in block.iter_mut().zip(cur.iter_mut()) {
-                    *t = *c as f32;
-                    *c = step(*c, u8);
-                }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: AVX2 was detected. The same operations in the same order, on wider lanes.
+                unsafe { table_chains_avx2(&mut self.table[1..n + 7], cur) };
+                self.table.truncate(n);
+                return;
             }
+            table_chains(&mut self.table[1..n + 7], cur);
             self.table.truncate(n);
         }
+    }
+
+    /// Whether rows of `bits`-bit codes get a table (`prepare`).
+    fn tabled(bits: u32, experts: usize) -> bool {
+        ((1u64 << bits) - 1) as usize <= experts.max(64)
     }
 
     fn values(&self, codes: &[u32], out: &mut [f32]) {
@@ -909,6 +1317,30 @@ impl LogRow {
             None => (code as f64 * self.scale).exp_m1() as f32,
         }
     }
+}
+
+/// The table's eight chains from `u(1..=8)` (see [`LogRow`]): block i holds `u(j + 8i)`.
+#[inline(always)]
+fn table_chains(table: &mut [f32], mut cur: [f64; 8]) {
+    let step = |u: f64, v: f64| u + v + u * v;
+    let u8 = cur[7];
+    for block in table.chunks_exact_mut(8) {
+        for (t, c) in block.iter_mut().zip(cur.iter_mut()) {
+            *t = *c as f32;
+            *c = step(*c, u8);
+        }
+    }
+}
+
+/// [`table_chains`] compiled for AVX2, whose 4-wide f64 lanes the compiler then uses (the
+/// baseline target has 2-wide ones); the values are the same bits.
+///
+/// # Safety
+/// AVX2 is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn table_chains_avx2(table: &mut [f32], cur: [f64; 8]) {
+    table_chains(table, cur)
 }
 
 #[cfg(test)]
@@ -1015,6 +1447,61 @@ mod tests {
             }
         }
 
+        /// The fused wire route (values dotted as they are unpacked) against the signature it
+        /// replaces (`fill_signature`, then the sparse dot), to the bit: distances, and the kept
+        /// signature's indices, values and norm; for dense and log rows, E a multiple of 8 or
+        /// not (which leaves the fused path), K with and without a SIMD kernel, rows placed by
+        /// id out of order, and selected layers the payload lacks.
+        #[test]
+        fn fused_matches_fill(
+            rows in 1usize..6, e8 in 1usize..6, ragged in proptest::bool::ANY, bits in 1u32..=24, log in proptest::bool::ANY,
+            seed in 0u64..u64::MAX, zeros in 0u32..4, by_id in proptest::bool::ANY,
+            k in proptest::sample::select(vec![1usize, 3, 8, 16, 32]),
+        ) {
+            let e = if ragged { 8 * e8 + 3 } else { 8 * e8 };
+            let bits = if log { bits.min(16) } else { bits };
+            let mut s = seed | 1;
+            let mut next = move || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s };
+            let codes: Vec<u32> = (0..rows * e).map(|_| if next() % 4 < zeros as u64 { 0 } else { (next() & ((1u64 << bits) - 1)) as u32 }).collect();
+            let q: Vec<u64> = (0..rows).map(|_| next() % (1 << (next() % 41))).collect();
+            let num_layers = if by_id { rows + 2 } else { rows };
+            let mut ids: Vec<u32> = (0..num_layers as u32).collect();
+            if by_id {
+                ids.reverse();
+            }
+            ids.truncate(rows);
+            let c = payload_of(&codes, &ids, e, bits, log.then_some(&q[..]));
+            let weights: Vec<f32> = (0..num_layers).map(|l| if l % 3 == 1 { 0.0 } else { 0.5 + (next() % 100) as f32 / 50.0 }).collect();
+            proptest::prop_assume!(weights.iter().any(|&w| w > 0.0));
+            let idf: Vec<f32> = (0..num_layers * e).map(|_| (next() % 400) as f32 / 100.0).collect();
+            let dim = weights.iter().filter(|&&w| w > 0.0).count() * e;
+            let cents: Vec<f32> = (0..k * dim).map(|_| (next() % 1000) as f32 / 997.0).collect();
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("c.eldr");
+            crate::CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| i.to_string()).collect(), provenance: "" }
+                .write(&path)
+                .unwrap();
+            let set = CentroidSet::open(&path).unwrap();
+            let mut want_sig = SparseSignature::default();
+            let want = crate::distance::from_fill(&set, Some(&mut want_sig), |spec, sig| c.fill_signature_with(spec, sig, RowKernel::Portable));
+            let bits_of_d = |d: &Result<Vec<f64>, NoSignature>| d.clone().map(|d| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            let mut kernels = vec![RowKernel::Portable];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                kernels.push(RowKernel::Avx2);
+            }
+            for kernel in kernels {
+                let mut sig = SparseSignature { index: vec![7], value: vec![1.0], norm: 1.0 };
+                let got = c.distances_with(&set, Some(&mut sig), kernel);
+                proptest::prop_assert_eq!(bits_of_d(&got), bits_of_d(&want), "{:?}", kernel);
+                if want.is_ok() {
+                    proptest::prop_assert_eq!(bits_of(&sig), bits_of(&want_sig), "{:?}", kernel);
+                }
+                let unkept = c.distances_with(&set, None, kernel);
+                proptest::prop_assert_eq!(bits_of_d(&unkept), bits_of_d(&want), "{:?}", kernel);
+            }
+        }
+
         /// The log table against the formula it replaces, `expm1(code * ln(1 + q) / levels)`
         /// in f64 rounded to f32: within one f32 ulp for every code, 0 for code 0, and the
         /// decoded counts (which read the table) agree with the formula the same way.
@@ -1041,6 +1528,53 @@ mod tests {
             for (&code, &got) in codes.iter().zip(&c.to_dense()) {
                 proptest::prop_assert!(ulps(got, formula(code)) <= 1, "code {}: {} vs {}", code, got, formula(code));
             }
+        }
+    }
+
+    /// The event parsed with its base64 field cut out gives what the whole-event parse gives,
+    /// for events where the cut is right and where it must be refused (a decoy key `d`
+    /// elsewhere, a payload sent as a JSON string, an escaped `d`, text outside the base64
+    /// alphabet), with either separator style; and it is taken for a plain event.
+    #[test]
+    fn split_parse_matches_whole_parse() {
+        let lim = DecodeLimits::default();
+        let d = base64_simd::STANDARD.encode_to_string([1u8, 2, 3, 4, 5, 6]);
+        let head = r#""v":1,"layers":[0,1],"E":3,"n":1,"enc":"dense","bits":8"#;
+        let payload = format!(r#"{{{head},"d":"{d}"}}"#);
+        let spaced = format!(r#"{{"v": 1, "layers": [0, 1], "E": 3, "n": 1, "enc": "dense", "bits": 8, "d" :  "{d}"}}"#);
+        let as_text = serde_json::to_string(&payload).unwrap();
+        let events = [
+            format!(r#"{{"text":"","meta_info":{{"id":"r0","eldr_signature":[{payload}]}}}}"#),
+            format!(r#"{{"text": "", "meta_info": {{"id": "r0", "eldr_signature": [{spaced}]}}}}"#),
+            format!(r#"{{"sglext":{{"eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"meta_info":{{"x":{{"d":"BwgJCgsM"}},"eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"meta_info":{{"d":"BwgJCgsM","eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"text":"say "d":"AAAA"","meta_info":{{"eldr_signature":{payload}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{as_text}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQID\/AUG"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQ ID"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAUG"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAU"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAUG""#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"AQIDBAUG","d":"AQIDBAUG"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[0,1.0],"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[0,-0],"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[[0],1],"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":{{"a":1}},"E":3,"n":1,"enc":"dense","bits":8,"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"layers":[0,1],"E":3,"n":1,"enc":"log","bits":4,"q":[3,"x"],"d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,"none":"too_long","d":"{d}"}}}}}}"#),
+            format!(r#"{{"meta_info":{{"eldr_signature":{{{head},"d":"{}"}}}}}}"#, "A".repeat(DEFAULT_MAX_BYTES + 4)),
+        ];
+        for ev in &events {
+            assert_eq!(decode_event(ev.as_bytes(), &lim), decode_event_whole(ev.as_bytes(), &lim), "{ev}");
+        }
+        for ev in &events[..3] {
+            assert!(matches!(decode_event_split(ev.as_bytes(), &lim), Some(Ok(Some(Payload::Counts(_))))), "{ev}");
+        }
+        let Ok(Some(Payload::Counts(c))) = decode_event(events[1].as_bytes(), &lim) else { panic!() };
+        assert_eq!(c.to_dense(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        for ev in &events[3..7] {
+            assert!(decode_event_split(ev.as_bytes(), &lim).is_none(), "{ev}");
         }
     }
 

@@ -221,13 +221,13 @@ impl Router {
         Ok(Routed { decision, distances, loads, tau, generation, signature: None })
     }
 
-    /// Route from a decoded wire payload: the signature is read straight from the packed
-    /// counts ([`DecodedCounts::fill_signature`]). With `keep_signature`, the decision carries
+    /// Route from a decoded wire payload: the distances are read straight from the packed
+    /// counts ([`DecodedCounts::distances`]). With `keep_signature`, the decision carries
     /// that signature (only when distances were computed from it).
     pub fn route_counts(&self, counts: &DecodedCounts, keep_signature: bool, explain: bool) -> Result<Routed, RouteError> {
         let mut kept = SparseSignature::default();
         let keep = keep_signature.then_some(&mut kept);
-        let mut r = self.route(|set| crate::distance::from_fill(set, keep, |spec, sig| counts.fill_signature(spec, sig)), explain)?;
+        let mut r = self.route(|set| counts.distances(set, keep), explain)?;
         if keep_signature && r.distances.is_some() {
             r.signature = Some(kept);
         }

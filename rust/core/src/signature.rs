@@ -276,7 +276,7 @@ impl SignatureSpec {
         Self::check_all(counts)?;
         // SAFETY: j < counts.len() == table.len().
         let len = unsafe { self.compact(out, counts.len(), |j| (j, counts.get_unchecked(j).to_f32())) };
-        out.norm = norm_of(&out.value[..len])?;
+        out.norm = norm_of(&out.index[..len], &out.value[..len])?;
         Ok(())
     }
 
@@ -307,7 +307,7 @@ impl SignatureSpec {
         if !ascending {
             Self::sort_merge(out);
         }
-        out.norm = norm_of(&out.value)?;
+        out.norm = norm_of(&out.index, &out.value)?;
         Ok(())
     }
 
@@ -443,21 +443,15 @@ impl SignatureSpec {
     }
 }
 
-/// The L2 norm of a signature's values, or why there is no signature. Eight independent f32
-/// lanes (which vectorize) flushed into f64 every 64 values.
-pub fn norm_of(values: &[f32]) -> Result<f64, NoSignature> {
-    let mut n2 = 0f64;
-    for block in values.chunks(64) {
-        let mut lanes = [0f32; 8];
-        let mut chunks = block.chunks_exact(8);
-        for c in &mut chunks {
-            for i in 0..8 {
-                lanes[i] += c[i] * c[i];
-            }
-        }
-        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
-        n2 += lanes.iter().map(|&v| v as f64).sum::<f64>() + tail as f64;
-    }
+/// The L2 norm of a signature (ascending positions `index`), or why there is no signature.
+/// Summed in the one order of the route's dot products ([`crate::distance::order`]), so the
+/// wire path, which sums it as it unpacks, gets the same bits.
+pub fn norm_of(index: &[u32], values: &[f32]) -> Result<f64, NoSignature> {
+    norm_from_squares(crate::distance::norm2_sparse(index, values))
+}
+
+/// The norm from its square, or why there is no signature.
+pub(crate) fn norm_from_squares(n2: f64) -> Result<f64, NoSignature> {
     if !n2.is_finite() {
         Err(NoSignature::NonFinite)
     } else if n2 > 0.0 {
