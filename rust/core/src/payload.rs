@@ -123,7 +123,7 @@ struct Header<'a> {
     v: Option<&'a RawValue>,
     #[serde(borrow, default)]
     none: Option<&'a RawValue>,
-    /// Read in the header's one pass (not captured raw and parsed again).
+    /// Captured raw, then read as integers (see [`U64List`]).
     #[serde(default)]
     layers: Option<U64List>,
     #[serde(borrow, default, rename = "E")]
@@ -166,10 +166,12 @@ impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
     }
 }
 
-/// A header list of non-negative integers, read as the header is parsed. Any other value, or
-/// any other element, makes it `Bad` instead of failing the parse, so the field gets its own
-/// message. It accepts what `Vec<u64>`'s own deserializer accepts (serde's u64 takes a
-/// non-negative i64 such as `-0`, never a float).
+/// A header list of non-negative integers. Any other value, or any other element, makes it
+/// `Bad` instead of failing the header's parse, so the field gets its own message (and the
+/// payload is counted as malformed). The list is captured raw first: serde_json refuses a
+/// number past f64's range (`1e400`, a 400-digit integer) as it parses it, which would fail
+/// the whole event, while skipping it as a raw value never converts it. It accepts what
+/// `Vec<u64>`'s own deserializer accepts.
 enum U64List {
     Ok(Vec<u64>),
     Bad,
@@ -177,89 +179,11 @@ enum U64List {
 
 impl<'de> Deserialize<'de> for U64List {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = U64List;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a list of integers")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<U64List, A::Error> {
-                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(MAX_LAYERS));
-                let mut ok = true;
-                while let Some(MaybeU64(v)) = seq.next_element()? {
-                    match v {
-                        Some(v) if ok => out.push(v),
-                        _ => ok = false,
-                    }
-                }
-                Ok(if ok { U64List::Ok(out) } else { U64List::Bad })
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<U64List, A::Error> {
-                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
-                Ok(U64List::Bad)
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<U64List, E> {
-                Ok(U64List::Bad)
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<U64List, E> {
-                Ok(U64List::Bad)
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<U64List, E> {
-                Ok(U64List::Bad)
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<U64List, E> {
-                Ok(U64List::Bad)
-            }
-            fn visit_str<E>(self, _: &str) -> Result<U64List, E> {
-                Ok(U64List::Bad)
-            }
-            fn visit_unit<E>(self) -> Result<U64List, E> {
-                Ok(U64List::Bad)
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// One element of a [`U64List`]: the integer, or None for anything else.
-struct MaybeU64(Option<u64>);
-
-impl<'de> Deserialize<'de> for MaybeU64 {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = MaybeU64;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an integer")
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<MaybeU64, E> {
-                Ok(MaybeU64(Some(v)))
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<MaybeU64, E> {
-                Ok(MaybeU64(u64::try_from(v).ok()))
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<MaybeU64, E> {
-                Ok(MaybeU64(None))
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<MaybeU64, E> {
-                Ok(MaybeU64(None))
-            }
-            fn visit_str<E>(self, _: &str) -> Result<MaybeU64, E> {
-                Ok(MaybeU64(None))
-            }
-            fn visit_unit<E>(self) -> Result<MaybeU64, E> {
-                Ok(MaybeU64(None))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<MaybeU64, A::Error> {
-                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-                Ok(MaybeU64(None))
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<MaybeU64, A::Error> {
-                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
-                Ok(MaybeU64(None))
-            }
-        }
-        d.deserialize_any(V)
+        let raw: &'de RawValue = Deserialize::deserialize(d)?;
+        Ok(match serde_json::from_str::<Vec<u64>>(raw.get()) {
+            Ok(v) => U64List::Ok(v),
+            Err(_) => U64List::Bad,
+        })
     }
 }
 
@@ -1575,6 +1499,21 @@ mod tests {
         assert_eq!(c.to_dense(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         for ev in &events[3..7] {
             assert!(decode_event_split(ev.as_bytes(), &lim).is_none(), "{ev}");
+        }
+    }
+
+    /// A number past f64's range in a header list is that field's error (the payload is
+    /// malformed), not a failed parse of the whole event (which reads as "no payload here").
+    #[test]
+    fn out_of_range_numbers_in_header_lists_are_field_errors() {
+        let lim = DecodeLimits::default();
+        let huge = format!("1{}", "0".repeat(400));
+        for (list, field) in [(format!(r#""layers":[0,1],"q":[{huge},3]"#), "q"), (format!(r#""layers":[0,{huge}],"q":[3,3]"#), "layers"), (r#""layers":[0,1],"q":[1e400,3]"#.to_string(), "q")] {
+            let ev = format!(r#"{{"meta_info":{{"eldr_signature":{{"v":1,{list},"E":32,"n":5,"enc":"log","bits":4,"d":"AAAA"}}}}}}"#);
+            match decode_event(ev.as_bytes(), &lim) {
+                Err(PayloadError::Field { field: f, .. }) => assert_eq!(f, field, "{ev}"),
+                other => panic!("{ev}: {other:?}"),
+            }
         }
     }
 
