@@ -77,9 +77,13 @@ pub struct Config {
     /// Tokio worker threads.
     #[serde(default = "default_threads")]
     pub threads: usize,
-    /// Decisions kept for the drift monitor (`DataPlane::take_signatures`); 0: none.
+    /// Decisions queued for the drift monitor (`DataPlane::take_drift`); 0: drift feed off.
     #[serde(default)]
     pub signature_reservoir: usize,
+    /// The refit reservoir's shape, for the keep/slot draw ([`crate::reservoir`]); needed
+    /// when the drift feed is on.
+    #[serde(default)]
+    pub reservoir: Option<ReservoirShape>,
     /// Admission control (see [`crate::admission`]): requests in flight through the router
     /// at once (None: [`Config::max_concurrent`]'s default; 0: no bound), the wait queue in
     /// front of them (None: as many as the bound), and the longest wait in it.
@@ -89,6 +93,14 @@ pub struct Config {
     pub queue_size: Option<usize>,
     #[serde(default = "default_queue_timeout")]
     pub queue_timeout_s: f64,
+}
+
+/// Bucketed Algorithm R: `per_bucket` signatures stored out of every `span` offers
+/// (`eldr_sglang.drift.reservoir.reservoir_shape` derives both from the drift options).
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct ReservoirShape {
+    pub per_bucket: u64,
+    pub span: u64,
 }
 
 /// Requests one decode worker is expected to hold at once, for the default admission bound.
@@ -156,6 +168,9 @@ impl Config {
             if v.is_some_and(|n| n > MAX_ADMISSION) {
                 return bad(format!("{name} must be at most {MAX_ADMISSION}, got {}", v.unwrap_or(0)));
             }
+        }
+        if self.signature_reservoir > 0 && self.reservoir.is_none() && self.counts_policy() {
+            return bad("signature_reservoir (the drift feed) needs the reservoir shape {\"per_bucket\", \"span\"}".into());
         }
         if self.threads == 0 || self.threads > 64 {
             return bad(format!("threads must be 1..=64, got {}", self.threads));

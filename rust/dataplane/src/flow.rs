@@ -38,6 +38,7 @@ use crate::config::{secs, Role};
 use crate::counters::names;
 use crate::errors::{error_json, BadRequest, FlowError, UpstreamError};
 use crate::plane::{DriftSample, Plane};
+use crate::reservoir::Ticket;
 use crate::server::{full, Body, ChannelBody};
 use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_EVENT_BYTES};
 use crate::upstream::{self, next_chunk, Leg, Refused};
@@ -714,9 +715,16 @@ impl Plane {
     /// not tried yet.
     pub fn route(&self, sig: &Sig, tried: &[usize]) -> Result<Choice, FlowError> {
         let t0 = std::time::Instant::now();
+        // the reservoir's draw for this request, before routing: the route keeps the
+        // signature only when the reservoir will store it (re-sends are not offers)
+        let ticket = match (&self.drift, &sig.counts) {
+            (Some(feed), Some(_)) if tried.is_empty() => Some(feed.sampler.begin()),
+            _ => None,
+        };
+        let keep = ticket.as_ref().is_some_and(|t| t.keeps());
         let (routed, profile) = if self.router.policy().uses_profile() { self.locality_route(sig) } else {
             let r = match &sig.counts {
-                Some(c) => self.router.route_counts(c, self.drift.is_some() && tried.is_empty(), true),
+                Some(c) => self.router.route_counts(c, keep, true),
                 None => self.router.route(|_| Err(fallback_why(sig)), true),
             };
             (r, None)
@@ -749,7 +757,7 @@ impl Plane {
             self.counters.inc(names::FALLBACKS, &[&why]);
         }
         if let (Some(feed), true) = (&self.drift, choice.reason != "retry") {
-            feed.push(self.drift_sample(sig, &choice, r));
+            feed.push(self.drift_sample(sig, &choice, r, ticket));
         }
         Ok(choice)
     }
@@ -765,21 +773,37 @@ impl Plane {
         Ok(Choice { worker: k, reason: "panic".into(), band: None, profile: None })
     }
 
-    /// What the drift monitor reads of a decision. It measures how far traffic is from the
-    /// fitted centroids, which the band rule's decision carries; under the locality balancer
-    /// the distances of the same counts are computed here for the monitor alone.
-    fn drift_sample(&self, sig: &Sig, choice: &Choice, r: eldr_core::router::Routed) -> DriftSample {
+    /// What the drift monitor reads of a decision: its distances, every time the route
+    /// computed them, and its signature only when the reservoir's draw (`ticket`) stores it.
+    /// A decision with distances commits the draw (an offer); any other gives it back when
+    /// the ticket drops. The distances measure how far traffic is from the fitted centroids,
+    /// which the band rule's decision carries; under the locality balancer the distances of
+    /// the same counts are computed here for the monitor alone.
+    fn drift_sample(&self, sig: &Sig, choice: &Choice, r: eldr_core::router::Routed, ticket: Option<Ticket<'_>>) -> DriftSample {
+        fn offer(ticket: Option<Ticket<'_>>, distances: &Option<Vec<f64>>, reason: &str) -> Option<crate::reservoir::Draw> {
+            match ticket {
+                Some(t) if distances.is_some() && reason == "band" => Some(t.commit()),
+                _ => None, // dropped: the draw goes back
+            }
+        }
         if r.distances.is_some() || !self.router.policy().uses_profile() {
-            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: r.distances, signature: r.signature };
+            let offer = offer(ticket, &r.distances, &choice.reason);
+            let signature = r.signature.filter(|_| offer.is_some_and(|d| d.keeps()));
+            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: r.distances, signature, offer };
         }
         let (Some(c), Some(store)) = (&sig.counts, self.router.store()) else {
-            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None };
+            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None, offer: None };
         };
         let snap = store.snapshot();
+        let keep = ticket.as_ref().is_some_and(|t| t.keeps());
         let mut kept = eldr_core::SparseSignature::default();
-        match eldr_core::distance::from_fill(&snap.set, Some(&mut kept), |spec, out| c.fill_signature(spec, out)) {
-            Ok(d) => DriftSample { generation: snap.generation, reason: "band".into(), distances: Some(d), signature: Some(kept) },
-            Err(_) => DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None },
+        match eldr_core::distance::from_fill(&snap.set, keep.then_some(&mut kept), |spec, out| c.fill_signature(spec, out)) {
+            Ok(d) => {
+                let d = Some(d);
+                let offer = offer(ticket, &d, "band");
+                DriftSample { generation: snap.generation, reason: "band".into(), distances: d, signature: keep.then_some(kept), offer }
+            }
+            Err(_) => DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None, offer: None },
         }
     }
 

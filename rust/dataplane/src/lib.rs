@@ -8,7 +8,8 @@
 //! Modules: [`config`], [`server`] (accept loop), [`admission`] (the bound on requests in
 //! flight, its queue), [`flow`] (the PD flow), [`upstream`]
 //! (worker calls with timeouts), [`sse`] (the signature event), [`outlier`] (ejection),
-//! [`counters`] (metrics), [`plane`] (shared state), [`errors`].
+//! [`counters`] (metrics), [`plane`] (shared state), [`reservoir`] (the refit reservoir's
+//! keep/slot draw), [`errors`].
 
 pub mod admission;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod errors;
 pub mod flow;
 pub mod outlier;
 pub mod plane;
+pub mod reservoir;
 pub mod server;
 pub mod sse;
 pub mod upstream;

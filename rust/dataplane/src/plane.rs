@@ -15,6 +15,7 @@ use crate::counters::{names, Counters};
 use crate::errors::ConfigError;
 use crate::flow::{sign_of, sign_state};
 use crate::outlier::WorkerPool;
+use crate::reservoir::{Draw, KeepSampler};
 use crate::upstream::{self, HttpClient};
 
 pub struct Plane {
@@ -41,20 +42,26 @@ pub struct DriftSample {
     pub reason: String,
     /// `1 - cos(signature, centroid_k)` over all K centroids, when a signature was usable.
     pub distances: Option<Vec<f64>>,
+    /// The signature, only when the reservoir stores it (`offer`'s slot).
     pub signature: Option<SparseSignature>,
+    /// The reservoir's draw for this decision (None: not an offer: no distances, a
+    /// fallback or a re-send).
+    pub offer: Option<Draw>,
 }
 
 /// A bounded queue of decisions the control plane drains (`DataPlane.take_drift`); when it
-/// is full the oldest are dropped (and counted).
+/// is full the oldest are dropped (and counted). Its sampler decides, before a request is
+/// routed, whether the refit reservoir will store that request's signature.
 pub struct DriftFeed {
     queue: Mutex<VecDeque<DriftSample>>,
     capacity: usize,
     pub dropped: AtomicU64,
+    pub sampler: KeepSampler,
 }
 
 impl DriftFeed {
-    pub fn new(capacity: usize) -> Self {
-        DriftFeed { queue: Mutex::new(VecDeque::with_capacity(capacity.min(1 << 16))), capacity, dropped: AtomicU64::new(0) }
+    pub fn new(capacity: usize, sampler: KeepSampler) -> Self {
+        DriftFeed { queue: Mutex::new(VecDeque::with_capacity(capacity.min(1 << 16))), capacity, dropped: AtomicU64::new(0), sampler }
     }
     pub fn push(&self, s: DriftSample) {
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -85,6 +92,10 @@ impl Plane {
         let decode = WorkerPool::new(Role::Decode, &cfg.decode, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, Some(Arc::clone(router.tracker())), Arc::clone(&counters));
         let prefill_policy = make_policy(&cfg.prefill_policy, cfg.seed).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let cfg_reservoir = if cfg.counts_policy() { cfg.signature_reservoir } else { 0 };
+        let sampler = match (cfg_reservoir > 0, cfg.reservoir) {
+            (true, Some(r)) => Some(KeepSampler::new(r.per_bucket, r.span, cfg.seed).map_err(|e| ConfigError::Invalid(format!("reservoir: {e}")))?),
+            _ => None,
+        };
         let admission = Admission::new(cfg.max_concurrent(), cfg.queue(), secs(cfg.queue_timeout_s), Arc::clone(&counters));
         Ok(Plane {
             admission,
@@ -100,7 +111,7 @@ impl Plane {
             budget: RetryBudget::default(),
             epoch: Instant::now(),
             last_warn_ms: AtomicU64::new(0),
-            drift: (cfg_reservoir > 0).then(|| DriftFeed::new(cfg_reservoir)),
+            drift: sampler.map(|s| DriftFeed::new(cfg_reservoir, s)),
         })
     }
 
