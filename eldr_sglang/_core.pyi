@@ -23,7 +23,7 @@ __all__ = [
     "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
-    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane",
+    "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane", "ReservoirSampler",
 ]
 __version__: str
 FORMAT_VERSION: int
@@ -324,7 +324,28 @@ class DataPlane:
     def counters(self) -> dict[str, dict[str, object]]: ...
     def admission(self) -> dict[str, float]:
         """Admission control now: limit (0: no bound), queue_size, queue_timeout_s, in_flight, waiting."""
-    def take_drift(self, n: int) -> list[tuple[int, str, list[float] | None, tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], float] | None]]:
-        """Up to n queued counts-policy decisions for the drift monitor, oldest first."""
+    def take_drift(self, n: int) -> list[tuple[int, str, list[float] | None, tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], float] | None, tuple[int, int | None] | None]]:
+        """Up to n queued counts-policy decisions for the drift monitor, oldest first:
+        (generation, reason, distances, signature (index, value, norm) or None, the refit
+        reservoir's draw (offer index, slot or None) or None). The signature comes only
+        with a draw that stores it."""
+    @property
+    def reservoir_shape(self) -> tuple[int, int] | None:
+        """(per_bucket, span) the data plane draws the reservoir's decisions for; None: drift feed off."""
     @property
     def drift_dropped(self) -> int: ...  # decisions dropped because the queue was not drained in time
+
+@final
+class ReservoirSampler:
+    """The refit reservoir's keep/slot draw (bucketed Algorithm R): offer `index` is the
+    (index % span)-th of its bucket and is stored at `slot` (None: not stored). The data
+    plane draws with the same code before it routes each request."""
+
+    def __new__(cls, per_bucket: int, span: int, seed: int = 0) -> Self: ...
+    def draw(self) -> tuple[int, int | None]: ...
+    def undo(self, index: int, slot: int | None) -> None:
+        """Give back a draw that made no offer: the next draw() returns it."""
+    @property
+    def per_bucket(self) -> int: ...
+    @property
+    def span(self) -> int: ...

@@ -15,6 +15,14 @@ What we do -- bucketed Algorithm R over a sliding horizon:
   Algorithm R (the i-th observation of a bucket replaces a random slot with probability
   m / i), so memory is fixed at `capacity` signatures and each observation costs O(D) for
   the copy plus O(1).
+- The keep/slot draw is not made here: it is the Rust sampler's (`_core.ReservoirSampler`,
+  rust/dataplane/src/reservoir.rs), one implementation for both feeds. The router's data
+  plane draws before it routes each request, so the route copies a signature only for the
+  few observations that are stored, and hands the draw over with the decision (`offer`);
+  a reservoir fed directly (`add`, `add_lazy`: the simulator, tests) draws from its own
+  sampler. Offer `index` is observation `index % span` of bucket `index // span`; concurrent
+  requests may hand their draws over out of order, so each slot keeps the offer of the
+  highest index, which is what Algorithm R in stream order keeps.
 - Every observation of a full bucket is in the sample with probability m / span. The
   current bucket has seen n <= span observations and keeps min(n, m) of them, a higher
   rate; `sample()` subsamples it down to round(n * m / span), so in the returned sample
@@ -32,40 +40,59 @@ choose a smaller capacity there.
 
 from __future__ import annotations
 
-import random
 import threading
 
 import numpy as np
+
+DEFAULT_CAPACITY = 4096
+DEFAULT_HORIZON = 16384
+DEFAULT_BUCKETS = 32
+
+
+def reservoir_shape(capacity: int = DEFAULT_CAPACITY, horizon: int = DEFAULT_HORIZON,
+                    buckets: int = DEFAULT_BUCKETS) -> tuple[int, int]:
+    """(per_bucket, span) of a reservoir: what the keep/slot draw needs (the data plane gets
+    it in its config). Raises ValueError for a shape that cannot be one."""
+    capacity, horizon, buckets = int(capacity), int(horizon), int(buckets)
+    if buckets < 2:
+        raise ValueError(f"buckets must be >= 2 (one is filling while the others are full), got {buckets}")
+    if capacity < buckets:
+        raise ValueError(f"capacity ({capacity}) must be at least the number of buckets ({buckets})")
+    if horizon < capacity:
+        raise ValueError(f"horizon ({horizon}) must be at least the capacity ({capacity}); "
+                         "a shorter horizon is a ring buffer -- use horizon == capacity")
+    return capacity // buckets, horizon // buckets
 
 
 class SignatureReservoir:
     """Uniform sample of the signatures of a sliding horizon of the stream (see module doc)."""
 
-    def __init__(self, dim: int, capacity: int = 4096, horizon: int = 16384, buckets: int = 32, seed: int = 0):
-        dim, capacity, horizon, buckets = int(dim), int(capacity), int(horizon), int(buckets)
+    def __init__(self, dim: int, capacity: int = DEFAULT_CAPACITY, horizon: int = DEFAULT_HORIZON,
+                 buckets: int = DEFAULT_BUCKETS, seed: int = 0):
+        from eldr_sglang import _core
+
+        dim, buckets = int(dim), int(buckets)
         if dim < 1:
             raise ValueError(f"signature dimension must be >= 1, got {dim}")
-        if buckets < 2:
-            raise ValueError(f"buckets must be >= 2 (one is filling while the others are full), got {buckets}")
-        if capacity < buckets:
-            raise ValueError(f"capacity ({capacity}) must be at least the number of buckets ({buckets})")
-        if horizon < capacity:
-            raise ValueError(f"horizon ({horizon}) must be at least the capacity ({capacity}); "
-                             "a shorter horizon is a ring buffer -- use horizon == capacity")
+        self.per_bucket, self.span = reservoir_shape(capacity, horizon, buckets)
         self.dim = dim
         self.buckets = buckets
-        self.per_bucket = capacity // buckets
         self.capacity = self.per_bucket * buckets
-        self.span = horizon // buckets
         self.horizon = self.span * buckets
+        self._draw = _core.ReservoirSampler(self.per_bucket, self.span, int(seed))
         self._data = np.zeros((buckets, self.per_bucket, dim), dtype=np.float32)
+        self._owner = np.full((buckets, self.per_bucket), -1, dtype=np.int64)  # offer index in each slot; -1: empty
+        self._epoch = np.full(buckets, -1, dtype=np.int64)  # index // span of each bucket's offers; -1: unused
         self._seen = np.zeros(buckets, dtype=np.int64)  # observations offered to each bucket
         self._first = np.zeros(buckets, dtype=np.int64)  # stream index of each bucket's first observation
-        self._cur = 0
-        self._total = 0
-        self._rng = random.Random(int(seed))
+        self._total = 0  # observations offered
+        self._end = 0  # one past the highest offer index
         self._lock = threading.Lock()
-        self._pending: tuple[int, int] | None = None  # (stream index, slot) drawn by will_store_next
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(per_bucket, span): what a data plane feeding this reservoir must draw for."""
+        return self.per_bucket, self.span
 
     # ------------------------------------------------------------------ writing
     def add(self, signature) -> None:
@@ -75,44 +102,48 @@ class SignatureReservoir:
             raise ValueError(f"signature has {s.shape[0]} dims, the reservoir holds {self.dim}")
         self.add_lazy(lambda: s)
 
-    def _next_slot(self) -> int:
-        """Algorithm R's slot for the next observation (drawn once: will_store_next keeps it)."""
-        if self._pending is not None and self._pending[0] == self._total:
-            return self._pending[1]
-        b = self._cur
-        n = 0 if self._seen[b] >= self.span else int(self._seen[b])
-        slot = n if n < self.per_bucket else self._rng.randrange(n + 1)
-        self._pending = (self._total, slot)
-        return slot
-
-    def will_store_next(self) -> bool:
-        """Whether the next observation offered will be stored. The router asks before it
-        routes, so the route keeps its signature only then (Decision.unit_signature)."""
-        with self._lock:
-            return self._next_slot() < self.per_bucket
-
     def add_lazy(self, make_signature) -> bool:
         """Offer one observation whose signature `make_signature()` computes only if Algorithm
-        R keeps it (once the buckets are full most observations are not kept, so the router
-        skips computing their signatures). Returns whether it was stored."""
+        R keeps it (once the buckets are full most observations are not kept, so the caller
+        skips computing their signatures). Draws from this reservoir's own sampler; never
+        mix it with `offer` (a data plane's draws) on one reservoir. Returns whether it was stored."""
+        index, slot = self._draw.draw()
+        return self.offer(index, slot, make_signature)
+
+    def offer(self, index: int, slot: int | None, make_signature) -> bool:
+        """Take in one observation with the draw made for it (by the data plane, or `add_lazy`):
+        offer `index`, stored at `slot` of its bucket (None: not stored, and `make_signature`
+        is not called). Returns whether it was stored."""
+        index = int(index)
+        epoch = index // self.span
+        b = epoch % self.buckets
         with self._lock:
-            slot = self._next_slot()
-            self._pending = None
-            b = self._cur
-            if self._seen[b] >= self.span:  # start a new bucket, dropping the oldest
-                b = self._cur = (b + 1) % self.buckets
+            if self._epoch[b] != epoch:
+                if self._epoch[b] > epoch:  # its bucket was recycled while this draw was held
+                    return False
+                self._epoch[b] = epoch  # start a new bucket, dropping the oldest
                 self._seen[b] = 0
-                self._first[b] = self._total
-            n = int(self._seen[b])
-            stored = slot < self.per_bucket
-            if stored:
-                s = np.asarray(make_signature(), dtype=np.float32).reshape(-1)
-                if s.shape[0] != self.dim:
-                    raise ValueError(f"signature has {s.shape[0]} dims, the reservoir holds {self.dim}")
-                self._data[b, slot] = s
-            self._seen[b] = n + 1
+                self._first[b] = epoch * self.span
+                self._owner[b] = -1
+            self._seen[b] += 1
             self._total += 1
-            return stored
+            self._end = max(self._end, index + 1)
+            if slot is None:
+                return False
+            slot = int(slot)
+            if not 0 <= slot < self.per_bucket:
+                raise ValueError(f"slot {slot} out of range 0..{self.per_bucket}")
+            if self._owner[b, slot] > index:  # a later offer already holds the slot (out-of-order hand-over)
+                return False
+            s = make_signature()
+            if s is None:
+                raise ValueError("the reservoir stores this observation but no signature came with it")
+            s = np.asarray(s, dtype=np.float32).reshape(-1)
+            if s.shape[0] != self.dim:
+                raise ValueError(f"signature has {s.shape[0]} dims, the reservoir holds {self.dim}")
+            self._data[b, slot] = s
+            self._owner[b, slot] = index
+            return True
 
     def add_many(self, signatures) -> None:
         for s in np.asarray(signatures, dtype=np.float32).reshape(-1, self.dim):
@@ -129,7 +160,7 @@ class SignatureReservoir:
             return int(sum(int(self._seen[b]) for b in self._chosen(last)))
 
     def _chosen(self, last: int | None) -> list[int]:
-        lo = 0 if last is None else self._total - int(last)
+        lo = 0 if last is None else self._end - int(last)
         return [b for b in range(self.buckets) if self._seen[b] > 0 and self._first[b] >= lo]
 
     def expected_sample_size(self, last: int | None = None) -> int:
@@ -139,7 +170,7 @@ class SignatureReservoir:
             n = 0
             for b in self._chosen(last):
                 seen = int(self._seen[b])
-                kept = min(seen, self.per_bucket)
+                kept = int((self._owner[b] >= 0).sum())
                 n += kept if seen >= self.span else min(kept, int(round(seen * rate)))
             return n
 
@@ -157,8 +188,9 @@ class SignatureReservoir:
                 if int(self._first[b]) != first:  # recycled meanwhile (the stream moved a whole span on)
                     continue
                 n = int(self._seen[b])
-                kept = min(n, self.per_bucket)
-                rows = self._data[b, :kept].copy()
+                filled = self._owner[b] >= 0
+                kept = int(filled.sum())
+                rows = self._data[b, filled]  # a copy (boolean indexing)
             if n < self.span:  # the filling bucket: thin it to the common rate
                 want = min(kept, int(round(n * rate)))
                 if want < kept:
@@ -175,7 +207,7 @@ class SignatureReservoir:
                 "capacity": self.capacity,
                 "horizon": self.horizon,
                 "buckets": self.buckets,
-                "stored": int(np.minimum(self._seen, self.per_bucket).sum()),
+                "stored": int((self._owner >= 0).sum()),
                 "covered": int(self._seen.sum()),
                 "bytes": int(self._data.nbytes),
             }

@@ -3,11 +3,14 @@
 The hook is deliberately small and keeps everything expensive off the request path:
 
 - `on_route(decision, counts=None)` (called after each counts-policy decision; the router
-  service drains them from the Rust data plane in batches, `ControlPlane.sync_drift`, with
-  the unit signature the route computed, so it is computed once): the DriftMonitor update
-  is O(K); the reservoir gets the decision's `unit_signature()` (O(D)), or, for a decision
-  made without one, the signature of dense `counts` by the current centroid file's spec
-  (O(L*E)). Nothing else happens on the event loop.
+  service drains them from the Rust data plane in batches, `ControlPlane.sync_drift`): the
+  DriftMonitor update is O(K). The data plane draws the reservoir's keep/slot decision
+  before it routes (rust/dataplane/src/reservoir.rs) and hands it over with the decision
+  (`DriftView.offer`), with the unit signature only when the reservoir stores it, so the
+  route copies a signature for the few stored requests only. A decision from elsewhere (a
+  Python-side Router) is offered with its `unit_signature()` (O(D)), or, made without one,
+  the signature of dense `counts` by the current centroid file's spec (O(L*E)), computed
+  only when stored. Nothing else happens on the event loop.
 - A background task (`run`) checks the trigger once a second in a worker thread
   (`asyncio.to_thread`: drawing the reservoir sample copies up to capacity x D floats) and
   collects finished refits. The refit itself runs in a spawned, niced process.
@@ -40,13 +43,15 @@ import numpy as np
 
 from eldr_sglang.drift.monitor import DriftMonitor
 from eldr_sglang.drift.refit import RefitController
+from eldr_sglang.drift.reservoir import DEFAULT_CAPACITY, DEFAULT_HORIZON
 
 logger = logging.getLogger("eldr.drift")
+_NOT_DRAWN = object()  # a decision that did not come from the data plane with its reservoir draw
 
 
 class DriftHook:
     def __init__(self, pd, *, refit_on_drift: bool = True, interval_s: float | None = None, cooldown_s: float = 300.0,
-                 window: int = 512, reservoir_capacity: int = 4096, reservoir_horizon: int = 16384,
+                 window: int = 512, reservoir_capacity: int = DEFAULT_CAPACITY, reservoir_horizon: int = DEFAULT_HORIZON,
                  executor="process", check_interval_s: float = 1.0, admin_token: str | None = None):
         self.pd = pd
         self.admin_token = admin_token
@@ -59,6 +64,11 @@ class DriftHook:
         self.ctl = RefitController(path, router=None, monitor=monitor, on_drift=refit_on_drift, interval_s=interval_s,
                                    cooldown_s=cooldown_s, executor=executor,
                                    reservoir_kw=dict(capacity=reservoir_capacity, horizon=reservoir_horizon))
+        dp = getattr(pd, "dataplane", None)
+        if dp is not None and dp.reservoir_shape != self.ctl.reservoir.shape:
+            self.ctl.close()
+            raise ValueError(f"the data plane draws for a reservoir of shape {dp.reservoir_shape} (per_bucket, span), "
+                             f"the drift hook's is {self.ctl.reservoir.shape}")
         self._spec = None
         self._spec_gen = -1
         self.signature_errors = 0
@@ -70,6 +80,11 @@ class DriftHook:
         try:
             self.ctl.monitor.observe_decision(decision)
             if decision.reason != "band":
+                return
+            offer = getattr(decision, "offer", _NOT_DRAWN)
+            if offer is not _NOT_DRAWN:  # the data plane drew for it (None: not an offer)
+                if offer is not None:
+                    self.ctl.reservoir.offer(offer[0], offer[1], decision.unit_signature)
                 return
             kept = decision.unit_signature() if hasattr(decision, "unit_signature") else None
             if kept is not None:

@@ -125,12 +125,12 @@ class ControlPlane:
         hook = self.drift
         if hook is None:
             return
-        for gen, reason, distances, sig in self.dataplane.take_drift(DRIFT_QUEUE):
+        for gen, reason, distances, sig, offer in self.dataplane.take_drift(DRIFT_QUEUE):
             dim = self._drift_dims.get(gen)
             if dim is None:
                 cs = self.router.centroid_set()
                 dim = self._drift_dims[gen] = cs.dim if cs is not None else 0
-            hook.on_route(DriftView(gen, reason, distances, sig, dim), None)
+            hook.on_route(DriftView(gen, reason, distances, sig, dim, offer), None)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

@@ -8,9 +8,11 @@ plane holds (`router.control`), so hot reload, load reports and the tracker's in
 are shared, not copied. Every other path (/health, /metrics, /eldr/*, /v1/models, ...) it
 forwards to the control plane's aiohttp app (`router.app`) on an internal loopback port.
 
-The drift monitor (eldr_sglang.drift) gets every counts-policy decision, with its distances
-and unit signature, from a bounded queue in the data plane that a background task drains a
-few times a second (`feed_drift`): off the request path, batched.
+The drift monitor (eldr_sglang.drift) gets every counts-policy decision, with its distances,
+from a bounded queue in the data plane that a background task drains a few times a second
+(`feed_drift`): off the request path, batched. The refit reservoir's keep/slot draw is the
+data plane's (rust/dataplane/src/reservoir.rs), made before each request is routed, so a
+decision carries its unit signature only when the reservoir stores it (`DriftView.offer`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ def drift_on(cfg: RouterConfig) -> bool:
     return bool(cfg.policy in COUNTS_POLICIES and cfg.centroids and (cfg.drift or {}).get("enabled", True))
 
 
+def reservoir_config(cfg: RouterConfig) -> dict | None:
+    """The refit reservoir's shape for the data plane's draw, from the same drift options
+    the drift hook builds its reservoir from; None when drift is off or the options are
+    not a reservoir (the hook then refuses them and says why)."""
+    from eldr_sglang.drift.reservoir import DEFAULT_CAPACITY, DEFAULT_HORIZON, reservoir_shape
+
+    if not drift_on(cfg):
+        return None
+    conf = cfg.drift or {}
+    try:
+        per_bucket, span = reservoir_shape(conf.get("reservoir_capacity", DEFAULT_CAPACITY),
+                                           conf.get("reservoir_horizon", DEFAULT_HORIZON))
+    except (TypeError, ValueError):
+        return None
+    return {"per_bucket": per_bucket, "span": span}
+
+
 def plane_config(cfg: RouterConfig, control_url: str) -> str:
     """The data plane's settings (rust/dataplane/src/config.rs), as JSON."""
     return json.dumps({
@@ -52,19 +71,23 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "client_header_timeout_s": cfg.client_header_timeout_s, "client_body_timeout_s": cfg.client_body_timeout_s,
         "max_payload_size": cfg.max_payload_size, "explain_headers": cfg.explain_headers,
         "threads": DATA_PLANE_THREADS,
-        "signature_reservoir": DRIFT_QUEUE if drift_on(cfg) else 0,
+        "signature_reservoir": DRIFT_QUEUE if reservoir_config(cfg) else 0,
+        "reservoir": reservoir_config(cfg),
         "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
         "queue_timeout_s": cfg.queue_timeout_s,
     })
 
 
 class DriftView:
-    """One data-plane decision as DriftHook.on_route reads it."""
+    """One data-plane decision as DriftHook.on_route reads it. `offer`: the refit
+    reservoir's draw for it, (offer index, slot or None: not stored), or None when the
+    decision is not an offer (no distances: a fallback)."""
 
-    __slots__ = ("generation", "reason", "distances", "_sig", "_dim")
+    __slots__ = ("generation", "reason", "distances", "_sig", "_dim", "offer")
 
-    def __init__(self, generation: int, reason: str, distances, sig, dim: int):
+    def __init__(self, generation: int, reason: str, distances, sig, dim: int, offer=None):
         self.generation, self.reason, self.distances, self._sig, self._dim = generation, reason, distances, sig, dim
+        self.offer = offer
 
     def unit_signature(self):
         if self._sig is None:

@@ -121,7 +121,9 @@ impl PyDataPlane {
     }
     /// Up to `n` of the oldest decisions not taken yet, for the drift monitor: (centroid
     /// generation, reason, distances to all K centroids or None, signature or None as
-    /// (index uint32[nnz], value float32[nnz], norm): value / norm is the unit signature).
+    /// (index uint32[nnz], value float32[nnz], norm): value / norm is the unit signature,
+    /// the refit reservoir's draw or None as (offer index, slot or None)). The signature
+    /// comes only with a draw that stores it.
     fn take_drift<'py>(&self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         let Some(feed) = &self.plane.drift else { return Ok(out) };
@@ -130,9 +132,15 @@ impl PyDataPlane {
                 Some(sig) => Some((sig.index.into_pyarray(py), sig.value.into_pyarray(py), sig.norm).into_pyobject(py)?.into_any()),
                 None => None,
             };
-            out.append((s.generation, s.reason, s.distances, sig))?;
+            out.append((s.generation, s.reason, s.distances, sig, s.offer.map(|d| (d.index, d.slot))))?;
         }
         Ok(out)
+    }
+    /// The refit reservoir's shape the data plane draws for, (per_bucket, span); None when
+    /// the drift feed is off.
+    #[getter]
+    fn reservoir_shape(&self) -> Option<(u64, u64)> {
+        self.plane.drift.as_ref().map(|f| (f.sampler.per_bucket(), f.sampler.span()))
     }
     /// Admission control now: {"limit", "queue_size", "queue_timeout_s", "in_flight",
     /// "waiting"} (limit 0: no bound).
