@@ -21,6 +21,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
+from eldr_sglang.router.dataplane import DriftView  # noqa: E402
 from eldr_sglang.testing.pd_cluster import REPO, free_port, get_json, metric, post, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
@@ -125,6 +126,55 @@ def test_drift_monitor_is_fed_from_the_rust_plane(cluster, trace_files, workdir)
         assert metric(text, "eldr_drift_hook_signature_errors") == 0
     finally:
         proc.stop()
+
+
+def test_once_the_reservoir_is_full_most_decisions_cross_without_a_signature(cluster, trace_files):
+    """The data plane draws the refit reservoir's keep/slot decision before it routes, so a
+    decision carries its signature only when the reservoir stores it, while every decision
+    still carries its distances for the drift monitor. A reservoir of 32 signatures over a
+    horizon of 2048 (1 per bucket of 64 offers) stores about H_64 ~ 4.7 of each 64; before
+    this, every one of the 192 decisions below brought its signature into Python."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eldr_sglang.drift.reservoir import SignatureReservoir
+    from eldr_sglang.router.config import parse_config
+    from eldr_sglang.router.control import ControlPlane
+
+    _, _, cpath = trace_files
+    argv = ["--pd-disaggregation", "--host", "127.0.0.1", "--port", str(free_port()), "--disagg-router", "eldr",
+            "--eldr-centroids", str(cpath)]
+    for url, bport in cluster["prefill"]:
+        argv += ["--prefill", url, str(bport)]
+    for url in cluster["decode"]:
+        argv += ["--decode", url]
+    cfg = parse_config(argv)
+    cfg.drift = {"reservoir_capacity": 32, "reservoir_horizon": 2048}
+    pd = ControlPlane(cfg)
+    assert pd.dataplane.reservoir_shape == (1, 64)
+    port = pd.dataplane.start()
+    n = 192
+    try:
+        def one(i):
+            return post(f"http://127.0.0.1:{port}/generate", {"text": f"k{i}", "sampling_params": {"max_new_tokens": 1},
+                                                              "emulator": {"trace_request": i % TRACE["requests"]}})[0]
+
+        with ThreadPoolExecutor(8) as ex:  # concurrent routes draw concurrently
+            assert list(ex.map(one, range(n))) == [200] * n
+        got = pd.dataplane.take_drift(10 * n)
+    finally:
+        pd.dataplane.stop()
+    assert len(got) == n and all(reason == "band" for _, reason, _, _, _ in got)
+    assert all(d is not None and len(d) == len(cluster["decode"]) for _, _, d, _, _ in got)  # the monitor's distances
+    offers = [offer for *_, offer in got]
+    assert sorted(i for i, _ in offers) == list(range(n))  # every decision an offer, no index skipped or repeated
+    with_sig = [sig is not None for _, _, _, sig, _ in got]
+    assert with_sig == [slot is not None for _, slot in offers]  # a signature exactly when the draw stores it
+    assert 3 <= sum(with_sig) <= n // 4, sum(with_sig)  # expected ~14 of 192
+    r = SignatureReservoir(pd.router.centroid_set().dim, capacity=32, horizon=2048)
+    for gen, reason, d, sig, offer in got:
+        view = DriftView(gen, reason, d, sig, r.dim, offer)
+        r.offer(offer[0], offer[1], view.unit_signature)
+    assert r.stats()["stored"] == 3 and r.stats()["total_seen"] == n  # one slot in each of the 3 buckets
 
 
 def test_a_worker_url_the_rust_plane_cannot_reach_is_refused_at_start(cluster):

@@ -156,20 +156,37 @@ def test_reservoir_inclusion_is_uniform_over_the_horizon():
     assert p > 1e-3, f"inclusion not uniform over the horizon (chi-square p={p:.2g})"
 
 
-def test_reservoir_says_in_advance_which_observations_it_keeps():
-    """A caller may ask will_store_next before making a signature, to make it only when the
-    reservoir will store it: the answer must be the one add_lazy then acts on, and
-    the sample stays uniform (the same draws as without asking)."""
-    asked, plain = SignatureReservoir(dim=2, capacity=32, horizon=128, buckets=4, seed=7), \
-        SignatureReservoir(dim=2, capacity=32, horizon=128, buckets=4, seed=7)
+def test_reservoir_makes_signatures_only_for_the_observations_it_stores():
+    """add_lazy calls make_signature only when the draw (the Rust sampler's, the one the data
+    plane uses per request) stores the observation: after the first fill most are skipped."""
+    r = SignatureReservoir(dim=2, capacity=32, horizon=1024, buckets=4, seed=7)
     made = []
-    for t in range(2000):
-        said = asked.will_store_next()
-        assert asked.will_store_next() == said  # asking twice draws nothing new
-        stored = asked.add_lazy(lambda t=t: made.append(t) or np.array([t, 1.0]))
-        assert stored == said and plain.add_lazy(lambda t=t: np.array([t, 1.0])) == said
-    assert 32 <= len(made) < 2000  # signatures made only for the kept observations
-    np.testing.assert_array_equal(asked.sample(seed=0), plain.sample(seed=0))
+    stored = [r.add_lazy(lambda t=t: made.append(t) or np.array([t, 1.0])) for t in range(2000)]
+    assert len(made) == sum(stored)
+    # per bucket of 256 offers 8 + sum 8/(n+1), n = 8..255: about 35 (14%), ~270 of 2000
+    assert 32 <= len(made) < 2000 // 4
+    assert r.stats()["stored"] == 32 and r.stats()["total_seen"] == 2000
+
+
+def test_reservoir_offers_handed_over_out_of_order_keep_what_stream_order_keeps():
+    """The data plane's requests route concurrently, so their draws can reach the reservoir
+    out of order; each slot must end with the offer of the highest index, as in stream
+    order. A draw given back (a route that fell back) is the next one taken: no index is lost."""
+    sampler = _core.ReservoirSampler(4, 16, seed=3)
+    draws = [sampler.draw() for _ in range(200)]
+    sampler.undo(*draws[-1])
+    assert sampler.draw() == draws[-1] and sampler.draw()[0] == 200
+    ordered, shuffled = (SignatureReservoir(dim=1, capacity=16, horizon=64, buckets=4) for _ in range(2))
+    for i, slot in draws:
+        ordered.offer(i, slot, lambda i=i: [float(i)])
+    perm = np.arange(200).reshape(-1, 5)[:, ::-1].ravel()  # each run of 5 handed over backwards
+    for j in perm:
+        i, slot = draws[j]
+        shuffled.offer(i, slot, lambda i=i: [float(i)])
+    assert shuffled.stats() == ordered.stats()
+    np.testing.assert_array_equal(shuffled.sample(seed=0), ordered.sample(seed=0))
+    with pytest.raises(ValueError, match="no signature came"):
+        ordered.offer(200, 0, lambda: None)
 
 
 def test_drift_hook_stores_the_routes_own_signature(tmp_path):
