@@ -219,6 +219,12 @@ def test_drift_hook_stores_the_routes_own_signature(tmp_path):
     assert hook.ctl.reservoir.stats()["stored"] == 40
     np.testing.assert_allclose(np.linalg.norm(hook.ctl.reservoir.sample(), axis=1), 1.0, rtol=1e-5)
     hook.close()
+    # a data plane drawing for another shape would file its draws in the wrong slots: refused
+    pd.dataplane = type("DP", (), {"reservoir_shape": (1, 64)})()
+    with pytest.raises(ValueError, match="data plane draws for a reservoir of shape"):
+        DriftHook(pd, executor="inline", reservoir_capacity=64, reservoir_horizon=64)
+    pd.dataplane.reservoir_shape = (2, 2)  # 64 over 64 in 32 buckets
+    DriftHook(pd, executor="inline", reservoir_capacity=64, reservoir_horizon=64).close()
 
 
 def test_reservoir_last_and_bad_input():
@@ -232,7 +238,29 @@ def test_reservoir_last_and_bad_input():
         r.add([1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="horizon"):
         SignatureReservoir(4, capacity=64, horizon=32)
+    with pytest.raises(ValueError, match="span"):  # the Rust draw's bound
+        SignatureReservoir(4, capacity=64, horizon=2**31, buckets=2)
     assert SignatureReservoir(3).sample().shape == (0, 3)
+
+
+def test_the_data_plane_draws_for_the_drift_options_reservoir():
+    """plane_config hands the data plane the shape the drift hook's reservoir will have (from
+    the same drift options); options that are no reservoir turn the feed off (the hook then
+    refuses them with its own message, and routing goes on)."""
+    from eldr_sglang.router.config import parse_config
+    from eldr_sglang.router.dataplane import plane_config
+
+    argv = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+            "--disagg-router", "eldr", "--eldr-centroids", "c.eldr"]
+    cfg = parse_config(argv)
+    conf = json.loads(plane_config(cfg, "http://127.0.0.1:3"))
+    assert conf["reservoir"] == {"per_bucket": 128, "span": 512} and conf["signature_reservoir"] > 0
+    assert (conf["reservoir"]["per_bucket"], conf["reservoir"]["span"]) == SignatureReservoir(2).shape
+    cfg.drift = {"reservoir_capacity": 100, "reservoir_horizon": 50}
+    conf = json.loads(plane_config(cfg, "http://127.0.0.1:3"))
+    assert conf["reservoir"] is None and conf["signature_reservoir"] == 0
+    cfg.drift = {"enabled": False}
+    assert json.loads(plane_config(cfg, "http://127.0.0.1:3"))["reservoir"] is None
 
 
 # ---------------------------------------------------------------------------------- remap

@@ -61,7 +61,11 @@ def reservoir_shape(capacity: int = DEFAULT_CAPACITY, horizon: int = DEFAULT_HOR
     if horizon < capacity:
         raise ValueError(f"horizon ({horizon}) must be at least the capacity ({capacity}); "
                          "a shorter horizon is a ring buffer -- use horizon == capacity")
-    return capacity // buckets, horizon // buckets
+    per_bucket, span = capacity // buckets, horizon // buckets
+    from eldr_sglang import _core
+
+    _core.ReservoirSampler(per_bucket, span)  # the draw's own bounds (ValueError)
+    return per_bucket, span
 
 
 class SignatureReservoir:

@@ -22,6 +22,10 @@ use std::sync::Mutex;
 
 use eldr_core::rng::AtomicRng;
 
+/// The longest bucket: the slot draw is [`AtomicRng::below`] (32-bit multiply-shift), whose
+/// bias stays under 2^-8 up to here.
+pub const MAX_SPAN: u64 = 1 << 24;
+
 /// The reservoir's decision for one offer: its stream index and its slot in its bucket
 /// (None: not stored).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,13 +49,14 @@ pub struct KeepSampler {
 }
 
 impl KeepSampler {
-    /// `per_bucket` stored signatures out of each bucket of `span` offers (1 <= per_bucket <= span).
+    /// `per_bucket` stored signatures out of each bucket of `span` offers
+    /// (1 <= per_bucket <= span <= [`MAX_SPAN`]).
     pub fn new(per_bucket: u64, span: u64, seed: u64) -> Result<KeepSampler, String> {
-        if per_bucket == 0 || per_bucket > u64::from(u32::MAX) {
-            return Err(format!("per_bucket must be 1..={}, got {per_bucket}", u32::MAX));
+        if per_bucket == 0 {
+            return Err("per_bucket must be at least 1".into());
         }
-        if span < per_bucket || span > 1 << 40 {
-            return Err(format!("span must be at least per_bucket ({per_bucket}) and at most 2^40, got {span}"));
+        if span < per_bucket || span > MAX_SPAN {
+            return Err(format!("span (horizon / buckets) must be at least per_bucket ({per_bucket}) and at most {MAX_SPAN}, got {span}"));
         }
         Ok(KeepSampler { per_bucket, span, rng: AtomicRng::new(seed), state: Mutex::new((0, Vec::new())) })
     }
@@ -193,5 +198,6 @@ mod tests {
         assert!(KeepSampler::new(0, 8, 0).is_err());
         assert!(KeepSampler::new(9, 8, 0).is_err());
         assert!(KeepSampler::new(8, 8, 0).is_ok());
+        assert!(KeepSampler::new(8, MAX_SPAN + 1, 0).is_err());
     }
 }
