@@ -194,6 +194,36 @@ mod tests {
     }
 
     #[test]
+    fn concurrent_routes_commit_every_index_once_however_many_fall_back() {
+        // 4 threads, every third route falls back: no index is committed twice or lost
+        let s = KeepSampler::new(4, 64, 5).unwrap();
+        let per_thread = 3000;
+        let mut all: Vec<u64> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..4)
+                .map(|t| {
+                    let s = &s;
+                    sc.spawn(move || {
+                        let mut got = Vec::new();
+                        for i in 0..per_thread {
+                            let ticket = s.begin();
+                            if (i + t) % 3 != 0 {
+                                got.push(ticket.commit().index);
+                            }
+                        }
+                        got
+                    })
+                })
+                .collect();
+            hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(all.len(), 4 * 2000);
+        // the draws given back last wait for the next requests (at most one per thread)
+        all.extend((0..8).map(|_| s.draw().index));
+        all.sort_unstable();
+        assert_eq!(all, (0..all.len() as u64).collect::<Vec<_>>());
+    }
+
+    #[test]
     fn bad_shapes_are_refused() {
         assert!(KeepSampler::new(0, 8, 0).is_err());
         assert!(KeepSampler::new(9, 8, 0).is_err());
