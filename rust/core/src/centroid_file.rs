@@ -70,6 +70,26 @@ pub struct CentroidSet {
     provenance: String,
     spec: SignatureSpec,
     checksum: u32,
+    /// The matrix again, block-major `[ceil(D/8)][K][8]` (see [`CentroidSet::centroid_blocks`]).
+    blocks: Vec<Block8>,
+}
+
+/// Eight consecutive positions of one centroid, aligned to a 32-byte SIMD load.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(32))]
+pub struct Block8(pub [f32; 8]);
+
+/// `[ceil(D/8)][K][8]`: block `b`, centroid `c` holds `mu_c` at positions `8b..8b+8` (zeros
+/// past D).
+fn block_major(m: &[f32], k: usize, d: usize) -> Vec<Block8> {
+    let nb = d.div_ceil(8);
+    let mut out = vec![Block8::default(); nb * k];
+    for j in 0..d {
+        for c in 0..k {
+            out[(j / 8) * k + c].0[j % 8] = m[j * k + c];
+        }
+    }
+    out
 }
 
 impl std::fmt::Debug for CentroidSet {
@@ -303,7 +323,7 @@ impl CentroidSet {
         }
         let mat = section("centroids", 88, d * k * 4, MATRIX_ALIGN)?;
         let centroid_offset = mat.as_ptr() as usize - b.as_ptr() as usize;
-        let set = CentroidSet { path, map, k, tau, centroid_offset, names, provenance, spec, checksum: stored };
+        let mut set = CentroidSet { path, map, k, tau, centroid_offset, names, provenance, spec, checksum: stored, blocks: Vec::new() };
         let m = set.centroids_t();
         if let Some(i) = m.iter().position(|v| !v.is_finite()) {
             return Err(field("centroids", format!("value {} of centroid {} is not finite", i / k, i % k)));
@@ -314,6 +334,7 @@ impl CentroidSet {
                 return Err(field("centroids", format!("centroid {c} has norm {:.6}, expected 1", n2.sqrt())));
             }
         }
+        set.blocks = block_major(m, k, d);
         Ok(set)
     }
 
@@ -355,6 +376,14 @@ impl CentroidSet {
         // private mapping, so the pointer is f32-aligned; the length is a multiple of 4, and
         // every bit pattern is a valid f32. Nothing else can write to the mapping.
         unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
+    }
+
+    /// The centroid matrix block-major, `[ceil(D/8)][K][8]`: the dense route kernels
+    /// ([`crate::distance::blocks`]) multiply eight consecutive positions of a signature by
+    /// one aligned load per centroid, instead of broadcasting each position across a
+    /// feature-major row. Built once at load (the size of the matrix).
+    pub fn centroid_blocks(&self) -> &[Block8] {
+        &self.blocks
     }
 
     /// The centroid matrix as `[K][D]` rows (a copy, for inspection).

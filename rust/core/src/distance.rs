@@ -219,6 +219,75 @@ pub(crate) mod avx2 {
             self.acc = [[_mm256_setzero_ps(); LANES]; 8];
         }
     }
+
+    /// The [`order`]'s lane sums position-major, for the block kernels that read eight
+    /// consecutive positions of a signature at once against the block-major centroids
+    /// ([`crate::centroid_file::CentroidSet::centroid_blocks`]): lane i of `acc[c]` is
+    /// centroid c's lane sum of positions `j % 8 == i` (the same sums as [`Lanes`], transposed,
+    /// so a block costs one multiply and add per centroid and no broadcasts).
+    #[derive(Clone, Copy)]
+    pub(crate) struct Blocks<const K: usize> {
+        pub acc: [__m256; K],
+        pub nrm: __m256,
+        pub group: usize,
+    }
+
+    impl<const K: usize> Blocks<K> {
+        #[inline(always)]
+        pub unsafe fn new() -> Self {
+            Blocks { acc: [_mm256_setzero_ps(); K], nrm: _mm256_setzero_ps(), group: usize::MAX }
+        }
+
+        /// Add the block of values `x` (eight consecutive positions, the first a multiple of
+        /// 8) against `mu`, the K centroids' eight values at those positions.
+        #[inline(always)]
+        pub unsafe fn add(&mut self, x: __m256, mu: *const f32) {
+            self.nrm = _mm256_add_ps(self.nrm, _mm256_mul_ps(x, x));
+            for (c, a) in self.acc.iter_mut().enumerate() {
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(x, _mm256_load_ps(mu.add(8 * c))));
+            }
+        }
+
+        /// Add a run of blocks: `xs[i]` holds the values of positions `j0 + 8i ..` (`j0` a
+        /// multiple of 8), against the block-major centroids `blocks`; groups are flushed as
+        /// the run crosses them. The sums stay in registers for the run.
+        ///
+        /// # Safety
+        /// AVX2 is available; `blocks` holds K blocks per 8 positions up to `j0 + 8 xs.len()`.
+        #[inline(always)]
+        pub unsafe fn add_run(&mut self, xs: &[crate::centroid_file::Block8], j0: usize, blocks: *const crate::centroid_file::Block8, dots: &mut [f64], n2: &mut f64) {
+            let mut sums = *self;
+            for (i, x) in xs.iter().enumerate() {
+                let j = j0 + 8 * i;
+                if j / super::GROUP != sums.group {
+                    sums.flush::<true>(dots, n2);
+                    sums.group = j / super::GROUP;
+                }
+                sums.add(_mm256_load_ps(x.0.as_ptr()), blocks.add((j / 8) * K) as *const f32);
+            }
+            *self = sums;
+        }
+
+        /// End the group: each centroid's lane tree into `dots` (and the norm's into `n2`
+        /// with `NORM`). Two rounds of horizontal adds and one add of the halves give
+        /// `((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))` for four centroids at once, as [`super::lane_tree`].
+        #[inline(always)]
+        pub unsafe fn flush<const NORM: bool>(&mut self, dots: &mut [f64], n2: &mut f64) {
+            for (q, a) in self.acc.chunks_exact(4).enumerate() {
+                let t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                let s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+                let d = dots.as_mut_ptr().add(4 * q);
+                _mm256_storeu_pd(d, _mm256_add_pd(_mm256_loadu_pd(d), _mm256_cvtps_pd(s)));
+            }
+            if NORM {
+                let mut l = [0f32; 8];
+                _mm256_storeu_ps(l.as_mut_ptr(), self.nrm);
+                *n2 += super::lane_tree(l) as f64;
+                self.nrm = _mm256_setzero_ps();
+            }
+            self.acc = [_mm256_setzero_ps(); K];
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
