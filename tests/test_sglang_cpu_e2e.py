@@ -183,7 +183,13 @@ def pd(cpu, centroids):
     model = cpu.model("qwen3_moe")
     prefill, boot, decodes = cpu.start_pd(model, 2, prefill_extra=[
         "--enable-eldr-signature", "--enable-eldr-late-binding", "--enable-return-routed-experts", "--random-seed", "0"],
-        decode_extra=["--random-seed", "0"])
+        # A decode server admits a transferred request only when prompt + max_new_tokens fit in
+        # its KV pool beside the running ones (SGLang's _required_admission_tokens). The locality
+        # test holds up to three 4000-token streams on one decode worker; in the 4096-token pool
+        # the harness gives every server, a second one waited in the prealloc queue until the
+        # first had generated all its tokens (90 s measured at 40 tok/s, past the test's 300 s
+        # at the 13 tok/s seen on loaded cores). 5 x 4096 tokens of this model's KV is 10 MB.
+        decode_extra=["--random-seed", "0", "--max-total-tokens", "20480"])
     taps, router = [], None
     try:
         _wait(cpu, [prefill, *decodes])
