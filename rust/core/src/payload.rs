@@ -191,8 +191,8 @@ impl<'de> Deserialize<'de> for U64List {
 }
 
 /// A JSON list of plain decimal integers that fit u64 (digits only: no sign, fraction or
-/// exponent), read directly: the form every encoder sends, for which serde's `Vec<u64>` gives
-/// the same values (the text is already valid JSON, so no leading zeros). None for anything
+/// exponent, no leading zero), read directly: the form every encoder sends, for which serde's
+/// `Vec<u64>` gives the same values. None for anything
 /// else, which serde then reads. This runs twice per payload (`layers` and `q`), where
 /// serde's second pass over the captured text cost about a sixth of the decode.
 fn plain_u64_list(s: &[u8]) -> Option<Vec<u64>> {
@@ -221,7 +221,9 @@ fn plain_u64_list(s: &[u8]) -> Option<Vec<u64>> {
             v = v.checked_mul(10)?.checked_add((c - b'0') as u64)?;
             i += 1;
         }
-        if i == start {
+        // JSON has no leading zeros: "00" is serde's to refuse (a captured RawValue never holds
+        // one, but the reader does not lean on that)
+        if i == start || (s[start] == b'0' && i - start > 1) {
             return None;
         }
         out.push(v);
@@ -893,14 +895,25 @@ impl DecodedCounts {
         let up = Unpack::new(bits, 0);
         let mut buf = vec![crate::centroid_file::Block8::default(); e_n / 8];
         let mut len = 0;
-        for &l in spec.selected_layers() {
-            let row = match map {
+        // the payload rows of the selected layers, in signature order (a selected layer the
+        // payload does not hold is zeros: skipped)
+        let rows: Vec<(usize, usize)> = spec
+            .selected_layers()
+            .iter()
+            .map(|&l| (l, match map {
                 RowMap::Identity => l,
                 RowMap::ById => row_of[l],
-            };
-            if row == usize::MAX {
-                continue; // a selected layer the payload does not hold: zeros
+            }))
+            .filter(|&(_, row)| row != usize::MAX)
+            .collect();
+        // small log tables (the default 6-bit codes) of every row at once, before the rows
+        let mut tables = Vec::new();
+        if let Encoding::Log { q } = &self.encoding {
+            if LogRow::tabled(bits, e_n) && (1usize << bits) <= 64 {
+                LogRow::prepare_small(rows.iter().map(|&(_, row)| q[row]), bits, &mut tables);
             }
+        }
+        for (at, &(l, row)) in rows.iter().enumerate() {
             let row_scales = &scales[l * e_n..(l + 1) * e_n];
             let base = table[l * e_n].0;
             let args = (&self.data[..], row * e_n, &up, row_scales, base, m, &mut st, &mut dots[..], &mut n2, &mut buf[..], &mut *out, len);
@@ -910,6 +923,15 @@ impl DecodedCounts {
                 };
             }
             len = match &self.encoding {
+                Encoding::Log { .. } if !tables.is_empty() => {
+                    let t = tables[at * LogRow::SMALL_BLOCKS..].as_ptr() as *const f32;
+                    match (1usize << bits).div_ceil(8).next_power_of_two() {
+                        1 => row!(true, 1, t),
+                        2 => row!(true, 2, t),
+                        4 => row!(true, 4, t),
+                        _ => row!(true, 8, t),
+                    }
+                }
                 Encoding::Log { q } => {
                     lut.prepare(q[row], bits, e_n);
                     match lut.registers() {
@@ -1402,6 +1424,41 @@ impl LogRow {
         self.len = n;
     }
 
+    /// Aligned blocks of 8 per small table (see `small`).
+    const SMALL_BLOCKS: usize = 9;
+
+    /// The tables of many rows of at most 64 codes, `SMALL_BLOCKS` blocks each in `out`, with
+    /// the bits `prepare` gives each row alone: the same f64 operations in the same order, with
+    /// four rows in the lanes of one vector. A row alone is two chains of dependent
+    /// multiply-adds; four rows at once keep the vector units busy instead of waiting on them.
+    fn prepare_small(qs: impl ExactSizeIterator<Item = u64>, bits: u32, out: &mut Vec<crate::centroid_file::Block8>) {
+        debug_assert!(bits <= 6);
+        let rows = qs.len();
+        out.clear();
+        out.resize(rows.div_ceil(4) * 4 * Self::SMALL_BLOCKS, Default::default());
+        let levels = (1u64 << bits) - 1;
+        let n = levels as usize + 1;
+        let mut q4 = [0u64; 4];
+        let mut qs = qs;
+        for group in 0..rows.div_ceil(4) {
+            for q in q4.iter_mut() {
+                *q = qs.next().unwrap_or(0);
+            }
+            // SAFETY: Block8 is 8 f32s with no padding: 4 rows of SMALL_BLOCKS blocks
+            let t = unsafe {
+                std::slice::from_raw_parts_mut(out[group * 4 * Self::SMALL_BLOCKS..].as_mut_ptr() as *mut f32, 4 * 8 * Self::SMALL_BLOCKS)
+            };
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: AVX2 was detected. The same operations in the same order, on wider lanes.
+                unsafe { small_tables_avx2(t, q4, levels, n) };
+                continue;
+            }
+            small_tables(t, q4, levels, n);
+        }
+        out.truncate(rows * Self::SMALL_BLOCKS);
+    }
+
     /// The value of every code (empty: none tabled).
     fn table(&self) -> &[f32] {
         if self.len <= 64 {
@@ -1470,6 +1527,51 @@ fn table_chains(table: &mut [f32], mut cur: [f64; 8]) {
     }
 }
 
+/// Four rows' small tables (see [`LogRow::prepare_small`]) into `t`, 72 values a row: the
+/// steps of [`LogRow::prepare`] and [`table_chains`], row `i` in lane `i`.
+#[inline(always)]
+fn small_tables(t: &mut [f32], q: [u64; 4], levels: u64, n: usize) {
+    const W: usize = 8 * LogRow::SMALL_BLOCKS;
+    let step = |u: f64, v: f64| u + v + u * v;
+    let mut u1 = [0f64; 4];
+    for (u, &q) in u1.iter_mut().zip(&q) {
+        *u = ((q as f64).ln_1p() / levels as f64).exp_m1();
+    }
+    // u(1..=8) of each row, then the eight chains u(j + 8i) (each step adds u(8))
+    let mut cur = [[0f64; 4]; 8];
+    let mut u = [0f64; 4];
+    for c in cur.iter_mut() {
+        for i in 0..4 {
+            u[i] = step(u[i], u1[i]);
+        }
+        *c = u;
+    }
+    let u8 = cur[7];
+    // table[1..n + 7] in whole blocks of 8, as `prepare` writes it
+    for b in 0..(n + 6) / 8 {
+        for (j, c) in cur.iter_mut().enumerate() {
+            for i in 0..4 {
+                t[i * W + 1 + 8 * b + j] = c[i] as f32;
+                c[i] = step(c[i], u8[i]);
+            }
+        }
+    }
+    for i in 0..4 {
+        t[i * W] = 0.0;
+        t[i * W + n..(i + 1) * W].iter_mut().for_each(|v| *v = 0.0); // the permutes read whole blocks
+    }
+}
+
+/// [`small_tables`] compiled for AVX2 (four f64 lanes: one row each); the same bits.
+///
+/// # Safety
+/// AVX2 is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn small_tables_avx2(t: &mut [f32], q: [u64; 4], levels: u64, n: usize) {
+    small_tables(t, q, levels, n)
+}
+
 /// [`table_chains`] compiled for AVX2, whose 4-wide f64 lanes the compiler then uses (the
 /// baseline target has 2-wide ones); the values are the same bits.
 ///
@@ -1523,7 +1625,7 @@ mod tests {
 
     #[test]
     fn plain_list_reader_refuses_what_serde_must_judge() {
-        for t in ["[-0]", "[1.0]", "[1e3]", "[18446744073709551616]", "[1,]", "[,1]", "[1 2]", "{}", "[1]x", "1"] {
+        for t in ["[00]", "[1,007]", "[-0]", "[1.0]", "[1e3]", "[18446744073709551616]", "[1,]", "[,1]", "[1 2]", "{}", "[1]x", "1"] {
             assert_eq!(plain_u64_list(t.as_bytes()), None, "{t}");
         }
         assert_eq!(plain_u64_list(b" [ 0 , 18446744073709551615 ] "), Some(vec![0, u64::MAX]));
@@ -1661,6 +1763,22 @@ mod tests {
                 }
                 let unkept = c.distances_with(&set, None, kernel);
                 proptest::prop_assert_eq!(bits_of_d(&unkept), bits_of_d(&want), "{:?}", kernel);
+            }
+        }
+
+        /// Many rows' small tables at once are each row's own table, bit for bit (zeros past
+        /// the codes included: the permutes read whole blocks), for any row count.
+        #[test]
+        fn small_tables_match_row_tables(qs in proptest::collection::vec(0u64..=MAX_COUNT, 0..11), bits in 1u32..=6) {
+            let mut tables = Vec::new();
+            LogRow::prepare_small(qs.iter().copied(), bits, &mut tables);
+            proptest::prop_assert_eq!(tables.len(), qs.len() * LogRow::SMALL_BLOCKS);
+            for (i, &q) in qs.iter().enumerate() {
+                let mut lut = LogRow::default();
+                lut.prepare(q, bits, 8);
+                let want: Vec<u32> = lut.small.iter().flat_map(|b| b.0).map(f32::to_bits).collect();
+                let got: Vec<u32> = tables[i * LogRow::SMALL_BLOCKS..(i + 1) * LogRow::SMALL_BLOCKS].iter().flat_map(|b| b.0).map(f32::to_bits).collect();
+                proptest::prop_assert_eq!(got, want, "row {} (q {})", i, q);
             }
         }
 
