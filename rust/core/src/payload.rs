@@ -1532,28 +1532,31 @@ fn table_chains(table: &mut [f32], mut cur: [f64; 8]) {
 #[inline(always)]
 fn small_tables(t: &mut [f32], q: [u64; 4], levels: u64, n: usize) {
     const W: usize = 8 * LogRow::SMALL_BLOCKS;
-    let step = |u: f64, v: f64| u + v + u * v;
-    let mut u1 = [0f64; 4];
-    for (u, &q) in u1.iter_mut().zip(&q) {
-        *u = ((q as f64).ln_1p() / levels as f64).exp_m1();
+    assert!(t.len() >= 4 * W && (2..=64).contains(&n));
+    // four lanes at once, each `u + v + u * v` as the scalar step (no fused multiply-add)
+    #[inline(always)]
+    fn step(u: [f64; 4], v: [f64; 4]) -> [f64; 4] {
+        [u[0] + v[0] + u[0] * v[0], u[1] + v[1] + u[1] * v[1], u[2] + v[2] + u[2] * v[2], u[3] + v[3] + u[3] * v[3]]
     }
+    let u1 = q.map(|q| ((q as f64).ln_1p() / levels as f64).exp_m1());
     // u(1..=8) of each row, then the eight chains u(j + 8i) (each step adds u(8))
     let mut cur = [[0f64; 4]; 8];
     let mut u = [0f64; 4];
     for c in cur.iter_mut() {
-        for i in 0..4 {
-            u[i] = step(u[i], u1[i]);
-        }
+        u = step(u, u1);
         *c = u;
     }
     let u8 = cur[7];
+    let p = t.as_mut_ptr();
     // table[1..n + 7] in whole blocks of 8, as `prepare` writes it
     for b in 0..(n + 6) / 8 {
         for (j, c) in cur.iter_mut().enumerate() {
-            for i in 0..4 {
-                t[i * W + 1 + 8 * b + j] = c[i] as f32;
-                c[i] = step(c[i], u8[i]);
+            let x = c.map(|v| v as f32);
+            for (i, &x) in x.iter().enumerate() {
+                // SAFETY: 1 + 8b + j <= n + 6 <= 70 < W, and t holds 4 rows of W
+                unsafe { *p.add(i * W + 1 + 8 * b + j) = x };
             }
+            *c = step(*c, u8);
         }
     }
     for i in 0..4 {
