@@ -1,18 +1,23 @@
 //! Signature-to-centroid distances `d_k = 1 - cos(s, mu_k)`, the hot loop of a route.
 //!
-//! A route fills a reused, per-thread signature buffer from the raw counts
-//! ([`SignatureSpec::fill_dense`] / `fill_sparse`), then dots each nonzero value into its
-//! K-wide row of the feature-major centroid matrix; the wire payload's route
-//! ([`crate::payload::DecodedCounts::distances`]) dots its values as they are unpacked, with
-//! no signature in between. All sum in one [`order`] (eight f32 lane sums by position,
-//! flushed into f64 every 64 positions), so every path gives the same bits. With AVX2
-//! (detected once at run time) and K in {8, 16, 32, 64} the sums run on explicit SIMD lanes;
-//! otherwise on portable code.
+//! Three ways in, one [`order`] of summation (eight f32 lane sums by position, flushed into
+//! f64 every 64 positions), so every path gives the same bits:
+//!
+//! * dense `[L, E]` counts, and sparse ones that fill a quarter of it, go eight positions at
+//!   a time against the block-major centroids ([`blocks`]: no signature is built);
+//! * other sparse counts fill a reused, per-thread signature buffer
+//!   ([`crate::signature::SignatureSpec::fill_sparse`]), whose nonzeros are dotted into their K-wide rows of
+//!   the feature-major matrix;
+//! * the wire payload ([`crate::payload::DecodedCounts::distances`]) dots its rows as they are
+//!   unpacked, with the same block kernel.
+//!
+//! With AVX2 (detected once at run time) and K in {8, 16, 32, 64} the sums run on explicit
+//! SIMD lanes; otherwise on portable code, through a signature.
 
 use std::cell::RefCell;
 
 use crate::centroid_file::CentroidSet;
-use crate::signature::{CountValue, NoSignature, SparseIndex, SparseSignature};
+use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
 
 /// Raw per-request counts, as the prefill worker sends them.
 #[derive(Clone, Copy)]
@@ -25,12 +30,120 @@ thread_local! {
     static SCRATCH: RefCell<SparseSignature> = RefCell::new(SparseSignature::default());
 }
 
-/// Distances from raw counts, without allocating a signature.
+thread_local! {
+    /// A sparse request's counts laid out dense for [`blocks`] (zeros but while a route runs).
+    static DENSE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Distances from raw counts, without allocating a signature. Dense counts, and sparse ones
+/// that fill at least a quarter of `[L, E]`, go through [`blocks`] (no signature at all);
+/// the rest through a signature. Both give the same bits ([`order`]).
 pub fn from_counts<I: SparseIndex, T: CountValue>(set: &CentroidSet, counts: Counts<'_, I, T>) -> Result<Vec<f64>, NoSignature> {
+    let spec = set.spec();
+    let size = spec.num_layers() * spec.num_experts();
+    if blocks::applies(set) {
+        match counts {
+            Counts::Dense(c) if c.len() == size => {
+                SignatureSpec::check_all(c)?;
+                return Ok(blocks::distances(set, c)?);
+            }
+            Counts::Sparse(i, c) if i.len() == c.len() && 4 * i.len() >= size && ascending_below(i, size) => {
+                SignatureSpec::check_all(c)?;
+                return DENSE.with(|cell| {
+                    let mut dense = cell.borrow_mut();
+                    dense.resize(size, 0.0);
+                    for (&j, &v) in i.iter().zip(c) {
+                        // SAFETY: every index is below size (ascending_below)
+                        unsafe { *dense.get_unchecked_mut(j.as_u64() as usize) = v.to_f32() };
+                    }
+                    let out = blocks::distances(set, &dense);
+                    dense.fill(0.0); // a quarter or more of it was written: one memset is cheaper
+                    out
+                });
+            }
+            _ => {}
+        }
+    }
     from_fill(set, None, |spec, sig| match counts {
         Counts::Dense(c) => spec.fill_dense(c, sig),
         Counts::Sparse(i, c) => spec.fill_sparse(i, c, sig),
     })
+}
+
+/// Whether the indices are strictly ascending and below `n` (so no two merge).
+fn ascending_below<I: SparseIndex>(index: &[I], n: usize) -> bool {
+    let ascending = index.windows(2).fold(true, |ok, w| ok & (w[1].as_u64() > w[0].as_u64()));
+    ascending && index.last().is_none_or(|l| l.as_u64() < n as u64)
+}
+
+/// Distances straight from dense `[L, E]` values, eight positions at a time against the
+/// block-major centroids (as the wire route reads its rows): each selected layer's
+/// `x = scale * c` into a small buffer, then [`avx2::Blocks::add_run`], which also sums the
+/// norm. No signature is built, so there is no compaction and no second pass for the norm.
+/// The values, zeros included, go through the [`order`] as the signature's nonzeros do (a
+/// zero adds exactly nothing), so the distances are the signature path's bits
+/// (`blocks_match_signature_path` checks).
+mod blocks {
+    use super::*;
+
+    /// AVX2, K in {8, 16, 32, 64}, and E a multiple of 8 (a layer's row is whole blocks).
+    pub(super) fn applies(set: &CentroidSet) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            matches!(set.num_workers(), 8 | 16 | 32 | 64) && set.spec().num_experts() % 8 == 0 && std::arch::is_x86_feature_detected!("avx2")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = set;
+            false
+        }
+    }
+
+    /// `counts` has L*E values, each finite and non-negative ([`SignatureSpec::check_all`]);
+    /// [`applies`] holds.
+    pub(super) fn distances<T: CountValue>(set: &CentroidSet, counts: &[T]) -> Result<Vec<f64>, NoSignature> {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `applies` checked AVX2, K and E.
+        unsafe {
+            match set.num_workers() {
+                8 => return distances_avx2::<8, T>(set, counts),
+                16 => return distances_avx2::<16, T>(set, counts),
+                32 => return distances_avx2::<32, T>(set, counts),
+                64 => return distances_avx2::<64, T>(set, counts),
+                _ => {}
+            }
+        }
+        unreachable!("blocks::applies was not checked")
+    }
+
+    /// # Safety
+    /// AVX2 is available, K is the set's number of workers, E is a multiple of 8, and
+    /// `counts` has L*E values.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn distances_avx2<const K: usize, T: CountValue>(set: &CentroidSet, counts: &[T]) -> Result<Vec<f64>, NoSignature> {
+        let spec = set.spec();
+        let e = spec.num_experts();
+        let (scales, table) = (spec.scales(), spec.table());
+        assert_eq!(counts.len(), scales.len());
+        let m = set.centroid_blocks().as_ptr();
+        let mut st = avx2::Blocks::<K>::new();
+        let (mut dots, mut n2) = (vec![0f64; K], 0f64);
+        let mut buf = vec![crate::centroid_file::Block8::default(); e / 8];
+        for &l in spec.selected_layers() {
+            let (row, sc) = (&counts[l * e..(l + 1) * e], &scales[l * e..(l + 1) * e]);
+            for (x, (c, s)) in buf.iter_mut().zip(row.chunks_exact(8).zip(sc.chunks_exact(8))) {
+                for i in 0..8 {
+                    x.0[i] = s[i] * c[i].to_f32(); // the signature's `w * c`
+                }
+            }
+            // the layer's first output position (a multiple of 8: E is)
+            st.add_run(&buf, table[l * e].0 as usize, m, &mut dots, &mut n2);
+        }
+        st.flush::<true>(&mut dots, &mut n2);
+        let inv = 1.0 / crate::signature::norm_from_squares(n2)?;
+        Ok(dots.into_iter().map(|v| 1.0 - v * inv).collect())
+    }
 }
 
 /// Distances from a signature that `fill` writes into the reused per-thread buffer (one of the
@@ -377,6 +490,60 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A set of K centroids over L layers of E experts (layer 0 masked), E a multiple of 8.
+    fn block_set(k: usize, l: usize, e: usize, seed: u64, dir: &std::path::Path) -> CentroidSet {
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let weights: Vec<f32> = (0..l).map(|i| if i == 0 { 0.0 } else { 0.5 + next() }).collect();
+        let idf: Vec<f32> = (0..l * e).map(|_| next() * 3.0).collect();
+        let cents: Vec<f32> = (0..k * (l - 1) * e).map(|_| next().powi(3) + 1e-3).collect();
+        let p = dir.join(format!("b{k}-{l}-{e}-{seed}.eldr"));
+        CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| i.to_string()).collect(), provenance: "" }
+            .write(&p)
+            .unwrap();
+        CentroidSet::open(&p).unwrap()
+    }
+
+    fn bits(d: &Result<Vec<f64>, NoSignature>) -> Result<Vec<u64>, NoSignature> {
+        d.clone().map(|d| d.iter().map(|v| v.to_bits()).collect())
+    }
+
+    proptest! {
+        /// The block path (dense counts, and sparse ones dense enough) gives the signature
+        /// path's bits, and its errors, for zeros, masked layers, -0.0 and overflowing counts.
+        #[test]
+        fn blocks_match_signature_path(k in prop::sample::select(vec![8usize, 16, 32, 64]), l in 2usize..5, e8 in 1usize..4,
+                                       raw in prop::collection::vec((0u32..6, 0u32..40), 96), seed in 0u64..1000, special in 0u8..6) {
+            let e = 8 * e8;
+            let dir = tempfile::tempdir().unwrap();
+            let set = block_set(k, l, e, seed, dir.path());
+            prop_assume!(blocks::applies(&set)); // AVX2 (else nothing here is new)
+            // mostly zeros or small counts
+            let mut counts: Vec<f32> = (0..l * e).map(|i| { let (z, c) = raw[i % raw.len()]; if z < 2 { 0.0 } else { c as f32 } }).collect();
+            match special {
+                1 => counts[l * e - 1] = -0.0,
+                2 => counts[e] = f32::MAX, // x = w * c overflows: no finite norm
+                3 => counts.iter_mut().skip(e).for_each(|c| *c = 0.0), // only the masked layer
+                4 => counts[e + 1] = f32::NAN,
+                _ => {}
+            }
+            let want = from_fill(&set, None, |spec, sig| spec.fill_dense(&counts, sig));
+            let dense = from_counts::<u32, f32>(&set, Counts::Dense(&counts));
+            prop_assert_eq!(bits(&dense), bits(&want));
+            let (idx, val): (Vec<i64>, Vec<f32>) = counts.iter().enumerate().filter(|(_, &c)| c != 0.0 || c.is_nan()).map(|(i, &c)| (i as i64, c)).unzip();
+            let want_sparse = from_fill(&set, None, |spec, sig| spec.fill_sparse(&idx, &val, sig));
+            prop_assert_eq!(bits(&from_counts(&set, Counts::Sparse(&idx, &val))), bits(&want_sparse));
+            // the sparse path's scratch is all zeros again: a second, sparser request agrees too
+            let half: Vec<i64> = idx.iter().copied().step_by(2).collect();
+            let hv: Vec<f32> = val.iter().copied().step_by(2).collect();
+            let want_half = from_fill(&set, None, |spec, sig| spec.fill_sparse(&half, &hv, sig));
+            prop_assert_eq!(bits(&from_counts(&set, Counts::Sparse(&half, &hv))), bits(&want_half));
         }
     }
 

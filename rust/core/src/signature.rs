@@ -342,7 +342,7 @@ impl SignatureSpec {
     /// Reject NaN, infinite and negative counts, in one branch-free pass (it vectorizes);
     /// only a bad input pays for finding out which kind it is. Unsigned types skip it.
     #[inline(always)]
-    fn check_all<T: CountValue>(counts: &[T]) -> Result<(), NoSignature> {
+    pub(crate) fn check_all<T: CountValue>(counts: &[T]) -> Result<(), NoSignature> {
         if !T::MAY_BE_INVALID {
             return Ok(());
         }
