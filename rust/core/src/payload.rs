@@ -933,14 +933,9 @@ impl DecodedCounts {
                     }
                 }
                 Encoding::Log { q } => {
+                    // more than 64 codes (tabled: fusable): the row's table is gathered
                     lut.prepare(q[row], bits, e_n);
-                    match lut.registers() {
-                        1 => row!(true, 1, lut.blocks()),
-                        2 => row!(true, 2, lut.blocks()),
-                        4 => row!(true, 4, lut.blocks()),
-                        8 => row!(true, 8, lut.blocks()),
-                        _ => row!(true, 0, lut.table().as_ptr()),
-                    }
+                    row!(true, 0, lut.table().as_ptr())
                 }
                 _ => row!(false, 0, std::ptr::null()),
             };
@@ -1375,8 +1370,9 @@ struct LogRow {
     /// Values in the table (0: none): every code `0..2^bits`.
     len: usize,
     /// A table of at most 64 values, in aligned blocks of 8 (zeros past its end, room for the
-    /// chains' last block), which the AVX2 kernels permute; a larger one is in `big`.
-    small: [crate::centroid_file::Block8; 9],
+    /// chains' last block), the layout [`Self::prepare_small`] gives every row of the fused
+    /// route at once; a larger one is in `big`.
+    small: [crate::centroid_file::Block8; Self::SMALL_BLOCKS],
     big: Vec<f32>,
 }
 
@@ -1467,20 +1463,6 @@ impl LogRow {
         } else {
             &self.big[..self.len]
         }
-    }
-
-    /// How many aligned blocks of 8 hold the table for the AVX2 permutes (a power of two; 0:
-    /// the table is larger than 64 values or absent, so it is gathered).
-    fn registers(&self) -> usize {
-        if self.len > 0 && self.len <= 64 {
-            self.len.div_ceil(8).next_power_of_two()
-        } else {
-            0
-        }
-    }
-
-    fn blocks(&self) -> *const f32 {
-        self.small.as_ptr() as *const f32
     }
 
     /// Whether rows of `bits`-bit codes get a table (`prepare`).
