@@ -434,20 +434,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn set(k: usize, seed: u64, dir: &std::path::Path) -> CentroidSet {
-        let (l, e) = (5usize, 12usize);
-        let mut s = seed;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32
-        };
-        let weights: Vec<f32> = (0..l).map(|i| if i == 0 { 0.0 } else { 0.5 + next() }).collect();
-        let idf: Vec<f32> = (0..l * e).map(|_| next() * 3.0).collect();
-        let cents: Vec<f32> = (0..k * 4 * e).map(|_| next().powi(3) + 1e-3).collect();
-        let p = dir.join(format!("k{k}-{seed}.eldr"));
-        CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| i.to_string()).collect(), provenance: "" }
-            .write(&p)
-            .unwrap();
-        CentroidSet::open(&p).unwrap()
+        block_set(k, 5, 12, seed, dir)
     }
 
     /// Straightforward f64 distances from a materialized unit signature.
@@ -493,7 +480,7 @@ mod tests {
         }
     }
 
-    /// A set of K centroids over L layers of E experts (layer 0 masked), E a multiple of 8.
+    /// A set of K centroids over L layers of E experts (layer 0 masked).
     fn block_set(k: usize, l: usize, e: usize, seed: u64, dir: &std::path::Path) -> CentroidSet {
         let mut s = seed;
         let mut next = || {
