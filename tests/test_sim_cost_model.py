@@ -35,7 +35,7 @@ def test_mla_kv_bytes():
 
 
 @pytest.mark.parametrize("mname", list(MODEL_PROFILES))
-@pytest.mark.parametrize("hname", list(HARDWARE_PROFILES))
+@pytest.mark.parametrize("hname", [h for h, p in HARDWARE_PROFILES.items() if not p.calibrated_only])
 def test_step_time_monotone_in_distinct_experts(mname, hname):
     em = ExecutionModel(MODEL_PROFILES[mname], HARDWARE_PROFILES[hname])
     L, E, k = em.model.num_moe_layers, em.model.num_experts, em.model.top_k
@@ -213,3 +213,100 @@ def test_calibration_file_replaces_the_roofline(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not an eldr-moe-calibration"):
         load_calibration(bad, "gpt-oss-20b")
+
+
+def _qwen_locality_dir(tmp_path, name="locality-0.9-0-"):
+    """A model directory shaped like the real-engine CPU benchmark's constructed Qwen3-MoE."""
+    import json
+
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 512, "moe_intermediate_size": 1536, "intermediate_size": 1536,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "num_experts": 32,
+        "num_experts_per_tok": 4, "vocab_size": 2048, "torch_dtype": "bfloat16"}))
+    return d
+
+
+def _cpu_calibration(tmp_path, other=True):
+    import json
+
+    entries = []
+    for b in (1, 4, 16):
+        e = {"model": "qwen3-moe-locality", "hardware": "cpu: Test CPU, 1 thread", "batch": b, "a_s": 1e-3 * b,
+             "b_s": 0.7e-3, "hidden": 512, "intermediate_per_rank": 1536, "experts": 32, "top_k": 4, "layers": 4,
+             "heads": 8, "kv_heads": 4, "head_dim": 64, "vocab": 2048}
+        if other:
+            e["other_s"] = 2e-3 + 0.1e-3 * b
+        entries.append(e)
+    f = tmp_path / ("cal_cpu.json" if other else "cal_cpu_moe_only.json")
+    f.write_text(json.dumps({"format": "eldr-moe-calibration/1", "device": "cpu", "entries": entries}))
+    return f
+
+
+def test_a_calibration_with_other_s_is_the_whole_decode_step(tmp_path):
+    from eldr_sglang.sim.cost_model import load_calibration
+
+    model = get_model(_qwen_locality_dir(tmp_path))
+    f = _cpu_calibration(tmp_path)
+    # the directory's name is not the calibration's: the exact shape selects the entries
+    with pytest.raises(ValueError, match="no calibration for model"):
+        load_calibration(f, model.name, "cpu")
+    cal = load_calibration(f, model.name, "cpu", profile=model)
+    assert cal[4] == pytest.approx((4e-3, 0.7e-3, 2.4e-3))
+    em = ExecutionModel(model, get_hardware("cpu"), calibration=cal)
+    assert em.tp == 1 and em.measured_step
+    d = np.array([4, 9, 12, 20])
+    # other_s(B) + sum_l a(B) + b(B) d_l, at a measured batch and interpolated between two
+    assert em.decode_step_time(4, 4 * 48, d) == pytest.approx(2.4e-3 + 4 * 4e-3 + 0.7e-3 * d.sum())
+    assert em.decode_step_time(10, 10 * 48, d) == pytest.approx(3.0e-3 + 4 * 10e-3 + 0.7e-3 * d.sum())
+    # measured at one context: the KV length does not enter
+    assert em.decode_step_time(4, 1, d) == em.decode_step_time(4, 10_000, d)
+    br = em.breakdown(4, 100, d)
+    assert br.overhead == 0 and br.attention == 0 and br.dense == pytest.approx(2.4e-3) and br.total == pytest.approx(
+        em.decode_step_time(4, 100, d))
+    # prefill of 24 tokens: other_s(24) (held at B=16) + 4 layers at the uniform-routing touched experts
+    touched = 32 * (1 - (1 - 4 / 32) ** 24)
+    assert em.prefill_time(24) == pytest.approx(3.6e-3 + 4 * (16e-3 + 0.7e-3 * touched))
+    assert em.kv_transfer_time(24) == 0.0 and em.kv_capacity_tokens() > 1_000_000
+    assert em.describe()["calibrated_step"] is True
+
+
+def test_without_other_s_the_calibration_changes_only_the_expert_time(tmp_path):
+    from eldr_sglang.sim.cost_model import load_calibration
+
+    model = get_model(_qwen_locality_dir(tmp_path))
+    cal = load_calibration(_cpu_calibration(tmp_path, other=False), model.name, None, profile=model)
+    em = ExecutionModel(model, get_hardware("h100"), calibration=cal)
+    ref = ExecutionModel(model, get_hardware("h100"))
+    d = np.array([4, 9, 12, 20])
+    assert not em.measured_step
+    assert em._fixed_terms(4, 200) == ref._fixed_terms(4, 200)  # overhead, dense, attention: the roofline's
+    assert em.decode_step_time(4, 200, d) == pytest.approx(sum(ref._fixed_terms(4, 200)) + 4 * 4e-3 + 0.7e-3 * d.sum())
+
+
+def test_the_cpu_profile_refuses_to_run_uncalibrated(tmp_path):
+    from eldr_sglang.sim.cost_model import load_calibration
+
+    model = get_model(_qwen_locality_dir(tmp_path))
+    with pytest.raises(ValueError, match="needs a calibration with the non-MoE step time"):
+        ExecutionModel(model, get_hardware("cpu"))
+    moe_only = load_calibration(_cpu_calibration(tmp_path, other=False), model.name, "cpu", profile=model)
+    with pytest.raises(ValueError, match="needs a calibration with the non-MoE step time"):
+        ExecutionModel(model, get_hardware("cpu"), calibration=moe_only)
+    full = load_calibration(_cpu_calibration(tmp_path), model.name, "cpu", profile=model)
+    with pytest.raises(ValueError, match="tp 1"):
+        ExecutionModel(model, get_hardware("cpu"), calibration=full, tp=2)
+    with pytest.raises(ValueError, match="some batch sizes only"):
+        ExecutionModel(model, get_hardware("cpu"), calibration={1: (1e-3, 1e-4, 1e-3), 4: (1e-3, 1e-4)})
+
+
+def test_shape_matching_needs_every_recorded_field(tmp_path):
+    import dataclasses
+
+    from eldr_sglang.sim.cost_model import load_calibration
+
+    model = get_model(_qwen_locality_dir(tmp_path))
+    other_vocab = dataclasses.replace(model, vocab_size=4096)
+    with pytest.raises(ValueError, match="no calibration for model"):
+        load_calibration(_cpu_calibration(tmp_path), model.name, "cpu", profile=other_vocab)

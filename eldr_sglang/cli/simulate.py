@@ -38,14 +38,16 @@ def register(sub) -> None:
                    help="execution-model variant: default roofline, paper-fixed (+ the per-MoE-layer fixed cost that "
                         "reproduces the paper's 4.7x), paper-fixed+overhead (+ a 2 ms step overhead), band (all three)")
     p.add_argument("--ep", type=A.integer(1, 4096), default=1, help="expert-parallel ranks per decode worker (default 1: experts sharded over TP)")
-    p.add_argument("--calibration", help="GPU calibration file from benchmarks/gpu_calibrate.py (replaces the roofline expert time)")
+    p.add_argument("--calibration", help="calibration file from benchmarks/gpu_calibrate.py: replaces the roofline expert time; "
+                                         "one with other_s (--device cpu) replaces the whole decode step")
     p.add_argument("--context-len", type=A.integer(0, A.MAX_TOKENS), default=0, help="simulated prompt tokens per request (default: as recorded)")
     p.add_argument("--tau", type=A.tau, default=None, help="ELDR band width (default: the centroid file's)")
     p.add_argument("--eldr-load-factor", type=A.load_factor, default=None, metavar="F",
                    help="ELDR with bounded loads: a worker is a candidate only below (1+F) x mean load + 1 "
                         "(default: off, the paper's rule; per policy: eldr/F)")
     p.add_argument("--model", help="model profile (default: from the trace's meta_json.model)")
-    p.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
+    p.add_argument("--hardware", default="h200", help="hardware profile (default h200; cpu: a calibrated CPU, needs a "
+                                                     "--calibration from gpu_calibrate.py --device cpu)")
     p.add_argument("--tp", type=A.integer(0, 1024), default=0, help="GPUs per worker (default: fewest that hold the weights)")
     p.add_argument("--workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="decode workers K (default: the centroid file's, else 8)")
     p.add_argument("--prefill-workers", type=A.integer(0, A.MAX_WORKERS), default=0, help="prefill workers (default: K)")
@@ -85,6 +87,9 @@ def list_profiles() -> str:
         )
     lines.append("hardware:")
     for h in HARDWARE_PROFILES.values():
+        if h.calibrated_only:
+            lines.append(f"  {h.name:8s} {h.source}")
+            continue
         lines.append(
             f"  {h.name:8s} {h.hbm_bytes / 1e9:.0f} GB HBM at {h.hbm_bw / 1e12:.2f} TB/s, "
             f"BF16 {h.bf16_flops / 1e12:.0f} / FP8 {h.fp8_flops / 1e12:.0f} TFLOP/s dense, host link {h.host_link_bw / 1e9:.0f} GB/s"
@@ -258,7 +263,7 @@ def _models(args, model, hw) -> dict:
 
     kw = dict(tp=args.tp, offload_cache_experts=args.offload_experts, ep=args.ep)
     if args.calibration:
-        kw["calibration"] = load_calibration(args.calibration, model.name, args.hardware)
+        kw["calibration"] = load_calibration(args.calibration, model.name, args.hardware, profile=model)
     names = SENSITIVITY_VARIANTS if args.cost_model == "band" else (args.cost_model,)
     return {v: sensitivity_model(v, model, hw, **kw) for v in names}
 

@@ -29,6 +29,15 @@ replicated (each rank stores and reads all of it); GQA KV heads split over min(t
 
 A GPU calibration file (benchmarks/gpu_calibrate.py --out FILE) replaces the roofline expert
 time by the measured t(B, d) = a(B) + b(B) * d of one MoE layer (see `load_calibration`).
+A calibration that also measured the non-MoE work of a decode step, `other_s(B)` (the CPU mode,
+gpu_calibrate.py --device cpu), replaces overhead + dense + attention as well: a decode step is
+
+    t = other_s(B) + sum over MoE layers l of (a(B) + b(B) * d_l)
+
+every term measured and linearly interpolated in B (held constant beyond the measured batches);
+other_s is measured at one KV context (the file's `context_tokens`), not scaled with it. Prefill
+of n tokens is then estimated from the same measurement: other_s(n) + sum over layers of
+a(n) + b(n) * E * touched(n), touched(n) the uniform-routing expected share of experts.
 
 Constants marked ASSUMPTION are not from a datasheet; they scale all policies alike and
 are exposed as parameters. They were set before any policy comparison and are never fitted.
@@ -97,7 +106,7 @@ class ExecutionModel:
     offload_cache_experts: int = 0  # C > 0 turns on expert offload (per-layer LRU of C experts)
     moe_layer_fixed_s: float = 0.0  # per-MoE-layer fixed cost (gating, top-k, permute, padding)
     ep: int = 1  # expert-parallel ranks (1: experts sharded over TP; else must divide tp and E)
-    calibration: dict | None = None  # {batch: (a_s, b_s)} from a GPU calibration file
+    calibration: dict | None = None  # {batch: (a_s, b_s)} or {batch: (a_s, b_s, other_s)} from a calibration file
     _c: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +127,11 @@ class ExecutionModel:
             raise ValueError("expert offload and expert parallelism cannot be combined")
         if self.calibration is not None:
             self.calibration = _check_calibration(self.calibration)
+        if hw.calibrated_only and not self.measured_step:
+            raise ValueError(f"hardware profile {hw.name!r} has no roofline constants: it needs a calibration with the "
+                             "non-MoE step time other_s (benchmarks/gpu_calibrate.py --device cpu; --calibration FILE)")
+        if hw.calibrated_only and (tp != 1 or self.ep != 1 or self.offload_cache_experts):
+            raise ValueError(f"hardware profile {hw.name!r}: one calibrated worker per model copy (tp 1, no EP, no offload)")
         bw = tp * hw.hbm_bw * self.bw_efficiency
         fp8 = m.expert_bytes_per_param <= FP8
         peak = hw.fp8_flops if fp8 else hw.bf16_flops  # MXFP4 / bf16 run on bf16 tensor cores
@@ -167,8 +181,19 @@ class ExecutionModel:
             )
         return int(free // m.kv_bytes_per_token())
 
+    @property
+    def measured_step(self) -> bool:
+        """True when the calibration measured the non-MoE step time too (other_s)."""
+        return self.calibration is not None and all(len(v) == 3 for v in self.calibration.values())
+
+    def _other(self, batch_size: int) -> float:
+        bs = np.array(sorted(self.calibration))
+        return float(np.interp(batch_size, bs, [self.calibration[x][2] for x in bs]))
+
     # ---------------- decode ----------------
     def _fixed_terms(self, batch_size: int, kv_tokens: int) -> tuple[float, float, float]:
+        if self.measured_step:  # measured: other_s carries norms, projections, attention, LM head
+            return 0.0, self._other(batch_size), 0.0
         c = self._c
         b = max(int(batch_size), 0)
         dense = max(c["dense_bytes_t"], b * c["dense_flops_per_tok"] / c["flops"])
@@ -246,6 +271,9 @@ class ExecutionModel:
             return 0.0
         c, m = self._c, self.model
         n = float(num_tokens)
+        if self.measured_step:  # estimated from the decode calibration (see the module docstring)
+            touched = 1.0 - (1.0 - m.top_k / m.num_experts) ** n
+            return self._other(num_tokens) + float(np.sum(self.moe_layer_time(num_tokens, np.full(m.num_moe_layers, m.num_experts * touched))))
         attn_flops = c["attn_flops"] * m.num_layers * n * (n + 1) / 2.0
         compute = (n * c["active_flops_per_tok"] + attn_flops) / c["flops"]
         # expected fraction of experts a prompt of n tokens touches (uniform-routing bound)
@@ -308,6 +336,7 @@ class ExecutionModel:
             "ep": self.ep,
             "kv_replicated_over_tp": self._c["kv_shards"] < self.tp,
             "calibrated": self.calibration is not None,
+            "calibrated_step": self.measured_step,
             "offload_cache_experts": self.offload_cache_experts,
         }
 
@@ -315,20 +344,43 @@ class ExecutionModel:
 def _check_calibration(cal: dict) -> dict:
     out = {}
     for b, ab in cal.items():
-        a, slope = (float(x) for x in ab)
-        if int(b) < 1 or not (math.isfinite(a) and math.isfinite(slope)) or a < 0 or slope < 0:
-            raise ValueError(f"calibration entry batch {b}: need batch >= 1 and finite a, b >= 0, got {ab}")
-        out[int(b)] = (a, slope)
+        try:
+            vals = tuple(float(x) for x in ab)
+        except (TypeError, ValueError):
+            vals = ()
+        if len(vals) not in (2, 3) or int(b) < 1 or not all(math.isfinite(v) and v >= 0 for v in vals):
+            raise ValueError(f"calibration entry batch {b}: need batch >= 1 and finite a, b (, other) >= 0, got {ab}")
+        out[int(b)] = vals
     if not out:
         raise ValueError("the calibration holds no batch sizes")
+    if len({len(v) for v in out.values()}) > 1:
+        raise ValueError("the calibration has the non-MoE step time other_s at some batch sizes only")
     return out
 
 
-def load_calibration(path, model: str, hardware: str | None = None) -> dict:
+# entry field -> ModelProfile attribute: the shape a calibration entry was measured at
+_SHAPE_FIELDS = (("hidden", "hidden_size"), ("intermediate_per_rank", "moe_intermediate_size"), ("experts", "num_experts"),
+                 ("top_k", "top_k"), ("layers", "num_layers"), ("heads", "num_heads"), ("kv_heads", "num_kv_heads"),
+                 ("head_dim", "head_dim"), ("vocab", "vocab_size"))
+
+
+def _same_shape(entry: dict, profile: ModelProfile) -> bool:
+    """Every shape field the entry records equals the profile's (and it records the MoE's)."""
+    if any(f not in entry for f in ("hidden", "intermediate_per_rank", "experts", "top_k")):
+        return False
+    return all(entry[f] == getattr(profile, attr) for f, attr in _SHAPE_FIELDS if f in entry)
+
+
+def load_calibration(path, model: str, hardware: str | None = None, profile: ModelProfile | None = None) -> dict:
     """Read {batch: (a_s, b_s)} for `model` from a calibration file written by
     benchmarks/gpu_calibrate.py (JSON: {"format": "eldr-moe-calibration/1", "entries": [{"model",
-    "hardware", "batch", "a_s", "b_s", ...}]}). Entries for other models are ignored; a file
-    without the model is an error, never a silent fallback to the roofline."""
+    "hardware", "batch", "a_s", "b_s", ...}]}); {batch: (a_s, b_s, other_s)} when the entries
+    also hold the non-MoE step time `other_s` (the CPU mode). Entries for other models are
+    ignored; with `profile`, entries of another name but the profile's exact shape (every shape
+    field they record: hidden, expert width, experts, top-k, and for CPU entries layers, heads,
+    KV heads, head dim, vocab) are taken when none carries the name (a model directory's name is
+    not the calibration's). A file without the model is an error, never a silent fallback to
+    the roofline."""
     import json
     from pathlib import Path
 
@@ -338,10 +390,17 @@ def load_calibration(path, model: str, hardware: str | None = None) -> dict:
         raise ValueError(f"cannot read calibration file {path}: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != "eldr-moe-calibration/1":
         raise ValueError(f"{path} is not an eldr-moe-calibration/1 file")
+    entries = [e for e in doc.get("entries", []) if isinstance(e, dict)
+               and (hardware is None or hardware.lower() in str(e.get("hardware", "")).lower())]
+    chosen = [e for e in entries if e.get("model") == model]
+    if not chosen and profile is not None:
+        chosen = [e for e in entries if _same_shape(e, profile)]
     cal = {}
-    for e in doc.get("entries", []):
-        if e.get("model") == model and (hardware is None or hardware.lower() in str(e.get("hardware", "")).lower()):
-            cal[int(e["batch"])] = (float(e["a_s"]), float(e["b_s"]))
+    try:
+        for e in chosen:
+            cal[int(e["batch"])] = (float(e["a_s"]), float(e["b_s"])) + ((float(e["other_s"]),) if "other_s" in e else ())
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: a malformed calibration entry ({type(exc).__name__}: {exc})") from None
     if not cal:
         have = sorted({(e.get("model"), e.get("hardware")) for e in doc.get("entries", [])})
         raise ValueError(f"{path} has no calibration for model {model!r}" + (f" on {hardware}" if hardware else "") + f"; it has {have}")

@@ -24,6 +24,9 @@ class HardwareProfile:
     scale_up_bw: float  # GPU<->GPU bytes/s per GPU within a node (NVLink / Infinity Fabric)
     network_bw: float  # bytes/s per GPU between nodes (KV transfer prefill -> decode)
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    # True: no roofline constants; only usable with a calibration that measured the whole decode
+    # step (other_s), see the "cpu" profile
+    calibrated_only: bool = False
 
 
 G = 1e9
@@ -73,6 +76,26 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {
         scale_up_bw=896 * G,
         network_bw=50 * G,
         aliases=("mi300", "amd-mi300x"),
+    ),
+    "cpu": HardwareProfile(
+        name="cpu",
+        # NOT a roofline profile. For the real-engine CPU benchmark (benchmarks/real_cpu_tpot.py):
+        # every decode step and prefill time comes from a CPU calibration file
+        # (benchmarks/gpu_calibrate.py --device cpu: other_s + a + b d, measured on one core), and
+        # ExecutionModel refuses this profile without one. Bandwidths and FLOP/s are NaN: unused.
+        # Memory: 24 GB, the benchmark machine's RAM, which only sizes the KV capacity (the 0.6 GB
+        # constructed model never fills it). ASSUMPTION: network_bw is infinite, i.e. the
+        # prefill -> decode KV transfer is free: it is a loopback TCP copy between processes on
+        # one host of about 4 kB per token of the constructed model.
+        source="calibrated CPU (benchmarks/gpu_calibrate.py --device cpu); no roofline constants",
+        hbm_bytes=24 * G,
+        hbm_bw=float("nan"),
+        bf16_flops=float("nan"),
+        fp8_flops=float("nan"),
+        host_link_bw=float("nan"),
+        scale_up_bw=float("nan"),
+        network_bw=float("inf"),
+        calibrated_only=True,
     ),
 }
 
