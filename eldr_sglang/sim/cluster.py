@@ -164,6 +164,11 @@ class _Run:
                          for _ in range(K)]
         self.prefill = PrefillScheduler(int(cfg.num_prefill) or K, model.prefill_time, cfg.prefill_policy,
                                         cfg.prefill_seed)
+        # a measured (calibrated) step times each prefill from its prompt's recorded routing
+        self.prefill_pt = None
+        if getattr(model, "measured_step", False):
+            dist = replay.prompt_distinct()[t_idx]
+            self.prefill_pt = np.array([model.prefill_time(int(n), d) for n, d in zip(workload.prompt_len, dist)])
         self.step = DecodeStep(replay, model, cfg.perfect_overlap)
         self.steps = _Steps(replay.num_layers)
         self.transfer_cache: dict[int, float] = {}
@@ -224,7 +229,7 @@ class _Run:
 
     def on_arrive(self, r: int, now: float) -> None:
         self.arrival[r] = now
-        _, done = self.prefill.place(now, int(self.rq.prompt[r]))
+        _, done = self.prefill.place(now, int(self.rq.prompt[r]), None if self.prefill_pt is None else float(self.prefill_pt[r]))
         self.push(done, _PREFILL_DONE, r)
 
     def on_prefill_done(self, r: int, now: float) -> None:

@@ -36,8 +36,10 @@ gpu_calibrate.py --device cpu), replaces overhead + dense + attention as well: a
 
 every term measured and linearly interpolated in B (held constant beyond the measured batches);
 other_s is measured at one KV context (the file's `context_tokens`), not scaled with it. Prefill
-of n tokens is then estimated from the same measurement: other_s(n) + sum over layers of
-a(n) + b(n) * E * touched(n), touched(n) the uniform-routing expected share of experts.
+of n tokens is then estimated from the same measurement, as one batch of n tokens (held at the
+largest measured batch beyond it): other_s(n) + sum over layers of a(n) + b(n) * d_l, with d_l
+the distinct experts the prompt's recorded routing touched (the simulator passes them), or
+E * touched(n), the uniform-routing expectation, without them.
 
 Constants marked ASSUMPTION are not from a datasheet; they scale all policies alike and
 are exposed as parameters. They were set before any policy comparison and are never fitted.
@@ -263,17 +265,21 @@ class ExecutionModel:
         return StepBreakdown(ov, dense, attn, moe, off, ov + dense + attn + moe + off)
 
     # ---------------- prefill ----------------
-    def prefill_time(self, num_tokens: int) -> float:
+    def prefill_time(self, num_tokens: int, distinct_experts: np.ndarray | None = None) -> float:
         """Seconds to prefill `num_tokens` prompt tokens on one prefill worker (same TP group
         shape): compute roofline of the active parameters plus causal attention, or reading
-        all weights once, whichever is larger, plus the fixed overhead."""
+        all weights once, whichever is larger, plus the fixed overhead. With a measured step
+        (other_s), the calibration's other_s(n) + sum over layers of a(n) + b(n) * d_l, d_l the
+        prompt's distinct experts per layer when given (the simulator passes the recorded
+        routing), else the uniform-routing expectation."""
         if num_tokens <= 0:
             return 0.0
         c, m = self._c, self.model
         n = float(num_tokens)
         if self.measured_step:  # estimated from the decode calibration (see the module docstring)
-            touched = 1.0 - (1.0 - m.top_k / m.num_experts) ** n
-            return self._other(num_tokens) + float(np.sum(self.moe_layer_time(num_tokens, np.full(m.num_moe_layers, m.num_experts * touched))))
+            if distinct_experts is None:
+                distinct_experts = np.full(m.num_moe_layers, m.num_experts * (1.0 - (1.0 - m.top_k / m.num_experts) ** n))
+            return self._other(num_tokens) + float(np.sum(self.moe_layer_time(num_tokens, np.asarray(distinct_experts))))
         attn_flops = c["attn_flops"] * m.num_layers * n * (n + 1) / 2.0
         compute = (n * c["active_flops_per_tok"] + attn_flops) / c["flops"]
         # expected fraction of experts a prompt of n tokens touches (uniform-routing bound)

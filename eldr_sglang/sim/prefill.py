@@ -44,10 +44,12 @@ class PrefillScheduler:
                 heapq.heappop(q)
         return min(range(P), key=lambda i: (len(self._inflight[i]), i))
 
-    def place(self, now: float, prompt_len: int) -> tuple[int, float]:
-        """(worker, time the prefill completes) for a request arriving at `now`."""
+    def place(self, now: float, prompt_len: int, pt: float | None = None) -> tuple[int, float]:
+        """(worker, time the prefill completes) for a request arriving at `now`; `pt` is its
+        prefill time when the caller knows it per request (else the model's, by length)."""
         p = self._pick(now)
-        pt = self._times.get(prompt_len)
+        if pt is None:
+            pt = self._times.get(prompt_len)
         if pt is None:
             pt = self._times[prompt_len] = self._prefill_time(prompt_len)
         done = max(now, self.free_at[p]) + pt

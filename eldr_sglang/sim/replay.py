@@ -131,6 +131,15 @@ class TraceReplay:
             self._counts = prefill_counts(t.expert_ids, t.req_offsets.astype(np.int64), self.prompt_len, t.num_experts)
         return self._counts
 
+    def prompt_distinct(self) -> np.ndarray:
+        """[R, L] distinct experts each request's prompt touched per MoE layer (from its counts)."""
+        m = self.prompt_counts()
+        rows = np.repeat(np.arange(m.shape[0]), np.diff(m.indptr))
+        nz = m.data > 0
+        out = np.zeros((m.shape[0], self.num_layers), dtype=np.int64)
+        np.add.at(out, (rows[nz], m.indices[nz] // self.num_experts), 1)
+        return out
+
     def prompt_counts_of(self, r: int) -> np.ndarray:
         """[L, E] uint32 prompt counts of request r."""
         row = self.prompt_counts()[r]
