@@ -23,6 +23,10 @@ balancers (fractions, -0.05 = 5% faster), the mean decode batch and the distinct
 MoE layer per step, and `expert_locality`: those distinct experts over their expectation for
 randomly mixed batches of the same sizes (1 = no locality; from the simulator's metrics).
 
+`step_terms(read_steps(...), calibration, model_dir)` checks the two terms of the calibrated step
+against the decode steps the servers logged (the MoE time and the rest of each step), for the
+"which term is wrong" question when prediction and measurement differ.
+
 Nothing here is tuned: the only time constants are the calibration file's.
 """
 
@@ -142,6 +146,48 @@ def predict(trace, centroids, calibration, model_dir, *, workers: int = 2, concu
     return {"simulated": True, "inputs": {"trace": str(trace), "centroids": str(centroids),
                                           "calibration": str(calibration), "model_dir": str(model_dir)},
             "cells": cells}
+
+
+def step_terms(steps, calibration, model_dir, min_steps: int = 5) -> dict:
+    """Term by term, the calibrated cost model against decode steps measured inside a server.
+
+    `steps`: objects with `t0` (perf_counter at the first MoE layer), `tokens` (batch size),
+    `distinct` (per-layer distinct experts) and `moe_s` (time inside moe_forward_native, all
+    layers), in order, e.g. eldr_sglang.testing.sglang_cpu.step_log.read_steps(path, layers).
+    Per batch size B with at least `min_steps` steps it gives medians of the measured MoE time
+    against the calibration's sum over layers of a(B) + b(B) * d_l for the same d_l (the
+    MoE term), and of the measured rest of a step, the gap from one step's start to the next
+    minus its MoE time, against other_s(B) (the non-MoE term: the engine's scheduler and Python
+    work shows up here). Gaps longer than 3x their batch's median are left out as idle time."""
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.cost_model import ExecutionModel, load_calibration
+    from eldr_sglang.sim.profiles import get_hardware
+
+    model = get_model(str(model_dir))
+    em = ExecutionModel(model, get_hardware("cpu"),
+                        calibration=load_calibration(calibration, model.name, "cpu", profile=model))
+    steps = list(steps)
+    by_b: dict[int, dict[str, list]] = {}
+    for i, st in enumerate(steps):
+        row = by_b.setdefault(int(st.tokens), {"moe": [], "moe_pred": [], "gap": [], "other_pred": []})
+        row["moe"].append(st.moe_s)
+        row["moe_pred"].append(float(np.sum(em.moe_layer_time(int(st.tokens), np.asarray(st.distinct, dtype=np.float64)))))
+        if i + 1 < len(steps):
+            row["gap"].append(steps[i + 1].t0 - st.t0 - st.moe_s)
+    out = {}
+    for b, row in sorted(by_b.items()):
+        if len(row["moe"]) < min_steps:
+            continue
+        gaps = np.asarray(row["gap"])
+        if gaps.size:
+            gaps = gaps[gaps <= 3 * np.median(gaps)]
+        moe, pred = float(np.median(row["moe"])), float(np.median(row["moe_pred"]))
+        other = float(np.median(gaps)) if gaps.size else float("nan")
+        out[b] = {"steps": len(row["moe"]), "moe_measured_ms": moe * 1e3, "moe_model_ms": pred * 1e3,
+                  "moe_model_error": pred / moe - 1 if moe > 0 else float("nan"),
+                  "other_measured_ms": other * 1e3, "other_model_ms": em._other(b) * 1e3,
+                  "other_model_error": em._other(b) / other - 1 if other > 0 else float("nan")}
+    return out
 
 
 def table(result: dict) -> list[str]:

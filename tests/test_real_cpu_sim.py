@@ -151,3 +151,20 @@ def test_a_measured_step_times_each_prefill_from_its_prompts_routing(inputs):
     # 24 tokens: other_s held at B=16 (6.2 ms) + 4 layers x (a + b x the prompt's distinct experts)
     assert em.prefill_time(24, dist[0]) == pytest.approx(6.2e-3 + 4 * 0.3e-3 + 0.75e-3 * dist[0].sum())
     assert em.prefill_time(24, dist[0]) < em.prefill_time(24)  # the uniform-routing bound touches ~31 of 32
+
+
+def test_step_terms_compares_each_term_with_logged_steps(inputs):
+    from types import SimpleNamespace
+
+    # steps of batch 4 every 40 ms, touching 6 experts per layer, 20 ms of it inside the MoE
+    steps = [SimpleNamespace(t0=0.040 * i, tokens=4, distinct=(6, 6, 6, 6), moe_s=0.020) for i in range(8)]
+    steps.append(SimpleNamespace(t0=5.0, tokens=2, distinct=(5, 5, 5, 5), moe_s=0.01))  # too few steps of B=2
+    out = real_cpu_sim.step_terms(steps, inputs["calibration"], inputs["model_dir"])
+    assert list(out) == [4]
+    r = out[4]
+    assert r["steps"] == 8 and r["moe_measured_ms"] == pytest.approx(20.0)
+    assert r["moe_model_ms"] == pytest.approx((4 * 0.3e-3 + 0.75e-3 * 24) * 1e3)  # 4 layers x (a + b x 6)
+    assert r["moe_model_error"] == pytest.approx(19.2 / 20 - 1)
+    # gaps: 40 - 20 = 20 ms each; the last B=4 step's gap (to t=5 s) is idle time, left out
+    assert r["other_measured_ms"] == pytest.approx(20.0) and r["other_model_ms"] == pytest.approx(3.8)
+    assert r["other_model_error"] == pytest.approx(3.8 / 20 - 1)
