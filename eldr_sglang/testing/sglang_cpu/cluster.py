@@ -56,9 +56,22 @@ def _free(port: int) -> bool:
 _TAKEN: set[int] = set()
 
 
-def free_port_block(span: int = 40, lo: int = 20000, hi: int = 60000) -> int:
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port_block(span: int = 40, lo: int = 10000, hi: int = 60000) -> int:
     """A port p with p..p+span-1 free now and far from the blocks this process took before:
-    an SGLang server opens several ports near its own."""
+    an SGLang server opens several ports near its own. Blocks avoid the kernel's ephemeral
+    range, where outgoing connections (mooncake's among them) take ports at any moment: a
+    server that binds there can find its port taken ("address already in use")."""
+    eph_lo, eph_hi = _ephemeral_range()
+    if lo < eph_lo and hi > eph_lo:
+        hi = eph_lo - 1
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):
         p = rng.randrange(lo, hi - span, 10)
@@ -85,14 +98,21 @@ def _die_with_parent() -> None:
 class Server:
     """One subprocess in its own process group, with its log file."""
 
-    def __init__(self, name: str, args: list[str], url: str, log: Path, env: dict, cwd: Path | None = None):
-        self.name, self.url, self.log = name, url, Path(log)
+    def __init__(self, name: str, args: list[str], url: str, log: Path, env: dict, cwd: Path | None = None,
+                 cpus: set[int] | None = None):
+        """cpus: pin the process (and every child it spawns) to these cores."""
+        self.name, self.url, self.log, self.cpus = name, url, Path(log), cpus
         self.started = time.monotonic()
         self.ready_s: float | None = None
         self._fh = open(self.log, "w")
+
+        def setup() -> None:  # in the child, between fork and exec
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen([sys.executable, *args], stdout=self._fh, stderr=subprocess.STDOUT,
-                                     env=env, cwd=cwd, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     env=env, cwd=cwd, start_new_session=True, preexec_fn=setup)
         self.pgid = self.proc.pid  # start_new_session: the child leads its own group
 
     def alive(self) -> bool:
@@ -234,12 +254,12 @@ class MemorySampler:
 
 
 def start_sglang(name: str, model: Path, log_dir: Path, env: dict, extra: list[str] = (),
-                 port: int | None = None) -> Server:
+                 port: int | None = None, cpus: set[int] | None = None) -> Server:
     """Start `python -m sglang.launch_server` on 127.0.0.1 (returns at once; see wait_ready)."""
     port = port or free_port_block()
     args = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
             "--port", str(port), *CPU_SERVER_ARGS, *extra]
-    return Server(name, args, f"http://127.0.0.1:{port}", Path(log_dir) / f"{name}.log", env)
+    return Server(name, args, f"http://127.0.0.1:{port}", Path(log_dir) / f"{name}.log", env, cpus=cpus)
 
 
 def wait_ready(servers: list[Server], timeout: float) -> None:

@@ -46,21 +46,54 @@ class Harness:
             self._models[key] = out
         return self._models[key]
 
-    def start(self, name: str, model: Path, extra: list[str]) -> cluster.Server:
-        s = cluster.start_sglang(name, model, self.logs, self.env, extra)
+    def start(self, name: str, model: Path, extra: list[str], env: dict | None = None,
+              cpus: set[int] | None = None) -> cluster.Server:
+        """env: variables added to the harness's environment for this server; cpus: pin it."""
+        s = cluster.start_sglang(name, model, self.logs, {**self.env, **(env or {})}, extra, cpus=cpus)
         self.servers.append(self.memory.watch(s))
         return s
 
+    def step_log(self, name: str) -> Path:
+        """Where a server started with `env=harness.step_log_env(name)` writes its MoE step log."""
+        return self.logs / f"{name}.steps"
+
+    def step_log_env(self, name: str) -> dict:
+        from .step_log import ENV
+
+        return {ENV: str(self.step_log(name))}
+
     def start_pd(self, model: Path, decodes: int = 2, prefill_extra: list[str] = (), decode_extra: list[str] = (),
-                 prefix: str = "") -> tuple[cluster.Server, int, list[cluster.Server]]:
+                 prefix: str = "", decode_step_log: bool = False, prefill_cpus: set[int] | None = None,
+                 decode_cpus: list[set[int]] | None = None) -> tuple[cluster.Server, int, list[cluster.Server]]:
         """One prefill (mooncake over TCP, its own bootstrap port) and `decodes` decode servers,
-        started at once; returns (prefill, bootstrap port, decodes) without waiting."""
+        started at once; returns (prefill, bootstrap port, decodes) without waiting.
+        decode_step_log: each decode writes its MoE step log (see step_log); decode_cpus[i]
+        pins decode i."""
         boot = cluster.free_port_block()
         p = self.start(f"{prefix}prefill", model, ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                                                   str(boot), *PD_TRANSFER, *prefill_extra])
-        ds = [self.start(f"{prefix}decode{i}", model, ["--disaggregation-mode", "decode", *PD_TRANSFER, *decode_extra])
-              for i in range(decodes)]
+                                                   str(boot), *PD_TRANSFER, *prefill_extra], cpus=prefill_cpus)
+        ds = []
+        for i in range(decodes):
+            name = f"{prefix}decode{i}"
+            ds.append(self.start(name, model, ["--disaggregation-mode", "decode", *PD_TRANSFER, *decode_extra],
+                                 env=self.step_log_env(name) if decode_step_log else None,
+                                 cpus=decode_cpus[i] if decode_cpus else None))
         return p, boot, ds
+
+    def locality_model(self, locality: float, seed: int = 0, **shape) -> Path:
+        """The constructed locality MoE (locality_model.py), built once per setting."""
+        key = f"locality-{locality:g}-{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(shape.items()))
+        if key not in self._models:
+            out = self.workdir / "models" / key
+            cmd = [sys.executable, "-m", "eldr_sglang.testing.sglang_cpu.locality_model", str(out),
+                   "--locality", str(locality), "--seed", str(seed)]
+            for k, v in shape.items():
+                cmd += [f"--{k.replace('_', '-')}", str(v)]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=self.env)
+            if p.returncode != 0:
+                raise HarnessError(f"building the locality model failed:\n{p.stderr[-3000:]}")
+            self._models[key] = out
+        return self._models[key]
 
     def start_router(self, name: str, prefill: list[tuple[str, int]], decode: list[str], args: list[str]) -> cluster.Server:
         port = cluster.free_port_block(span=2)

@@ -95,7 +95,7 @@ DEEPSEEK_V3 = {
 ARCHS = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
 
 
-def _tokenizer(out: Path) -> None:
+def _tokenizer(out: Path, vocab: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -109,8 +109,8 @@ def _tokenizer(out: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", unk_token="<|endoftext|>")
     # random weights sample any id: give each one visible text, so texts compare token for token
-    fast.add_tokens([f"<t{i}>" for i in range(len(fast), VOCAB)])
-    assert len(fast) == VOCAB, len(fast)
+    fast.add_tokens([f"<t{i}>" for i in range(len(fast), vocab)])
+    assert len(fast) == vocab, len(fast)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
