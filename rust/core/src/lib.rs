@@ -19,6 +19,7 @@ pub mod centroid_file;
 pub mod distance;
 pub mod experts;
 pub mod limits;
+pub mod order;
 pub mod payload;
 pub mod policies;
 pub mod queue;
