@@ -44,9 +44,7 @@ DECODE_POLICIES = _core.POLICIES
 COUNTS_POLICIES = _core.COUNTS_POLICIES
 PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
 # The request path runs in the Rust extension's tokio/hyper server (rust/dataplane); Python is
-# the control plane (admin endpoints, health, loads, reload, drift). `--data-plane` chose
-# between it and an aiohttp request path that is gone; it still accepts this one value.
-DATA_PLANE = "rust"
+# the control plane (admin endpoints, health, loads, reload, drift).
 
 
 class ConfigError(ValueError):
@@ -205,11 +203,6 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
                     help="first ejection's length; doubles on each re-ejection (default 5)")
     up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
     cl = ap.add_argument_group("Clients and control endpoints")
-    cl.add_argument(
-        "--data-plane", default=DATA_PLANE, metavar=DATA_PLANE,
-        help="accepted for older command lines: the request path always runs in the Rust extension's tokio/hyper "
-        "server (Python keeps the control plane on an internal loopback port); 'python' was removed",
-    )
     cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
                     help="a connection that sends no complete request head in this long is closed (default 30)")
     cl.add_argument("--client-body-timeout-secs", type=float, default=30.0,
@@ -243,9 +236,6 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
-    if a.data_plane != DATA_PLANE:
-        raise ConfigError(f"--data-plane {a.data_plane}: the Python data plane was removed; the request path runs in "
-                          f"the Rust data plane only (drop the flag, or give --data-plane {DATA_PLANE})")
     if not a.pd_disaggregation:
         raise ConfigError("--pd-disaggregation is required: this router serves PD-disaggregated clusters only")
     prefill = []

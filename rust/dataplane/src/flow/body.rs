@@ -225,7 +225,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn validation_matches_the_python_plane() {
+    fn client_bodies_are_validated_per_endpoint() {
         let ok = |k, b: &str| parse_body(k, b.as_bytes()).map(|(_, s)| s);
         let err = |k, b: &str| parse_body(k, b.as_bytes()).unwrap_err().message;
         assert_eq!(ok(Kind::Generate, r#"{"text":"hi","stream":true}"#).unwrap(), true);
