@@ -240,17 +240,9 @@ pub(super) fn from_header_own_d(mut h: Header<'_>, limits: &DecodeLimits) -> Res
     from_header(h, d.as_ref().map(|t| t.0.as_bytes()), limits)
 }
 
-/// A parsed header, with the text of its base64 field `d` (None: the field is missing).
-pub(super) fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
-    let version_ok = h.v.is_some_and(|v| serde_json::from_str::<u64>(v.get()).ok() == Some(PAYLOAD_VERSION));
-    if !version_ok {
-        return Err(PayloadError::Version(h.v.map_or("None".into(), |v| shown(v.get()))));
-    }
-    if let Some(why) = h.none {
-        let reason = serde_json::from_str::<String>(why.get()).unwrap_or_else(|_| why.get().to_owned());
-        return Ok(Payload::NoCounts(reason));
-    }
-    let layers: Vec<u64> = u64_list(h.layers, "layers", || LAYERS_WHAT)?;
+/// The header's layer ids: a non-empty list of distinct ids in [0, MAX_LAYERS).
+fn layer_ids(list: Option<U64List>) -> Result<Vec<u32>, PayloadError> {
+    let layers: Vec<u64> = u64_list(list, "layers", || LAYERS_WHAT)?;
     if layers.is_empty() || layers.len() > MAX_LAYERS || layers.iter().any(|&l| l >= MAX_LAYERS as u64) {
         return Err(PayloadError::Field { field: "layers", problem: format!("must be {LAYERS_WHAT}") });
     }
@@ -263,6 +255,33 @@ pub(super) fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits
         }
         seen[word] |= bit;
     }
+    Ok(layers)
+}
+
+/// A sparse payload's `nnz` indices: strictly ascending, each below `size`.
+fn check_sparse_indices(data: &[u8], size: usize, nnz: usize) -> Result<(), PayloadError> {
+    let mut prev: i64 = -1;
+    for t in 0..nnz {
+        let i = read_index(data, size, t) as i64;
+        if i <= prev || i >= size as i64 {
+            return Err(PayloadError::SparseIndex);
+        }
+        prev = i;
+    }
+    Ok(())
+}
+
+/// A parsed header, with the text of its base64 field `d` (None: the field is missing).
+pub(super) fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits) -> Result<Payload, PayloadError> {
+    let version_ok = h.v.is_some_and(|v| serde_json::from_str::<u64>(v.get()).ok() == Some(PAYLOAD_VERSION));
+    if !version_ok {
+        return Err(PayloadError::Version(h.v.map_or("None".into(), |v| shown(v.get()))));
+    }
+    if let Some(why) = h.none {
+        let reason = serde_json::from_str::<String>(why.get()).unwrap_or_else(|_| why.get().to_owned());
+        return Ok(Payload::NoCounts(reason));
+    }
+    let layers = layer_ids(h.layers)?;
     let experts = int_in(h.experts, "E", 1, MAX_EXPERTS)? as usize;
     let num_tokens = int_in(h.n, "n", 0, MAX_COUNT)?;
     let bits = int_in(h.bits, "bits", 1, 32)? as u32;
@@ -305,14 +324,7 @@ pub(super) fn from_header(h: Header<'_>, d: Option<&[u8]>, limits: &DecodeLimits
             if got != ib + packed(nnz) {
                 return Err(PayloadError::SparseLength { got, want: ib + packed(nnz), nnz });
             }
-            let mut prev: i64 = -1;
-            for t in 0..nnz {
-                let i = read_index(&data, size, t) as i64;
-                if i <= prev || i >= size as i64 {
-                    return Err(PayloadError::SparseIndex);
-                }
-                prev = i;
-            }
+            check_sparse_indices(&data, size, nnz)?;
             Encoding::Sparse { nnz }
         }
         "log" => {
