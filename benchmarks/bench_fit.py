@@ -33,9 +33,7 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from eldr_sglang.offline.balanced_kmeans import (  # noqa: E402
+from eldr_sglang.offline.balanced_kmeans import (
     balanced_assign,
     hungarian_balanced,
     spherical_kmeans,

@@ -53,13 +53,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from eldr_sglang.testing import loadgen  # noqa: E402
-from eldr_sglang.testing.pd_cluster import Proc, free_port, make_trace_files, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing import loadgen
+from eldr_sglang.testing.pd_cluster import Proc, free_port, make_trace_files, start_cluster, start_router
 
 GATEWAY_PACKAGE = "sglang-router"
 GATEWAY_VERSION = "0.3.2"

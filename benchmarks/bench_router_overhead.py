@@ -26,13 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from eldr_sglang.testing import loadgen  # noqa: E402
-from eldr_sglang.testing.pd_cluster import start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing import loadgen
+from eldr_sglang.testing.pd_cluster import start_cluster, start_router
 
 
 async def _phase(send, n: int, rate: float, rng: random.Random) -> list[float]:

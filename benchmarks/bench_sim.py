@@ -21,17 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eldr_sglang.offline.fit import fit_trace  # noqa: E402
-from eldr_sglang.sim.cluster import ClusterConfig, simulate  # noqa: E402
-from eldr_sglang.sim.cost_model import ExecutionModel  # noqa: E402
-from eldr_sglang.sim.metrics import compute_metrics  # noqa: E402
-from eldr_sglang.sim.policies import eldr_signatures, make_policy  # noqa: E402
-from eldr_sglang.sim.profiles import get_hardware, get_model  # noqa: E402
-from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
-from eldr_sglang.sim.workload import make_workload  # noqa: E402
-from eldr_sglang.traces.synth import generate  # noqa: E402
+from eldr_sglang.offline.fit import fit_trace
+from eldr_sglang.sim.cluster import ClusterConfig, simulate
+from eldr_sglang.sim.cost_model import ExecutionModel
+from eldr_sglang.sim.metrics import compute_metrics
+from eldr_sglang.sim.policies import eldr_signatures, make_policy
+from eldr_sglang.models import get_model
+from eldr_sglang.sim.profiles import get_hardware
+from eldr_sglang.sim.replay import TraceReplay
+from eldr_sglang.workload import replay_workload
+from eldr_sglang.traces.synth import generate
 
 TARGET_S = 60.0
 
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
     K = args.workers
     replay = TraceReplay(trace)
     em = ExecutionModel(get_model(trace.model), get_hardware("h200"))
-    wl = make_workload(replay, requests=args.requests, output_len=args.output_len, arrival="closed", concurrency=args.concurrency)
+    wl = replay_workload(replay, requests=args.requests, output_len=args.output_len, arrival="closed", concurrency=args.concurrency)
     assert not wl.cycled
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

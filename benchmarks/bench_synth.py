@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from eldr_sglang.traces.synth import generate  # noqa: E402
 

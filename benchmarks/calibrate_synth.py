@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from eldr_sglang.traces import synth, stats as ts  # noqa: E402
 from eldr_sglang.traces import Trace, load_trace  # noqa: E402
 from eldr_sglang.testing.synth_tolerances import TOLERANCES  # noqa: E402
+from eldr_sglang.workload import synthetic_workload  # noqa: E402
 
 FIT_SEEDS = (11, 12, 13, 14, 15, 16, 17, 18)
 EVAL_SEEDS = (100, 101, 102, 103, 104, 105, 106, 107)
@@ -54,7 +54,7 @@ class LayerFitContext:
         kw = synth.workload_like(real)
         rng_work, rng_model, rng_concept, rng_pool, rng_tok = (
             np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5))
-        self.wl = synth.make_workload(kw["requests"], kw["domains"], rng_work, kw["prompt_len"],
+        self.wl = synthetic_workload(kw["requests"], kw["domains"], rng_work, kw["prompt_len"],
                                       kw["output_len"], domain_weights=kw["domain_weights"])
         self.L, self.E, self.k = real.num_layers, real.num_experts, real.top_k
         self.params = params

@@ -49,7 +49,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.drift.refit import refit_file  # noqa: E402
 from eldr_sglang.testing.provenance import code_state  # noqa: E402
@@ -58,9 +57,10 @@ from eldr_sglang.offline.fit import fit_trace  # noqa: E402
 from eldr_sglang.sim.cluster import ClusterConfig, simulate  # noqa: E402
 from eldr_sglang.sim.cost_model import ExecutionModel  # noqa: E402
 from eldr_sglang.sim.policies import eldr_signatures, make_policy  # noqa: E402
-from eldr_sglang.sim.profiles import get_hardware, get_model  # noqa: E402
+from eldr_sglang.models import get_model  # noqa: E402
+from eldr_sglang.sim.profiles import get_hardware  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
-from eldr_sglang.sim.workload import make_workload  # noqa: E402
+from eldr_sglang.workload import replay_workload  # noqa: E402
 
 K = 8
 TAU = 0.1
@@ -159,7 +159,7 @@ def make(label, s, tmp, seed, interval, cooldown, lf=None):
 
 def run_part1(labels, s, tmp, seed, interval, cooldown, em, cfg, conc):
     """Every part-1 policy on scenario s: per-phase stats, refit events and TPOT curves."""
-    wl = make_workload(s["replay"], requests=s["eval"], arrival="closed", concurrency=conc, seed=seed)
+    wl = replay_workload(s["replay"], requests=s["eval"], arrival="closed", concurrency=conc, seed=seed)
     stats, evs, curves = {}, {}, {}
     for lab in labels:
         t0 = time.perf_counter()
@@ -193,7 +193,7 @@ def run_rolling(n_phase: int, calib: int, tmp: str, interval: int, cooldown: int
     ev = np.flatnonzero(ph >= 0)
     s = dict(name="rolling", pa=pa, sigs=sigs, phase=ph[ev])
     conc = load * K
-    wl = make_workload(replay, requests=ev, arrival="closed", concurrency=conc, seed=0)
+    wl = replay_workload(replay, requests=ev, arrival="closed", concurrency=conc, seed=0)
     C = np.asarray(_core_centroids(pa))
     out = {"phases": ROLLING, "requests_per_phase": n_phase, "d_star": [], "stats": {}, "refits": {}}
     for i in range(len(ROLLING)):
@@ -303,7 +303,7 @@ def run_part2(s: dict, loads, lfs, tmp, seed: int, interval: int, cooldown: int,
         ev_idx = s["eval"][s["phase"] == 0] if stream == "stationary A" else s["eval"]
         ph = s["phase"][s["phase"] == 0] if stream == "stationary A" else s["phase"]
         for c in loads:
-            wl2 = make_workload(s["replay"], requests=ev_idx, arrival="closed", concurrency=c * K, seed=seed)
+            wl2 = replay_workload(s["replay"], requests=ev_idx, arrival="closed", concurrency=c * K, seed=seed)
             row = {"stream": stream, "load": c, "policies": {}}
             for lab, lf in [("shortest_queue", None), (f"eldr@{TAU:g}", None)] + [(f"eldr@{TAU:g}+bl{f:g}", f) for f in lfs]:
                 pol = make(lab, s, tmp, seed, interval, cooldown, lf=lf)

@@ -39,12 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from eldr_sglang.testing.pd_cluster import Proc, free_port, get_json, metric, post, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import Proc, free_port, get_json, metric, post, start_cluster, start_router
 
 REQUEST_TIMEOUT = 15.0
 ROUTER_FLAGS = ["--first-byte-timeout-secs", "5", "--stall-timeout-secs", "5", "--request-timeout-secs", str(REQUEST_TIMEOUT),

@@ -30,12 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from eldr_sglang.testing.pd_cluster import get_json, start_cluster, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, start_cluster, start_router
 
 
 def _cpu_s(pid: int) -> float:

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from eldr_sglang.testing.sglang_cpu.cluster import wait_ready  # noqa: E402
 from eldr_sglang.testing.sglang_cpu.harness import Harness  # noqa: E402

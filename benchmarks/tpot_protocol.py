@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.defaults import default_policy_label  # noqa: E402
 from eldr_sglang.testing.provenance import code_state, describe  # noqa: E402
 from eldr_sglang.sim.cost_model import SENSITIVITY_VARIANTS, paper_fixed_cost, sensitivity_model  # noqa: E402
-from eldr_sglang.sim.profiles import get_hardware, get_model  # noqa: E402
+from eldr_sglang.models import get_model  # noqa: E402
+from eldr_sglang.sim.profiles import get_hardware  # noqa: E402
 from eldr_sglang.sim.protocol import (  # noqa: E402
     BOUND_LABELS, FIXED_OUTPUT_LEN, OPEN_LOAD, OPEN_REFERENCE_CLIENTS, STRICT_MIN_REQUESTS, STRICT_POLICIES, WARMUP_FRAC,
     Cell, random_splits, run_protocol, strict_cells, summarize, versus_best,

@@ -38,18 +38,18 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.offline.fit import fit_trace  # noqa: E402
 from eldr_sglang.testing.provenance import code_state, describe  # noqa: E402
 from eldr_sglang.sim.cluster import ClusterConfig  # noqa: E402
 from eldr_sglang.sim.cost_model import ExecutionModel  # noqa: E402
 from eldr_sglang.sim.policies import eldr_signatures  # noqa: E402
-from eldr_sglang.sim.profiles import get_hardware, get_model  # noqa: E402
+from eldr_sglang.models import get_model  # noqa: E402
+from eldr_sglang.sim.profiles import get_hardware  # noqa: E402
 from eldr_sglang.sim.replay import TraceReplay  # noqa: E402
 from eldr_sglang.sim.report import LOAD_BALANCERS, pct_change, write_json  # noqa: E402
 from eldr_sglang.sim.runner import paper_check, parse_policies, run_comparison  # noqa: E402
-from eldr_sglang.sim.workload import make_workload  # noqa: E402
+from eldr_sglang.workload import replay_workload  # noqa: E402
 from eldr_sglang.traces.synth import generate  # noqa: E402
 from eldr_sglang.traces import load_trace  # noqa: E402
 
@@ -175,7 +175,7 @@ def legacy_main(argv=None) -> int:
             wres["fits"][K].update(band_diagnostics(sigs, cpath, w["eval"], args.tau))
             cfg = ClusterConfig(num_decode=K)
             for c in per_worker:
-                wl = make_workload(replay, requests=eval_requests(w["eval"], c * K), arrival="closed", concurrency=c * K, seed=args.seed)
+                wl = replay_workload(replay, requests=eval_requests(w["eval"], c * K), arrival="closed", concurrency=c * K, seed=args.seed)
                 pols, _ = run_comparison(replay, wl, specs, em, cfg, centroids=cpath, seed=args.seed, signatures=sigs)
                 slim = {n: {k: m[k] for k in ("tpot_ms", "ttft_ms", "itl_ms", "throughput_tok_s", "unique_experts_per_layer_step",
                                                "expert_reuse_ratio", "expert_locality", "load_imbalance", "mean_batch")} for n, m in pols.items()}
@@ -186,7 +186,7 @@ def legacy_main(argv=None) -> int:
                     f"p99 {e['p99']:.2f} ms; experts/layer/step eldr {pols['eldr']['unique_experts_per_layer_step']:.1f} "
                     f"vs sq {pols['shortest_queue']['unique_experts_per_layer_step']:.1f}")
             if K == 8:
-                wl = make_workload(replay, requests=eval_requests(w["eval"], tau_load * K), arrival="closed",
+                wl = replay_workload(replay, requests=eval_requests(w["eval"], tau_load * K), arrival="closed",
                                    concurrency=tau_load * K, seed=args.seed)
                 tspecs = parse_policies("shortest_queue," + ",".join(f"eldr@{x:g}" for x in taus), load_factor=lf)
                 pols, _ = run_comparison(replay, wl, tspecs, em, cfg, centroids=cpath, seed=args.seed, signatures=sigs)

@@ -20,7 +20,8 @@ from typing_extensions import Self
 # The classes are frozen PyO3 classes, which cannot be subclassed (final).
 
 __all__ = [
-    "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
+    "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "PREFILL_POLICIES", "DEFAULT_POLICY",
+    "DEFAULT_PREFILL_POLICY", "DEFAULT_TAU", "DEFAULT_LOAD_FACTOR", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
     "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane", "ReservoirSampler",
@@ -29,6 +30,11 @@ __version__: str
 FORMAT_VERSION: int
 POLICIES: tuple[str, ...]  # every decode policy the Router builds
 COUNTS_POLICIES: tuple[str, ...]  # those routing on the prefill's counts: late binding, a centroid file, fallbacks
+PREFILL_POLICIES: tuple[str, ...]  # those that can also place requests on prefill workers
+DEFAULT_POLICY: str  # the decode policy when none is given ("locality")
+DEFAULT_PREFILL_POLICY: str  # the prefill placement when none is given ("round_robin")
+DEFAULT_TAU: float  # ELDR's band width when neither the caller nor the centroid file gives one
+DEFAULT_LOAD_FACTOR: float  # the bounded-load cap of eldr/F and locality/F
 FALLBACK_REASONS: tuple[str, ...]  # why a counts policy routed without a signature (NoSignature reasons + 'no_centroids')
 PAYLOAD_KEY: str  # "eldr_signature": the stream-event field that carries the counts payload
 PAYLOAD_MAX_ENTRIES: int  # largest L*E a payload may claim
@@ -238,7 +244,7 @@ class Router:
 
     def __new__(
         cls,
-        policy: str = "eldr",
+        policy: str | None = None,  # None: DEFAULT_POLICY
         num_workers: int | None = None,
         centroids: str | None = None,
         tau: float | None = None,

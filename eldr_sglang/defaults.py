@@ -1,13 +1,14 @@
-"""The routing default the protocol study supports, in one place (and the fit's stopping share).
+"""The routing default the protocol study supports (and the fit's stopping share).
 
-`eldr simulate --policies default` resolves to it, and the router service's config can import
-it (this module imports nothing). It was chosen from benchmarks/results/tpot_study_protocol.md:
-see the README's TPOT section for the numbers and every cell where it loses to a balancer.
+The routing defaults are defined once, in the Rust core (rust/core/src/policies/config.rs),
+and read here: `eldr simulate --policies default` resolves to them, and the router service's
+config reads them. They were chosen from benchmarks/results/tpot_study_protocol.md: see the
+README's TPOT section for the numbers and every cell where the default loses to a balancer.
 """
 
-DEFAULT_POLICY = "locality"  # the locality-aware balancer (Rust policies/locality.rs)
-DEFAULT_TAU = 0.1  # used only when DEFAULT_POLICY is "eldr"
-DEFAULT_LOAD_FACTOR = 0.05  # the bounded-load cap of eldr/F, shared by locality/F
+from eldr_sglang._core import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_TAU
+
+__all__ = ["DEFAULT_LOAD_FACTOR", "DEFAULT_POLICY", "DEFAULT_TAU", "FIT_CHANGE_TOL", "FIT_SAMPLE_GROWTH", "default_policy_label"]
 
 # `eldr fit`: Lloyd's iterations stop once at most this share of the requests changed cluster
 # in one (or the objective improved by at most --tol). Chosen on GPT-OSS-20B traces at 200k

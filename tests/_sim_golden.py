@@ -59,9 +59,10 @@ def run_scenarios(workdir: Path, config_extra: dict | None = None) -> dict[str, 
     from eldr_sglang.sim.cluster import ClusterConfig, simulate
     from eldr_sglang.sim.cost_model import ExecutionModel
     from eldr_sglang.sim.policies import make_policy
-    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.profiles import get_hardware
     from eldr_sglang.sim.replay import TraceReplay
-    from eldr_sglang.sim.workload import make_workload
+    from eldr_sglang.workload import replay_workload
 
     trace = skewed_trace()
     replay = TraceReplay(trace)
@@ -70,7 +71,7 @@ def run_scenarios(workdir: Path, config_extra: dict | None = None) -> dict[str, 
         K = ck["num_decode"]
         cpath = quick_fit(trace, K, workdir / f"{name}.eldr") if pol == "eldr" else None
         em = ExecutionModel(get_model("gpt-oss-20b"), get_hardware("h100"), **ek)
-        wl = make_workload(replay, **wk)
+        wl = replay_workload(replay, **wk)
         policy = make_policy(pol, K, replay=replay, centroids=cpath, seed=7)
         res = simulate(replay, wl, policy, em, ClusterConfig(**ck, **(config_extra or {})))
         for f in FIELDS_INT + FIELDS_FLOAT:

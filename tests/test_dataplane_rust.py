@@ -183,11 +183,3 @@ def test_a_worker_url_the_rust_plane_cannot_reach_is_refused_at_start(cluster):
             "--disagg-router", "round_robin"]
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "plain http://" in out.stderr and "Traceback" not in out.stderr
-
-
-def test_the_removed_python_data_plane_is_refused_with_a_clear_message(cluster):
-    argv = [sys.executable, "-m", "eldr_sglang.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
-            "--port", str(free_port()), "--prefill", cluster["prefill"][0][0], "--decode", cluster["decode"][0],
-            "--disagg-router", "round_robin", "--data-plane", "python"]
-    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "Python data plane was removed" in out.stderr and "Traceback" not in out.stderr

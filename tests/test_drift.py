@@ -548,15 +548,16 @@ def test_adaptive_policy_in_the_simulator(drift_setup, tmp_path):
     from eldr_sglang.drift.drifting_workload import AdaptivePolicy
     from eldr_sglang.sim.cluster import ClusterConfig, simulate
     from eldr_sglang.sim.cost_model import ExecutionModel
-    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.profiles import get_hardware
     from eldr_sglang.sim.replay import TraceReplay
-    from eldr_sglang.sim.workload import make_workload
+    from eldr_sglang.workload import replay_workload
     from eldr_sglang.traces import load_trace
 
     tr = load_trace(drift_setup["trace"])
     replay = TraceReplay(tr)
     ev = np.flatnonzero(drift_setup["phase"] >= 0)
-    wl = make_workload(replay, requests=ev, arrival="closed", concurrency=64)
+    wl = replay_workload(replay, requests=ev, arrival="closed", concurrency=64)
     pol = AdaptivePolicy("adaptive", K, drift_setup["path"], (drift_setup["S"], drift_setup["valid"]), str(tmp_path),
                          cooldown=10_000, activation_delay=32, monitor_kw=dict(window=128),
                          reservoir_kw=dict(capacity=1024, horizon=2048))
@@ -615,16 +616,3 @@ def test_router_without_a_baseline_routes_on_without_drift_handling(tmp_path):
                 assert r.status == 404 and "drift baseline" in (await r.json())["error"]["message"]
 
     asyncio.run(main())
-
-
-def test_old_module_name_drift_sim_still_imports_with_a_warning():
-    import importlib
-    import sys
-
-    from eldr_sglang.drift import drifting_workload
-
-    sys.modules.pop("eldr_sglang.drift.sim", None)
-    with pytest.warns(DeprecationWarning, match="drifting_workload"):
-        old = importlib.import_module("eldr_sglang.drift.sim")
-    assert old.drifting_trace is drifting_workload.drifting_trace
-    assert old.AdaptivePolicy is drifting_workload.AdaptivePolicy

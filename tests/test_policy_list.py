@@ -51,3 +51,18 @@ def test_every_fallback_name_is_the_decisions_reason(eldr_router):
         eldr_router.route_fallback("prefill_none:some text")
     # without a centroid file the core names the fallback itself
     assert _core.Router(policy="eldr", num_workers=2).route_fallback("timeout", explain=True).reason == "no_centroids"
+
+
+def test_defaults_and_the_prefill_list_come_from_the_core():
+    from eldr_sglang import defaults
+    from eldr_sglang.sim import prefill as sim_prefill
+
+    assert (defaults.DEFAULT_POLICY, defaults.DEFAULT_TAU, defaults.DEFAULT_LOAD_FACTOR) == (
+        _core.DEFAULT_POLICY, _core.DEFAULT_TAU, _core.DEFAULT_LOAD_FACTOR)
+    assert _core.DEFAULT_POLICY == "locality" and _core.Router(num_workers=2).policy == _core.DEFAULT_POLICY
+    assert config.PREFILL_POLICIES is _core.PREFILL_POLICIES
+    assert tuple(_choices(config.build_parser(), "prefill_policy")) == _core.PREFILL_POLICIES
+    assert config.RouterConfig(prefill=[], decode=[]).prefill_policy == _core.DEFAULT_PREFILL_POLICY
+    assert sim_prefill.PREFILL_POLICIES == _core.PREFILL_POLICIES + ("earliest_free",)
+    assert sim_prefill.DEFAULT_PREFILL_POLICY == _core.DEFAULT_PREFILL_POLICY
+    assert set(_core.PREFILL_POLICIES) < set(_core.POLICIES) - set(_core.COUNTS_POLICIES)

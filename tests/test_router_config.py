@@ -19,8 +19,6 @@ BASE = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "8998", "--pre
 
 def test_sglang_router_style_flags():
     cfg = parse_config(BASE + ["--disagg-router", "shortest_queue", "--port", "8000"])
-    # --data-plane rust: still accepted from older command lines (the only data plane)
-    assert parse_config(BASE + ["--disagg-router", "random", "--data-plane", "rust"]).policy == "random"
     assert [(w.url, w.bootstrap_port, w.host) for w in cfg.prefill] == [
         ("http://127.0.0.1:1", 8998, "127.0.0.1"), ("http://127.0.0.1:2", None, "127.0.0.1"),
         ("http://127.0.0.1:3", None, "127.0.0.1")]
@@ -44,7 +42,6 @@ def test_sglang_router_style_flags():
     (BASE + ["--disagg-router", "random", "--eldr-load-factor", "-0.5"], "--eldr-load-factor"),
     (["--pd-disaggregation", "--prefill", "https://h:1", "--decode", "http://h:2"], "plain http:// to workers only"),
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "https://h:2"], "plain http:// to workers only"),
-    (BASE + ["--disagg-router", "random", "--data-plane", "python"], "the Python data plane was removed"),
 ])
 def test_bad_command_lines_are_explained(argv, match):
     with pytest.raises(ConfigError, match=match):

@@ -187,11 +187,3 @@ def test_route_from_wire_equals_route_from_dense(tmp_path):
             assert a.distances == b.distances  # bit for bit
             np.testing.assert_array_equal(b.unit_signature(), spec.from_dense(dense))
             assert router.route_counts(wire, explain=True).unit_signature() is None  # kept only when asked
-
-
-def test_renamed_count_types_keep_deprecated_aliases():
-    import eldr_sglang.sglang_ext.payload as payload
-    from eldr_sglang import _core
-
-    with pytest.warns(DeprecationWarning):
-        assert payload.DecodedSignature is _core.DecodedCounts

@@ -9,9 +9,10 @@ from eldr_sglang.sim.cluster import ClusterConfig, simulate
 from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.sim.metrics import compute_metrics
 from eldr_sglang.sim.policies import make_policy
-from eldr_sglang.sim.profiles import get_hardware, get_model
+from eldr_sglang.models import get_model
+from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.sim.replay import TraceReplay, distinct_per_layer_np
-from eldr_sglang.sim.workload import make_workload
+from eldr_sglang.workload import replay_workload
 
 from _sim_helpers import make_trace
 
@@ -45,7 +46,7 @@ def _check_conservation(res, wl):
 
 @pytest.mark.parametrize("policy", ["random", "round_robin", "shortest_queue", "power_of_two"])
 def test_conservation_closed_loop(small, policy):
-    wl = make_workload(small, arrival="closed", concurrency=24)
+    wl = replay_workload(small, arrival="closed", concurrency=24)
     res = simulate(small, wl, make_policy(policy, 4), _em(), ClusterConfig(num_decode=4))
     _check_conservation(res, wl)
 
@@ -53,7 +54,7 @@ def test_conservation_closed_loop(small, policy):
 @pytest.mark.parametrize("arrival", ["poisson", "bursty"])
 def test_conservation_open_loop_with_cycling(small, arrival):
     # more output tokens than recorded: decode routing is replayed cyclically
-    wl = make_workload(small, requests=150, arrival=arrival, rate=200.0, output_len=400, seed=3)
+    wl = replay_workload(small, requests=150, arrival=arrival, rate=200.0, output_len=400, seed=3)
     assert wl.cycled
     res = simulate(small, wl, make_policy("shortest_queue", 3), _em(), ClusterConfig(num_decode=3, num_prefill=2))
     _check_conservation(res, wl)
@@ -62,13 +63,13 @@ def test_conservation_open_loop_with_cycling(small, arrival):
 
 def test_router_in_flight_returns_to_zero(small):
     pol = make_policy("shortest_queue", 4)
-    wl = make_workload(small, arrival="closed", concurrency=16)
+    wl = replay_workload(small, arrival="closed", concurrency=16)
     simulate(small, wl, pol, _em(), ClusterConfig(num_decode=4))
     assert pol.loads() == [0, 0, 0, 0]
 
 
 def test_single_token_requests_finish_at_admission(small):
-    wl = make_workload(small, arrival="closed", concurrency=10, output_len=1)
+    wl = replay_workload(small, arrival="closed", concurrency=10, output_len=1)
     res = simulate(small, wl, make_policy("round_robin", 2), _em(), ClusterConfig(num_decode=2))
     _check_conservation(res, wl)
     assert len(res.step_dt) == 0
@@ -78,13 +79,13 @@ def test_single_token_requests_finish_at_admission(small):
 def test_model_trace_mismatch_is_a_clear_error():
     ids = np.zeros((6, 2, 1), np.int16)
     rp = TraceReplay(make_trace(ids, [3, 3], [2, 2], num_experts=2))
-    wl = make_workload(rp, arrival="closed", concurrency=2)
+    wl = replay_workload(rp, arrival="closed", concurrency=2)
     with pytest.raises(ValueError, match="pass the matching --model"):
         simulate(rp, wl, make_policy("round_robin", 2), _em(), ClusterConfig(num_decode=2))
 
 
 def test_determinism(small):
-    wl = make_workload(small, arrival="poisson", rate=300.0, seed=5)
+    wl = replay_workload(small, arrival="poisson", rate=300.0, seed=5)
     outs = []
     for _ in range(2):
         res = simulate(small, wl, make_policy("power_of_two", 4, seed=11), _em(), ClusterConfig(num_decode=4))
@@ -100,9 +101,9 @@ def test_determinism(small):
 
 
 def test_workload_seed_changes_arrivals(small):
-    a = make_workload(small, arrival="poisson", rate=10.0, seed=1).arrival_s
-    b = make_workload(small, arrival="poisson", rate=10.0, seed=1).arrival_s
-    c = make_workload(small, arrival="poisson", rate=10.0, seed=2).arrival_s
+    a = replay_workload(small, arrival="poisson", rate=10.0, seed=1).arrival_s
+    b = replay_workload(small, arrival="poisson", rate=10.0, seed=1).arrival_s
+    c = replay_workload(small, arrival="poisson", rate=10.0, seed=2).arrival_s
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     assert np.all(np.diff(a) >= 0)
 
@@ -118,7 +119,7 @@ def test_rust_distinct_matches_numpy():
 
 
 def test_max_running_and_kv_capacity_respected(small):
-    wl = make_workload(small, arrival="closed", concurrency=60)
+    wl = replay_workload(small, arrival="closed", concurrency=60)
     res = simulate(small, wl, make_policy("round_robin", 2), _em(), ClusterConfig(num_decode=2, max_running=5))
     assert res.step_batch.max() <= 5
     _check_conservation(res, wl)
@@ -136,7 +137,7 @@ def test_step_distinct_comes_from_the_trace(small):
     """A recorded step's distinct count equals a recount of the batch's trace rows."""
     same = np.nonzero(small.prompt_len == small.prompt_len.max())[0][:8]
     assert len(same) == 8
-    wl = make_workload(small, arrival="closed", concurrency=8, requests=same)
+    wl = replay_workload(small, arrival="closed", concurrency=8, requests=same)
     # equal prompts on 8 prefill workers: all 8 reach the single decode worker together
     res = simulate(small, wl, make_policy("round_robin", 1), _em(), ClusterConfig(num_decode=1, num_prefill=8))
     d = distinct_per_layer_np(small.expert_ids[small.dec_start[same]], small.num_experts)
@@ -148,7 +149,7 @@ def test_step_distinct_comes_from_the_trace(small):
 
 def test_offload_mode_counts_misses(small):
     em = ExecutionModel(get_model("gpt-oss-20b"), get_hardware("h100"), offload_cache_experts=8)
-    wl = make_workload(small, arrival="closed", concurrency=16, requests=np.arange(30))
+    wl = replay_workload(small, arrival="closed", concurrency=16, requests=np.arange(30))
     res = simulate(small, wl, make_policy("round_robin", 2), em, ClusterConfig(num_decode=2))
     _check_conservation(res, wl)
     assert res.offload_misses > 0
@@ -169,13 +170,13 @@ def test_random_mix_yardstick():
 
 def test_locality_near_one_without_locality(small):
     """Round robin over real requests: batches look like random mixes (locality ~ 1)."""
-    wl = make_workload(small, arrival="closed", concurrency=32, requests=np.random.default_rng(0).permutation(small.num_requests))
+    wl = replay_workload(small, arrival="closed", concurrency=32, requests=np.random.default_rng(0).permutation(small.num_requests))
     m = compute_metrics(simulate(small, wl, make_policy("round_robin", 2), _em(), ClusterConfig(num_decode=2)))
     assert 0.93 < m["expert_locality"] < 1.02
 
 
 def test_perfect_overlap_bound_and_expert_parallel_and_context(small):
-    wl = make_workload(small, requests=60, arrival="closed", concurrency=16, output_len=12)
+    wl = replay_workload(small, requests=60, arrival="closed", concurrency=16, output_len=12)
     em = _em()
     pol = lambda: make_policy("round_robin", 4)
     base = simulate(small, wl, pol(), em, ClusterConfig(num_decode=4))
@@ -192,9 +193,9 @@ def test_perfect_overlap_bound_and_expert_parallel_and_context(small):
     assert np.all(res.step_distinct >= small.top_k)
     assert np.all(res.step_distinct <= np.minimum(res.step_batch * small.top_k, small.num_experts))
     # a longer simulated context reads more KV: slower steps
-    long = make_workload(small, requests=60, arrival="closed", concurrency=16, output_len=12, context_len=4096)
+    long = replay_workload(small, requests=60, arrival="closed", concurrency=16, output_len=12, context_len=4096)
     assert (long.prompt_len == 4096).all()
     rl = simulate(small, long, pol(), em, ClusterConfig(num_decode=4))
     assert rl.step_dt.sum() > base.step_dt.sum()
     with pytest.raises(ValueError, match="context length"):
-        make_workload(small, requests=4, arrival="closed", concurrency=2, context_len=0)
+        replay_workload(small, requests=4, arrival="closed", concurrency=2, context_len=0)

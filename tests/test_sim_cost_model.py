@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from eldr_sglang.sim.cost_model import ExecutionModel, ExpertCache, min_tp
-from eldr_sglang.sim.profiles import HARDWARE_PROFILES, MODEL_PROFILES, get_hardware, get_model
+from eldr_sglang.models import MODEL_PROFILES, get_model
+from eldr_sglang.sim.profiles import HARDWARE_PROFILES, get_hardware
 
 
 @pytest.mark.parametrize("name", list(MODEL_PROFILES))

@@ -9,10 +9,11 @@ import pytest
 from eldr_sglang.sim.cluster import ClusterConfig
 from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.sim.policies import make_policy
-from eldr_sglang.sim.profiles import get_hardware, get_model
+from eldr_sglang.models import get_model
+from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.sim.replay import TraceReplay
 from eldr_sglang.sim.runner import parse_policies, run_comparison
-from eldr_sglang.sim.workload import make_workload
+from eldr_sglang.workload import replay_workload
 
 from test_sim_policies import two_domain_trace, write_domain_centroids
 
@@ -40,7 +41,7 @@ def test_non_oracle_policies_never_read_labels(tmp_path):
     t.subdomain = Poison()
     rp = TraceReplay(t)
     c = write_domain_centroids(tmp_path / "c.eldr")
-    wl = make_workload(rp, arrival="closed", concurrency=6)
+    wl = replay_workload(rp, arrival="closed", concurrency=6)
     em = ExecutionModel(get_model("mixtral-8x7b"), get_hardware("h100"))
     specs = parse_policies("random,round_robin,shortest_queue,power_of_two,eldr,eldr@0.5")
     pols, _ = run_comparison(rp, wl, specs, em, ClusterConfig(num_decode=2), centroids=c)

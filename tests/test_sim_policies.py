@@ -10,10 +10,11 @@ from eldr_sglang.sim.cluster import ClusterConfig, simulate
 from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.sim.metrics import compute_metrics
 from eldr_sglang.sim.policies import OraclePolicy, RouterPolicy, make_policy
-from eldr_sglang.sim.profiles import get_hardware, get_model
+from eldr_sglang.models import get_model
+from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.sim.replay import TraceReplay
 from eldr_sglang.sim.runner import parse_policies, run_comparison
-from eldr_sglang.sim.workload import make_workload
+from eldr_sglang.workload import replay_workload
 
 from _sim_helpers import make_trace
 
@@ -82,7 +83,7 @@ def _em():
 
 
 def _run(replay, pol, K, conc=8, **wk):
-    wl = make_workload(replay, arrival="closed", concurrency=conc, **wk)
+    wl = replay_workload(replay, arrival="closed", concurrency=conc, **wk)
     return simulate(replay, wl, pol, _em(), ClusterConfig(num_decode=K))
 
 
@@ -205,7 +206,7 @@ def test_parse_policies():
 def test_run_comparison_same_workload_for_all(dom, tmp_path):
     t, rp = dom
     c = write_domain_centroids(tmp_path / "c.eldr")
-    wl = make_workload(rp, arrival="closed", concurrency=6)
+    wl = replay_workload(rp, arrival="closed", concurrency=6)
     pols, _ = run_comparison(rp, wl, parse_policies("round_robin,shortest_queue,eldr,oracle"), _em(),
                              ClusterConfig(num_decode=2), centroids=c)
     assert set(pols) == {"round_robin", "shortest_queue", "eldr", "oracle"}
@@ -239,7 +240,7 @@ def test_bounds_and_default_in_run_comparison(dom, tmp_path):
 
     t, rp = dom
     c = write_domain_centroids(tmp_path / "c.eldr")
-    wl = make_workload(rp, arrival="closed", concurrency=8)
+    wl = replay_workload(rp, arrival="closed", concurrency=8)
     specs = parse_policies("shortest_queue,default,clairvoyant/0.05,perfect_overlap")
     assert specs[1].label == default_policy_label()
     pols, _ = run_comparison(rp, wl, specs, _em(), ClusterConfig(num_decode=2), centroids=c)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from eldr_sglang.sim.cost_model import ExecutionModel
-from eldr_sglang.sim.profiles import get_hardware, get_model
+from eldr_sglang.models import get_model
+from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.sim.protocol import (
     STRICT_MIN_REQUESTS, Cell, eval_sequence, random_splits, run_cell, run_protocol, strict_cells, summarize, versus_best,
 )

@@ -15,8 +15,7 @@ import json
 import sys
 
 from eldr_sglang.cli import args as A
-from eldr_sglang.cli.drift_check import run_check  # noqa: F401  (its old home)
-from eldr_sglang.cli.signatures import request_range as _range, trace_signatures  # noqa: F401  (_range: its old name)
+from eldr_sglang.cli.signatures import trace_signatures
 
 
 def register(subparsers) -> None:

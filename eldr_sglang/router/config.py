@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 # The default decode policy and bounded-load factor are the ones the protocol study supports
-# (eldr_sglang.defaults: locality/0.05; benchmarks/results/tpot_study_protocol.md). The load
+# (the Rust core's, read through eldr_sglang.defaults: locality/0.05;
+# benchmarks/results/tpot_study_protocol.md). The load
 # cost of locality at DeepSeek-V3 shape is in benchmarks/results/bench_router_locality.md.
 from eldr_sglang import _core
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
@@ -37,16 +38,15 @@ DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
 DAY_S = 86400.0
 
-# The one policy list, from the Rust core (rust/core/src/policies/mod.rs POLICIES). The counts
+# The one policy list, from the Rust core (rust/core/src/policies/config.rs POLICIES). The counts
 # policies route on the prefill's expert counts: they bind late, need the centroid file (eldr:
-# its centroids; locality: its layer selection) and count fallbacks.
+# its centroids; locality: its layer selection) and count fallbacks. Prefill placement takes
+# the policies that read loads and health only.
 DECODE_POLICIES = _core.POLICIES
 COUNTS_POLICIES = _core.COUNTS_POLICIES
-PREFILL_POLICIES = ("round_robin", "random", "shortest_queue")
+PREFILL_POLICIES = _core.PREFILL_POLICIES
 # The request path runs in the Rust extension's tokio/hyper server (rust/dataplane); Python is
-# the control plane (admin endpoints, health, loads, reload, drift). `--data-plane` chose
-# between it and an aiohttp request path that is gone; it still accepts this one value.
-DATA_PLANE = "rust"
+# the control plane (admin endpoints, health, loads, reload, drift).
 
 
 class ConfigError(ValueError):
@@ -65,7 +65,7 @@ class RouterConfig:
     prefill: list[PrefillWorker]
     decode: list[str]
     policy: str = DEFAULT_POLICY
-    prefill_policy: str = "round_robin"
+    prefill_policy: str = _core.DEFAULT_PREFILL_POLICY
     centroids: str | None = None
     tau: float | None = None
     load_factor: float | None = None
@@ -145,7 +145,7 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help=f"decode routing policy (default {DEFAULT_POLICY}: the locality-aware balancer, least marginal expected "
         "expert cost under the load cap; eldr: the paper's band rule; both need --eldr-centroids)",
     )
-    pol.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
+    pol.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=_core.DEFAULT_PREFILL_POLICY)
     pol.add_argument("--eldr-centroids", metavar="PATH",
                      help="centroid file from `eldr fit` (required for eldr and locality; locality uses its layer selection)")
     pol.add_argument("--eldr-tau", type=float, default=None, help="band width tau (default: the file's)")
@@ -205,11 +205,6 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
                     help="first ejection's length; doubles on each re-ejection (default 5)")
     up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
     cl = ap.add_argument_group("Clients and control endpoints")
-    cl.add_argument(
-        "--data-plane", default=DATA_PLANE, metavar=DATA_PLANE,
-        help="accepted for older command lines: the request path always runs in the Rust extension's tokio/hyper "
-        "server (Python keeps the control plane on an internal loopback port); 'python' was removed",
-    )
     cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
                     help="a connection that sends no complete request head in this long is closed (default 30)")
     cl.add_argument("--client-body-timeout-secs", type=float, default=30.0,
@@ -243,9 +238,6 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
-    if a.data_plane != DATA_PLANE:
-        raise ConfigError(f"--data-plane {a.data_plane}: the Python data plane was removed; the request path runs in "
-                          f"the Rust data plane only (drop the flag, or give --data-plane {DATA_PLANE})")
     if not a.pd_disaggregation:
         raise ConfigError("--pd-disaggregation is required: this router serves PD-disaggregated clusters only")
     prefill = []

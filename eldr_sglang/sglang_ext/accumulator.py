@@ -161,12 +161,3 @@ class CountsAccumulator:
         valid = [self._slots[s].valid for s in slots]
         tokens = [self._slots[s].tokens for s in slots]
         return rows, valid, tokens
-
-
-def __getattr__(name: str):
-    if name == "SignatureAccumulator":  # renamed: it accumulates raw counts, not the normalized signature
-        import warnings
-
-        warnings.warn("SignatureAccumulator is now CountsAccumulator", DeprecationWarning, stacklevel=2)
-        return CountsAccumulator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

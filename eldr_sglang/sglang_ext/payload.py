@@ -30,7 +30,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import warnings
 
 import numpy as np
 
@@ -146,10 +145,3 @@ def worst_case_bits(num_layers: int, num_experts: int, max_bytes: int = DEFAULT_
     overhead = 64 + 12 * num_layers  # header, layer ids and per-layer maxima
     usable = (max_bytes - overhead) * 3 // 4
     return max(0, min(15, int(math.floor(usable * 8 / (num_layers * num_experts)))))
-
-
-def __getattr__(name: str):
-    if name == "DecodedSignature":  # renamed: it carries raw counts, not the normalized signature
-        warnings.warn("DecodedSignature is now DecodedCounts", DeprecationWarning, stacklevel=2)
-        return DecodedCounts
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """PD decode simulator (Vidur-style: workload, schedulers and execution-time model apart).
 
 The model catalogue is eldr_sglang.models and the workload eldr_sglang.workload (shared with
-the synthetic traces); profiles.py and workload.py here keep their old names importable.
+the synthetic traces).
 
 - profiles.py   hardware constants from public specs (HARDWARE_PROFILES)
 - cost_model.py execution-time model (ExecutionModel: decode_step_time, prefill_time)

@@ -456,7 +456,8 @@ SENSITIVITY_VARIANTS = ("default", "paper-fixed", "paper-fixed+overhead")
 
 def paper_fixed_cost() -> float:
     """Seconds per MoE layer that reproduce the paper's 4.7x on its reference setting."""
-    from eldr_sglang.sim.profiles import get_hardware, get_model
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.profiles import get_hardware
 
     m, hw = PAPER_REFERENCE
     return ExecutionModel(get_model(m), get_hardware(hw)).paper_fixed_cost_s()

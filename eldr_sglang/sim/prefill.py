@@ -1,9 +1,10 @@
 """The prefill scheduler of the simulated cluster: which prefill worker takes a request, and
 when its prefill is done (each worker runs its prefills one at a time, FIFO).
 
-The placement policies are the router service's (`--prefill-policy`, round robin by default:
-eldr_sglang.router.config.PREFILL_POLICIES) plus `earliest_free`, which the simulator used
-before: the worker that frees up first, which a router cannot know exactly.
+The placement policies are the router service's (`--prefill-policy`, round robin by default;
+both from the Rust core: _core.PREFILL_POLICIES, _core.DEFAULT_PREFILL_POLICY) plus
+`earliest_free`, which the simulator used before: the worker that frees up first, which a
+router cannot know exactly.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import heapq
 
 import numpy as np
 
-PREFILL_POLICIES = ("round_robin", "random", "shortest_queue", "earliest_free")
-DEFAULT_PREFILL_POLICY = "round_robin"  # what the router service does by default
+from eldr_sglang import _core
+
+PREFILL_POLICIES = _core.PREFILL_POLICIES + ("earliest_free",)
+DEFAULT_PREFILL_POLICY = _core.DEFAULT_PREFILL_POLICY  # what the router service does by default
 
 
 class PrefillScheduler:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# the model catalogue moved to eldr_sglang.models; these names stay importable from here
-from eldr_sglang.models import BF16, FP8, MODEL_PROFILES, MXFP4, ModelProfile, get_model  # noqa: F401
-
 
 @dataclass(frozen=True)
 class HardwareProfile:

@@ -33,7 +33,7 @@ from eldr_sglang.sim.cluster import ClusterConfig
 from eldr_sglang.sim.metrics import compute_metrics
 from eldr_sglang.sim.report import LOAD_BALANCERS, pct_change
 from eldr_sglang.sim.runner import PolicySpec, parse_policies, run_comparison
-from eldr_sglang.sim.workload import make_workload
+from eldr_sglang.workload import replay_workload
 
 STRICT_MIN_REQUESTS = 2000
 WARMUP_FRAC = 0.1
@@ -110,18 +110,18 @@ def run_cell(replay, eval_idx, specs: list[PolicySpec], model, K: int, cell: Cel
     cfg = ClusterConfig(num_decode=K)
     common = dict(requests=idx, order="trace", output_len=out_len, seed=seed, context_len=context_len)
     if cell.loop == "closed":
-        wl = make_workload(replay, arrival="closed", concurrency=int(cell.load * K), **common)
+        wl = replay_workload(replay, arrival="closed", concurrency=int(cell.load * K), **common)
     else:
         key = (cell.order, cell.output)
         cap = None if capacity is None else capacity.get(key)
         if cap is None:
-            ref = make_workload(replay, arrival="closed", concurrency=OPEN_REFERENCE_CLIENTS * K, **common)
+            ref = replay_workload(replay, arrival="closed", concurrency=OPEN_REFERENCE_CLIENTS * K, **common)
             m, _ = run_comparison(replay, ref, parse_policies("shortest_queue"), model, cfg, seed=seed)
             mm = m["shortest_queue"]
             cap = mm["requests"] / mm["duration_s"]
             if capacity is not None:
                 capacity[key] = cap
-        wl = make_workload(replay, arrival="poisson", rate=cell.load * cap, **common)
+        wl = replay_workload(replay, arrival="poisson", rate=cell.load * cap, **common)
     pols, _ = run_comparison(replay, wl, specs, model, cfg, centroids=centroids, seed=seed, signatures=signatures,
                              warmup_frac=WARMUP_FRAC, clairvoyant=clairvoyant)
     res = {n: _slim(m) for n, m in pols.items()}

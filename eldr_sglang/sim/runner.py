@@ -13,7 +13,7 @@ from eldr_sglang.sim.metrics import compute_metrics
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_TAU
 from eldr_sglang.sim.policies import BOUNDED, POLICY_NAMES, eldr_signatures, make_policy
 from eldr_sglang.sim.replay import TraceReplay
-from eldr_sglang.sim.workload import Workload
+from eldr_sglang.workload import Workload
 
 
 @dataclass(frozen=True)

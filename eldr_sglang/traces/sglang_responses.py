@@ -407,15 +407,3 @@ def read_sglang(path: str | os.PathLike, spec: ModelSpec) -> Trace:
             return read_bench_serving_output(path, spec)
         return read_responses_jsonl(path, spec)
     raise RoutedExpertsError(f"{path}: the file is empty")
-
-
-def __getattr__(name: str):
-    # encode_routed_experts moved to eldr_sglang.testing.payloads: only tests build payloads
-    if name == "encode_routed_experts":
-        import warnings
-
-        from eldr_sglang.testing.payloads import encode_routed_experts
-
-        warnings.warn("encode_routed_experts moved to eldr_sglang.testing.payloads", DeprecationWarning, stacklevel=2)
-        return encode_routed_experts
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -406,7 +406,6 @@ def generate(
     domain_weights: Sequence[float] | None = None,
     params: SynthParams | None = None,
     progress: Callable[[int], None] | None = None,
-    chunk_tokens: int = 1 << 20,
 ) -> Trace:
     """A synthetic trace (ELDR v1, in memory) with domain labels and arrival times.
 
@@ -414,8 +413,8 @@ def generate(
     (uniform, inclusive) or one integer per request. output_len: a number (every request
     decodes exactly that many tokens), a (lo, hi) pair or one integer per request.
     `progress(n)` is called with the number of token rows just finished. For request counts
-    whose tokens do not fit in memory, write_synth() streams the same draws to a v2 file.
-    (`chunk_tokens` is accepted for compatibility; the draws go by blocks of RNG_BLOCK requests.)
+    whose tokens do not fit in memory, write_synth() streams the same draws to a v2 file
+    (the draws go by blocks of RNG_BLOCK requests).
     """
     st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
                 regime_len, burst_prob, burst_rate, domain_weights, params)
@@ -653,4 +652,3 @@ def workload_like(trace: Trace) -> dict:
     }
 
 
-make_workload = synthetic_workload  # the old name

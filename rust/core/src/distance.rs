@@ -1,6 +1,6 @@
 //! Signature-to-centroid distances `d_k = 1 - cos(s, mu_k)`, the hot loop of a route.
 //!
-//! Three ways in, one [`order`] of summation (eight f32 lane sums by position, flushed into
+//! Three ways in, one [`crate::order`] of summation (eight f32 lane sums by position, flushed into
 //! f64 every 64 positions), so every path gives the same bits:
 //!
 //! * dense `[L, E]` counts, and sparse ones that fill a quarter of it, go eight positions at
@@ -17,6 +17,7 @@
 use std::cell::RefCell;
 
 use crate::centroid_file::CentroidSet;
+use crate::order::{lane_tree, GROUP};
 use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
 
 /// Raw per-request counts, as the prefill worker sends them.
@@ -37,7 +38,7 @@ thread_local! {
 
 /// Distances from raw counts, without allocating a signature. Dense counts, and sparse ones
 /// that fill at least a quarter of `[L, E]`, go through [`blocks`] (no signature at all);
-/// the rest through a signature. Both give the same bits ([`order`]).
+/// the rest through a signature. Both give the same bits ([`crate::order`]).
 pub fn from_counts<I: SparseIndex, T: CountValue>(set: &CentroidSet, counts: Counts<'_, I, T>) -> Result<Vec<f64>, NoSignature> {
     let spec = set.spec();
     let size = spec.num_layers() * spec.num_experts();
@@ -80,7 +81,7 @@ fn ascending_below<I: SparseIndex>(index: &[I], n: usize) -> bool {
 /// block-major centroids (as the wire route reads its rows): each selected layer's
 /// `x = scale * c` into a small buffer, then [`avx2::Blocks::add_run`], which also sums the
 /// norm. No signature is built, so there is no compaction and no second pass for the norm.
-/// The values, zeros included, go through the [`order`] as the signature's nonzeros do (a
+/// The values, zeros included, go through the [`crate::order`] as the signature's nonzeros do (a
 /// zero adds exactly nothing), so the distances are the signature path's bits
 /// (`blocks_match_signature_path` checks).
 mod blocks {
@@ -209,7 +210,7 @@ pub fn from_dense_signature(set: &CentroidSet, s: &[f32]) -> Result<Vec<f64>, No
     from_signature(set, &sig)
 }
 
-/// `dots[k] += sum_t value[t] * m[index[t] * K + k]`, in the [`order`] every route path
+/// `dots[k] += sum_t value[t] * m[index[t] * K + k]`, in the [`crate::order`] every route path
 /// uses. Every index must be below `m.len() / K`, ascending.
 fn dot_rows(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
     let k = dots.len();
@@ -225,50 +226,6 @@ fn dot_rows(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
         }
     }
     dot_rows_portable(index, value, m, dots);
-}
-
-/// The one summation order of a route's dot products `sum_j x_j * mu[j][k]` and of the
-/// signature's squared norm `sum_j x_j^2`, over its positions j in the D-dim signature space.
-/// Every path (sparse, dense and wire counts; portable and SIMD) sums in it, so they agree
-/// to the bit:
-///
-/// * positions in groups of [`GROUP`] (64); within a group, eight f32 lane sums by `j % 8`,
-///   each adding `x_j * mu[j][k]` (a rounded multiply, then a rounded add; no FMA, so
-///   machines with and without it agree) and `x_j * x_j` in ascending j;
-/// * at the end of a group, its lanes are added in f32 as `((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`
-///   ([`lane_tree`]) and that sum goes into an f64 total.
-///
-/// A zero `x_j` adds exactly nothing (`mu` is finite: the centroid file refuses NaN and
-/// infinity; a lane sum starts at +0 and never becomes -0), and neither does a group of zeros,
-/// so a sparse signature (nonzeros only) and the same values laid out dense (the wire path,
-/// eight positions at a time) give the same bits. The f32 sums are short (8 terms a lane, then
-/// a tree of 8), which keeps the error near f64's: the parity tests hold distances to 1e-6.
-pub mod order {
-    /// Positions summed in f32 before the f64 total.
-    pub const GROUP: usize = 64;
-
-    /// The eight lane sums of a group, added pairwise.
-    #[inline(always)]
-    pub fn lane_tree(l: [f32; 8]) -> f32 {
-        ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
-    }
-}
-
-use order::{lane_tree, GROUP};
-
-/// `sum_j x_j^2` of a sparse signature (ascending positions), in the [`order`].
-pub(crate) fn norm2_sparse(index: &[u32], value: &[f32]) -> f64 {
-    let (mut n2, mut lanes, mut group) = (0f64, [0f32; 8], usize::MAX);
-    for (&j, &x) in index.iter().zip(value) {
-        let j = j as usize;
-        if j / GROUP != group {
-            n2 += lane_tree(lanes) as f64;
-            lanes = [0.0; 8];
-            group = j / GROUP;
-        }
-        lanes[j % 8] += x * x;
-    }
-    n2 + lane_tree(lanes) as f64
 }
 
 fn dot_rows_portable(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) {
@@ -295,7 +252,7 @@ fn dot_rows_portable(index: &[u32], value: &[f32], m: &[f32], dots: &mut [f64]) 
     flush(&mut lanes, dots);
 }
 
-/// The [`order`]'s lane sums on AVX2 for K = 8 * LANES: `acc[lane][l]` holds centroids
+/// The [`crate::order`]'s lane sums on AVX2 for K = 8 * LANES: `acc[lane][l]` holds centroids
 /// `8l..8l+8` of lane `j % 8`.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
@@ -333,7 +290,7 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// The [`order`]'s lane sums position-major, for the block kernels that read eight
+    /// The [`crate::order`]'s lane sums position-major, for the block kernels that read eight
     /// consecutive positions of a signature at once against the block-major centroids
     /// ([`crate::centroid_file::CentroidSet::centroid_blocks`]): lane i of `acc[c]` is
     /// centroid c's lane sum of positions `j % 8 == i` (the same sums as [`Lanes`], transposed,

@@ -19,6 +19,7 @@ pub mod centroid_file;
 pub mod distance;
 pub mod experts;
 pub mod limits;
+pub mod order;
 pub mod payload;
 pub mod policies;
 pub mod queue;
@@ -28,7 +29,10 @@ pub mod signature;
 pub mod store;
 
 pub use centroid_file::{write_atomic, CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
-pub use policies::{band_size, fallback_reasons, make_policy, Decision, ExpertGuard, ExpertProfile, Policy, PolicyInfo, Reason, RouteContext, POLICIES, POLICY_NAMES};
+pub use policies::{
+    band_size, counts_policies, fallback_reasons, is_counts_policy, is_prefill_policy, make_policy, prefill_policies, Decision, ExpertGuard, ExpertProfile, Policy, PolicyConfig,
+    PolicyInfo, Reason, RouteContext, DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
+};
 pub use queue::{LoadGuard, QueueTracker};
 pub use distance::Counts;
 pub use limits::SizeError;

@@ -10,13 +10,12 @@ use thiserror::Error;
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
 use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext, UnknownPolicy};
+pub use crate::policies::DEFAULT_TAU;
 use crate::queue::QueueTracker;
 use crate::distance::Counts;
 use crate::payload::DecodedCounts;
 use crate::signature::{CountValue, NoSignature, SparseIndex, SparseSignature};
 use crate::store::CentroidStore;
-
-pub const DEFAULT_TAU: f64 = 0.1;
 
 /// Why a router could not be built.
 #[derive(Debug, Error, Clone, PartialEq)]

@@ -198,7 +198,7 @@ pub struct SignatureSpec {
     /// output index u32::MAX; a zero product is never emitted, so that index is never seen.
     table: Vec<(u32, f32)>,
     /// The scales of `table` alone, contiguous, so a row of them loads as SIMD lanes (the
-    /// wire payload's row kernel, `payload.rs`).
+    /// wire payload's row kernel, `payload/kernels.rs`).
     scales: Vec<f32>,
     selected: Vec<usize>,
 }
@@ -444,10 +444,10 @@ impl SignatureSpec {
 }
 
 /// The L2 norm of a signature (ascending positions `index`), or why there is no signature.
-/// Summed in the one order of the route's dot products ([`crate::distance::order`]), so the
+/// Summed in the one order of the route's dot products ([`crate::order`]), so the
 /// wire path, which sums it as it unpacks, gets the same bits.
 pub fn norm_of(index: &[u32], values: &[f32]) -> Result<f64, NoSignature> {
-    norm_from_squares(crate::distance::norm2_sparse(index, values))
+    norm_from_squares(crate::order::norm2_sparse(index, values))
 }
 
 /// The norm from its square, or why there is no signature.

@@ -5,8 +5,16 @@ use std::time::Duration;
 
 use hyper::Uri;
 use serde::Deserialize;
+use thiserror::Error;
 
-use crate::errors::ConfigError;
+/// A bad data-plane configuration; the message says which setting and why.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("data plane config is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("{0}")]
+    Invalid(String),
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {
@@ -118,10 +126,6 @@ fn default_queue_timeout() -> f64 {
     DEFAULT_QUEUE_TIMEOUT_S
 }
 
-/// Policies that route on the prefill's expert counts (they count fallbacks).
-pub const COUNTS_POLICIES: [&str; 2] = ["eldr", "locality"];
-pub const PREFILL_POLICIES: [&str; 3] = ["round_robin", "random", "shortest_queue"];
-
 impl Config {
     pub fn from_json(text: &str) -> Result<Config, ConfigError> {
         let cfg: Config = serde_json::from_str(text)?;
@@ -143,7 +147,7 @@ impl Config {
                 return bad(format!("worker URL {url:?}: the Rust data plane speaks plain http://host:port only"));
             }
         }
-        if !PREFILL_POLICIES.contains(&self.prefill_policy.as_str()) {
+        if !eldr_core::is_prefill_policy(&self.prefill_policy) {
             return bad(format!("unknown prefill policy {:?}", self.prefill_policy));
         }
         for (name, v) in [
@@ -190,8 +194,9 @@ impl Config {
         self.queue_size.unwrap_or_else(|| self.max_concurrent())
     }
 
+    /// Whether the decode policy routes on the prefill's expert counts (it counts fallbacks).
     pub fn counts_policy(&self) -> bool {
-        COUNTS_POLICIES.contains(&self.policy.as_str())
+        eldr_core::is_counts_policy(&self.policy)
     }
 }
 

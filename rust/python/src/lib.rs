@@ -879,11 +879,12 @@ fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Py
 #[pymethods]
 impl PyRouter {
     #[new]
-    #[pyo3(signature = (policy="eldr", num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None))]
+    // `policy`: None is the core's DEFAULT_POLICY (a literal default here would be a second copy).
+    #[pyo3(signature = (policy=None, num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        policy: &str,
+        policy: Option<&str>,
         num_workers: Option<usize>,
         centroids: Option<PathBuf>,
         tau: Option<f64>,
@@ -893,7 +894,7 @@ impl PyRouter {
         load_factor: Option<f64>,
     ) -> PyResult<Self> {
         let inner = py
-            .detach(|| eldr_core::Router::new(policy, num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
+            .detach(|| eldr_core::Router::new(policy.unwrap_or(eldr_core::DEFAULT_POLICY), num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
             .map_err(py_err)?;
         inner.set_load_factor(load_factor).map_err(py_err)?;
         Ok(PyRouter { inner: Arc::new(inner) })
@@ -1098,7 +1099,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FORMAT_VERSION", eldr_core::FORMAT_VERSION)?;
     // the one policy list and the one fallback vocabulary (config, CLI and simulator read them)
     m.add("POLICIES", pyo3::types::PyTuple::new(py, eldr_core::POLICY_NAMES)?)?;
-    m.add("COUNTS_POLICIES", pyo3::types::PyTuple::new(py, eldr_core::POLICIES.iter().filter(|p| p.uses_counts).map(|p| p.name).collect::<Vec<_>>())?)?;
+    m.add("COUNTS_POLICIES", pyo3::types::PyTuple::new(py, eldr_core::counts_policies())?)?;
+    m.add("PREFILL_POLICIES", pyo3::types::PyTuple::new(py, eldr_core::prefill_policies())?)?;
+    m.add("DEFAULT_POLICY", eldr_core::DEFAULT_POLICY)?;
+    m.add("DEFAULT_PREFILL_POLICY", eldr_core::DEFAULT_PREFILL_POLICY)?;
+    m.add("DEFAULT_TAU", eldr_core::DEFAULT_TAU)?;
+    m.add("DEFAULT_LOAD_FACTOR", eldr_core::DEFAULT_LOAD_FACTOR)?;
     m.add("FALLBACK_REASONS", pyo3::types::PyTuple::new(py, eldr_core::fallback_reasons())?)?;
     m.add("CentroidFileError", py.get_type::<CentroidFileError>())?;
     m.add("NoSignature", py.get_type::<NoSignatureError>())?;

@@ -3,7 +3,11 @@
 //! A policy is a pure choice over a [`RouteContext`] (loads, health, and for ELDR the
 //! signature-to-centroid distances, which the router computes). That keeps policies
 //! testable on constructed cases and shared verbatim by the router service and simulator.
+//! [`config`] holds the one list of policies, their capabilities and the defaults, and the
+//! factory ([`PolicyConfig`], [`make_policy`]); the router's config and CLI, the data plane
+//! and the simulator read them from here.
 
+mod config;
 mod eldr;
 mod locality;
 mod power_of_two;
@@ -11,6 +15,10 @@ mod random;
 mod round_robin;
 mod shortest_queue;
 
+pub use config::{
+    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PolicyConfig, PolicyInfo, UnknownPolicy,
+    DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
+};
 pub use eldr::{band_size, Eldr};
 pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
 pub use power_of_two::PowerOfTwo;
@@ -20,40 +28,7 @@ pub use shortest_queue::ShortestQueue;
 
 use std::sync::Arc;
 
-use thiserror::Error;
-
 use crate::signature::NoSignature;
-
-/// A routing policy by name, and whether it routes on the prefill's expert counts: such a
-/// policy binds late, needs a centroid file (eldr its centroids, locality its layer selection)
-/// and counts fallbacks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PolicyInfo {
-    pub name: &'static str,
-    pub uses_counts: bool,
-}
-
-/// Every policy [`make_policy`] builds: the one list the router's config and CLI and the
-/// simulator read (`_core.POLICIES`, `_core.COUNTS_POLICIES`).
-pub const POLICIES: [PolicyInfo; 6] = [
-    PolicyInfo { name: "eldr", uses_counts: true },
-    PolicyInfo { name: "locality", uses_counts: true },
-    PolicyInfo { name: "random", uses_counts: false },
-    PolicyInfo { name: "round_robin", uses_counts: false },
-    PolicyInfo { name: "shortest_queue", uses_counts: false },
-    PolicyInfo { name: "power_of_two", uses_counts: false },
-];
-
-/// The names of [`POLICIES`], in order.
-pub const POLICY_NAMES: [&str; POLICIES.len()] = {
-    let mut out = [""; POLICIES.len()];
-    let mut i = 0;
-    while i < POLICIES.len() {
-        out[i] = POLICIES[i].name;
-        i += 1;
-    }
-    out
-};
 
 /// The fallback vocabulary: why a counts policy routed without a usable signature. The names
 /// of [`NoSignature`] and `no_centroids` ([`Reason::NoCentroids`]); a fallback decision's
@@ -63,7 +38,6 @@ pub fn fallback_reasons() -> Vec<&'static str> {
 }
 
 const NO_CENTROIDS: &str = "no_centroids";
-
 
 /// Why a worker was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -145,26 +119,6 @@ pub trait Policy: Send + Sync {
         None
     }
     fn choose(&self, ctx: &RouteContext) -> Decision;
-}
-
-/// A policy name that is not in [`POLICY_NAMES`].
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-#[error("unknown policy {name:?}; choose one of {}", POLICY_NAMES.join(", "))]
-pub struct UnknownPolicy {
-    pub name: String,
-}
-
-/// Build a policy by name. `seed` drives the random ones.
-pub fn make_policy(name: &str, seed: u64) -> Result<Box<dyn Policy>, UnknownPolicy> {
-    Ok(match name {
-        "eldr" => Box::new(Eldr),
-        "locality" => Box::new(Locality::default()),
-        "random" => Box::new(Random::new(seed)),
-        "round_robin" => Box::new(RoundRobin::default()),
-        "shortest_queue" => Box::new(ShortestQueue),
-        "power_of_two" => Box::new(PowerOfTwo::new(seed)),
-        other => return Err(UnknownPolicy { name: other.to_owned() }),
-    })
 }
 
 /// Bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): a worker is a candidate only

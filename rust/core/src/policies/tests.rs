@@ -149,6 +149,24 @@ fn the_policy_list_says_which_policies_use_counts() {
 }
 
 #[test]
+fn the_factory_builds_every_listed_policy_and_the_defaults_are_listed() {
+    for info in POLICIES {
+        let cfg = PolicyConfig::parse(info.name, 7).unwrap();
+        assert_eq!((cfg.name(), cfg.info()), (info.name, &info));
+        assert_eq!(cfg.build().name(), info.name);
+        assert_eq!(info.binds_late(), info.uses_counts);
+        // prefill placement reads loads and health only
+        assert!(!(info.prefill && info.uses_counts), "{}", info.name);
+    }
+    assert_eq!(counts_policies(), vec!["eldr", "locality"]);
+    assert_eq!(prefill_policies(), vec!["random", "round_robin", "shortest_queue"]);
+    assert!(policy_info(DEFAULT_POLICY).is_some() && is_prefill_policy(DEFAULT_PREFILL_POLICY));
+    assert!(!is_prefill_policy("power_of_two") && !is_counts_policy("nope"));
+    assert!(DEFAULT_TAU > 0.0 && DEFAULT_LOAD_FACTOR > 0.0);
+    assert_eq!(crate::router::DEFAULT_TAU, DEFAULT_TAU);
+}
+
+#[test]
 fn one_fallback_vocabulary() {
     let names = fallback_reasons();
     let unique: std::collections::HashSet<_> = names.iter().collect();
