@@ -22,7 +22,7 @@ use hyper::body::Frame;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::counters::{names, Counters};
-use crate::server::{Body, BoxError};
+use crate::response::{Body, BoxError};
 
 /// Why a request was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

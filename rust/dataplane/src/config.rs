@@ -5,8 +5,16 @@ use std::time::Duration;
 
 use hyper::Uri;
 use serde::Deserialize;
+use thiserror::Error;
 
-use crate::errors::ConfigError;
+/// A bad data-plane configuration; the message says which setting and why.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("data plane config is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("{0}")]
+    Invalid(String),
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {

@@ -4,16 +4,8 @@
 use bytes::Bytes;
 use thiserror::Error;
 
+pub use crate::config::ConfigError;
 use crate::config::Role;
-
-/// A bad data-plane configuration; the message says which setting and why.
-#[derive(Debug, Error)]
-pub enum ConfigError {
-    #[error("data plane config is not valid JSON: {0}")]
-    Json(#[from] serde_json::Error),
-    #[error("{0}")]
-    Invalid(String),
-}
 
 /// The client's request is malformed: answered with `status` and this message.
 #[derive(Debug, Error)]

@@ -5,20 +5,23 @@
 //! It shares the core [`eldr_core::Router`] with Python: routing, the queue tracker, payload
 //! decoding and hot reload (Python's reload thread swaps the centroids) are the core's.
 //!
-//! Modules: [`config`], [`server`] (accept loop), [`admission`] (the bound on requests in
-//! flight, its queue), [`flow`] (the PD flow), [`upstream`]
+//! Modules: [`config`], [`server`] (accept loop), [`flow`] (the PD flow, one module per
+//! stage: request → prefill → route → decode → pump), [`forward`] (every other path, to the
+//! control plane), [`admission`] (the bound on requests in flight, its queue), [`upstream`]
 //! (worker calls with timeouts), [`sse`] (the signature event), [`outlier`] (ejection),
 //! [`counters`] (metrics), [`plane`] (shared state), [`reservoir`] (the refit reservoir's
-//! keep/slot draw), [`errors`].
+//! keep/slot draw), [`response`] (response bodies), [`errors`].
 
 pub mod admission;
 pub mod config;
 pub mod counters;
 pub mod errors;
 pub mod flow;
+pub mod forward;
 pub mod outlier;
 pub mod plane;
 pub mod reservoir;
+pub mod response;
 pub mod server;
 pub mod sse;
 pub mod upstream;
@@ -31,7 +34,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
 pub use config::{Config, Role};
-pub use errors::ConfigError;
+pub use config::ConfigError;
 pub use plane::Plane;
 
 /// A running (or not yet started) data plane.

@@ -1,22 +1,25 @@
 //! The data plane's shared state: configuration, the core router (shared with Python),
-//! the upstream client, worker pools, the prefill policy, counters and the retry budget.
+//! the upstream client (`open`: a worker call that marks a refusing worker down), worker
+//! pools, the prefill policy, counters and the retry budget.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use eldr_core::rng::AtomicRng;
 use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
+use hyper::body::Incoming;
+use hyper::Response;
 
 use crate::admission::Admission;
-use crate::config::{secs, Config, Role};
+use crate::config::{secs, Config, ConfigError, Role};
 use crate::counters::{names, Counters};
-use crate::errors::ConfigError;
-use crate::flow::{sign_of, sign_state};
+use crate::errors::UpstreamError;
 use crate::outlier::WorkerPool;
 use crate::reservoir::{Draw, KeepSampler};
-use crate::upstream::{self, HttpClient};
+use crate::upstream::{self, HttpClient, Leg, Refused};
 
 pub struct Plane {
     pub cfg: Config,
@@ -122,6 +125,17 @@ impl Plane {
         }
     }
 
+    /// POST to a worker (see `upstream::post`); a refused connection marks it down at once
+    /// (the health check brings it back).
+    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: Bytes, first_byte: Option<Duration>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+        upstream::post(&self.client, leg, url, body, first_byte, deadline).await.map_err(|(e, refused)| {
+            if let Refused::Yes = refused {
+                self.pool(leg.role).set_health(leg.worker, false);
+            }
+            e
+        })
+    }
+
     /// `(num_layers, num_experts)` of the serving centroid file (payloads must fit it).
     pub fn layout(&self) -> Option<(usize, usize)> {
         self.router.store().map(|s| {
@@ -148,7 +162,7 @@ impl Plane {
             if !tried.is_empty() {
                 return None;
             }
-            // panic mode, as for decode (flow::Plane::panic_route): route across them anyway
+            // panic mode, as for decode (flow::route's Plane::panic_route): route across them anyway
             self.counters.inc(names::PANIC_ROUTES, &["prefill"]);
             healthy = vec![true; n];
         }
@@ -172,6 +186,24 @@ impl Plane {
         if now.saturating_sub(last) >= 1000 && self.last_warn_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
             eprintln!("eldr.dataplane WARNING {msg}");
         }
+    }
+}
+
+
+/// Prefill signature support: 0 unknown, 1 yes, 2 no.
+fn sign_state(v: Option<bool>) -> u8 {
+    match v {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    }
+}
+
+fn sign_of(a: &AtomicU8) -> Option<bool> {
+    match a.load(Ordering::Relaxed) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
     }
 }
 

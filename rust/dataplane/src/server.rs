@@ -1,51 +1,24 @@
-//! The hyper accept loop, and the response body types.
+//! The hyper accept loop: each request goes to the PD flow ([`crate::flow`]) or, on any
+//! other path, to the control plane ([`crate::forward`]).
 
 use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use bytes::Bytes;
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
-use hyper::body::{Frame, Incoming};
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::config::secs;
 use crate::counters::names;
 use crate::flow::{self, Kind};
+use crate::forward::forward;
 use crate::plane::Plane;
-
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-pub type Body = BoxBody<Bytes, BoxError>;
-
-pub fn full(b: Bytes) -> Body {
-    Full::new(b).map_err(|never: Infallible| match never {}).boxed()
-}
-
-/// A streamed response body fed by the task that reads the decode worker. Dropping it (the
-/// client went away) closes the channel, which that task notices at once.
-pub struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl ChannelBody {
-    pub fn boxed(rx: mpsc::Receiver<Bytes>) -> Body {
-        ChannelBody(rx).boxed()
-    }
-}
-
-impl hyper::body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
-    }
-}
+use crate::response::Body;
 
 /// Why hyper closed a client connection.
 fn connection_error_kind(e: &hyper::Error) -> &'static str {
@@ -66,7 +39,7 @@ async fn route(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
     let kind = if req.method() == hyper::Method::POST { Kind::of(req.uri().path()) } else { None };
     Ok(match kind {
         Some(k) => flow::handle(plane, k, req).await,
-        None => flow::forward(plane, req).await,
+        None => forward(plane, req).await,
     })
 }
 

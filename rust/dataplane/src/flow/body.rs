@@ -1,0 +1,265 @@
+//! The client's JSON body: parsed and validated for its endpoint, the router's own fields
+//! taken out, and re-written with them for each leg ([`with_fields`]). A leaf of the flow.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::errors::BadRequest;
+
+/// The eldr endpoints, each with its own body rules.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Kind {
+    Generate,
+    Completions,
+    Chat,
+}
+
+impl Kind {
+    pub fn of(path: &str) -> Option<Kind> {
+        match path {
+            "/generate" => Some(Kind::Generate),
+            "/v1/completions" => Some(Kind::Completions),
+            "/v1/chat/completions" => Some(Kind::Chat),
+            _ => None,
+        }
+    }
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::Generate => "generate",
+            Kind::Completions => "completions",
+            Kind::Chat => "chat",
+        }
+    }
+}
+
+const ROUTER_FIELDS: [&str; 4] = ["bootstrap_host", "bootstrap_port", "bootstrap_room", "stream"];
+
+/// Parse and validate a client body: (its JSON without the router's own fields, compact;
+/// its stream flag). Values are kept as the client wrote them (raw JSON: a number no
+/// machine type holds passes through unchanged, as Python's int does); only the fields the
+/// router checks are looked into.
+pub fn parse_body(kind: Kind, raw: &[u8]) -> Result<(Vec<u8>, bool), BadRequest> {
+    let syntax = |e: serde_json::Error| {
+        if e.to_string().contains("recursion limit") {
+            BadRequest::new("the request body is nested too deeply")
+        } else {
+            BadRequest::new("the request body is not valid JSON")
+        }
+    };
+    if nesting_depth(raw) > MAX_BODY_DEPTH {
+        return Err(BadRequest::new("the request body is nested too deeply"));
+    }
+    let body: HashMap<String, Box<RawValue>> = match serde_json::from_slice(raw) {
+        Ok(b) => b,
+        Err(e) => {
+            let first = raw.iter().find(|b| !b.is_ascii_whitespace()).copied();
+            if first != Some(b'{') {
+                // valid JSON of another kind, or not JSON (Value's parse bounds the depth)
+                return Err(match serde_json::from_slice::<Value>(raw) {
+                    Ok(_) => BadRequest::new("the request body must be a JSON object"),
+                    Err(e) => syntax(e),
+                });
+            }
+            return Err(syntax(e));
+        }
+    };
+    validate(kind, &body)?;
+    let stream = body.get("stream").is_some_and(|v| v.get() == "true");
+    let mut out = Vec::with_capacity(raw.len() + 2);
+    out.push(b'{');
+    for (k, v) in body.iter().filter(|(k, _)| !ROUTER_FIELDS.contains(&k.as_str())) {
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, k).expect("json");
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+    }
+    out.push(b'}');
+    Ok((out, stream))
+}
+
+/// Deepest nesting a client body may have (raw values are not parsed, so serde's own
+/// recursion limit does not see inside them; Python's json refuses about 1000 levels).
+const MAX_BODY_DEPTH: usize = 512;
+
+/// The deepest `[`/`{` nesting of a JSON text (brackets inside strings do not count).
+fn nesting_depth(raw: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_str, mut esc) = (0usize, 0usize, false, false);
+    for &b in raw {
+        if in_str {
+            match (esc, b) {
+                (true, _) => esc = false,
+                (false, b'\\') => esc = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+#[derive(PartialEq, Clone, Copy)]
+enum Json {
+    Null,
+    Bool,
+    Number,
+    String,
+    Array,
+    Object,
+}
+
+fn json_kind(v: &RawValue) -> Json {
+    match v.get().as_bytes().first() {
+        Some(b'n') => Json::Null,
+        Some(b't') | Some(b'f') => Json::Bool,
+        Some(b'"') => Json::String,
+        Some(b'[') => Json::Array,
+        Some(b'{') => Json::Object,
+        _ => Json::Number,
+    }
+}
+
+fn items(v: &RawValue) -> Vec<&RawValue> {
+    serde_json::from_str(v.get()).unwrap_or_default()
+}
+
+fn is_integer(v: &RawValue) -> bool {
+    json_kind(v) == Json::Number && !v.get().bytes().any(|b| matches!(b, b'.' | b'e' | b'E'))
+}
+
+fn validate(kind: Kind, body: &HashMap<String, Box<RawValue>>) -> Result<(), BadRequest> {
+    let bad = |m: &str| Err(BadRequest::new(m));
+    let field = |k: &str| body.get(k).map(|v| (v.as_ref(), json_kind(v))).filter(|(_, t)| *t != Json::Null);
+    if body.get("stream").is_some_and(|v| json_kind(v) != Json::Bool) {
+        return bad("'stream' must be true or false");
+    }
+    match kind {
+        Kind::Generate => {
+            let Some(key) = ["text", "input_ids", "input_embeds"].into_iter().find(|k| field(k).is_some()) else {
+                return bad("/generate needs 'text' or 'input_ids'");
+            };
+            let (v, t) = field(key).expect("present");
+            if key == "text" && t != Json::String {
+                return if t == Json::Array { bad("batch requests (a list of texts) are not supported: send one prompt per request") } else { bad("'text' must be a string") };
+            }
+            if key == "input_ids" {
+                let ids = if t == Json::Array { items(v) } else { Vec::new() };
+                if ids.is_empty() {
+                    return bad("'input_ids' must be a non-empty list of token ids");
+                }
+                if json_kind(ids[0]) == Json::Array {
+                    return bad("batch requests (a list of id lists) are not supported: send one prompt per request");
+                }
+                if !ids.iter().all(|t| is_integer(t)) {
+                    return bad("'input_ids' must hold integers");
+                }
+            }
+            if field("sampling_params").is_some_and(|(_, t)| t != Json::Object) {
+                return bad("'sampling_params' must be an object");
+            }
+        }
+        Kind::Completions => match field("prompt") {
+            None => return bad("/v1/completions needs 'prompt'"),
+            Some((v, Json::Array)) => {
+                let p = items(v);
+                if !p.is_empty() && matches!(json_kind(p[0]), Json::String | Json::Array) && p.len() != 1 {
+                    return bad("batch prompts are not supported: send one prompt per request");
+                }
+            }
+            Some((_, Json::String)) => {}
+            Some(_) => return bad("'prompt' must be a string or a list of token ids"),
+        },
+        Kind::Chat => {
+            let ok = field("messages").is_some_and(|(v, t)| {
+                let m = if t == Json::Array { items(v) } else { Vec::new() };
+                !m.is_empty() && m.iter().all(|x| json_kind(x) == Json::Object)
+            });
+            if !ok {
+                return bad("/v1/chat/completions needs 'messages', a non-empty list of objects");
+            }
+        }
+    }
+    let n_ok = match body.get("n") {
+        None => true,
+        Some(v) => match json_kind(v) {
+            Json::Number => v.get().parse::<f64>().ok() == Some(1.0),
+            Json::Bool => v.get() == "true", // Python: True == 1
+            _ => false,
+        },
+    };
+    if !n_ok {
+        return bad("n > 1 is not supported by the PD router");
+    }
+    Ok(())
+}
+
+/// `base` (a compact JSON object) with `fields` set, without re-encoding it.
+pub fn with_fields(base: &[u8], fields: &Map<String, Value>) -> Bytes {
+    let extra = serde_json::to_vec(fields).expect("json");
+    if base == b"{}" {
+        return Bytes::from(extra);
+    }
+    let mut out = Vec::with_capacity(base.len() + extra.len());
+    out.extend_from_slice(&base[..base.len() - 1]);
+    out.push(b',');
+    out.extend_from_slice(&extra[1..]);
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_matches_the_python_plane() {
+        let ok = |k, b: &str| parse_body(k, b.as_bytes()).map(|(_, s)| s);
+        let err = |k, b: &str| parse_body(k, b.as_bytes()).unwrap_err().message;
+        assert_eq!(ok(Kind::Generate, r#"{"text":"hi","stream":true}"#).unwrap(), true);
+        assert!(err(Kind::Generate, r#"{"text":["a","b"]}"#).contains("batch requests"));
+        assert!(err(Kind::Generate, r#"{"input_ids":[[1],[2]]}"#).contains("batch requests"));
+        assert!(err(Kind::Generate, r#"{"input_ids":[1.5]}"#).contains("integers"));
+        assert!(err(Kind::Generate, r#"{"text":"a","n":2}"#).contains("n > 1"));
+        assert!(err(Kind::Generate, r#"{"text":"a","stream":"yes"}"#).contains("'stream'"));
+        assert!(err(Kind::Generate, r#"{}"#).contains("needs 'text'"));
+        assert!(err(Kind::Generate, "[1]").contains("JSON object"));
+        assert!(err(Kind::Generate, "{").contains("not valid JSON"));
+        let deep = format!("{}{}", "[".repeat(5000), "]".repeat(5000));
+        assert!(err(Kind::Generate, &deep).contains("nested too deeply"));
+        let deep = format!(r#"{{"text":"a","x":{}{}}}"#, "[".repeat(1_000_000), "]".repeat(1_000_000));
+        assert_eq!(nesting_depth(br#"{"a":"[[[[\"{{","b":[{}]}"#), 3);
+        assert!(err(Kind::Generate, &deep).contains("nested too deeply"));
+        assert!(err(Kind::Completions, r#"{"prompt":["a","b"]}"#).contains("batch prompts"));
+        assert!(ok(Kind::Completions, r#"{"prompt":["a"]}"#).is_ok());
+        assert!(ok(Kind::Completions, r#"{"prompt":[1,2,3]}"#).is_ok());
+        assert!(err(Kind::Chat, r#"{"messages":[]}"#).contains("messages"));
+        assert!(ok(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":1}"#).is_ok());
+        // a number no machine type holds passes through as written
+        let big = format!(r#"{{"text":"a","x":1{}}}"#, "0".repeat(400));
+        assert!(String::from_utf8(parse_body(Kind::Generate, big.as_bytes()).unwrap().0).unwrap().contains(&"0".repeat(400)));
+    }
+
+    #[test]
+    fn router_fields_are_replaced_not_duplicated() {
+        let (base, stream) = parse_body(Kind::Generate, br#"{"text":"a","bootstrap_room":5,"stream":true}"#).unwrap();
+        assert!(stream);
+        let mut f = Map::new();
+        f.insert("bootstrap_room".into(), Value::from(7));
+        let out: Value = serde_json::from_slice(&with_fields(&base, &f)).unwrap();
+        assert_eq!(out, serde_json::json!({"text": "a", "bootstrap_room": 7}));
+        assert_eq!(&with_fields(b"{}", &f)[..], br#"{"bootstrap_room":7}"#);
+    }
+}

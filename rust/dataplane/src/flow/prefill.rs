@@ -1,0 +1,225 @@
+//! Stage 2, the prefill leg: a prefill worker by the prefill policy (a failed one is
+//! re-sent to another, with a new room), the request POSTed there, and its stream read
+//! until the signature (or the signature timeout: then the fallback). Early binding
+//! routes first and sends both legs at once.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use eldr_core::payload::{DecodeLimits, DEFAULT_MAX_BYTES};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::Response;
+use serde_json::{Map, Value};
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::body::with_fields;
+use super::decode::{decode, decode_with_failover, DecodeCtx};
+use super::drain::{Background, Drain, PrefillLeg};
+use super::route::Sig;
+use crate::config::{secs, Role};
+use crate::counters::names;
+use crate::errors::{FlowError, UpstreamError};
+use crate::outlier::Attempt;
+use crate::plane::Plane;
+use crate::response::Body;
+use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_EVENT_BYTES};
+use crate::upstream::Leg;
+
+pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &[u8], client_stream: bool) -> Result<Response<Body>, FlowError> {
+    let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
+    let _active = plane.budget.active();
+    let mut tried: Vec<usize> = Vec::new();
+    let mut last: Option<UpstreamError> = None;
+    for attempt in 0..plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) {
+        let Some(p) = plane.pick_prefill(&tried) else { break };
+        if attempt > 0 && !plane.may_retry(Role::Prefill) {
+            break;
+        }
+        tried.push(p);
+        let _retrying = (attempt > 0).then(|| {
+            let cause = last.as_ref().and_then(|e| e.cause.clone()).unwrap_or_else(|| "error".into());
+            plane.counters.inc(names::RETRIES, &["prefill", &cause]);
+            plane.budget.retrying()
+        });
+        match serve_with_prefill(plane, path, base, p, client_stream, deadline).await {
+            Ok(r) => return Ok(r),
+            Err(FlowError::Upstream(e)) if e.is_retryable() => {
+                last = Some(e);
+                if Instant::now() >= deadline {
+                    break;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.map_or(FlowError::NoHealthyWorker, FlowError::Upstream))
+}
+
+async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &[u8], p: usize, client_stream: bool, deadline: Instant) -> Result<Response<Body>, FlowError> {
+    plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
+    let w = &plane.cfg.prefill[p];
+    let room = plane.rng.next_u64() >> 1; // 63 bits, as SGLang's bootstrap rooms
+    let mut late = plane.cfg.late_binding;
+    let no_sig = late && plane.prefill_signs(p) == Some(false);
+    if no_sig {
+        late = false; // this prefill never streams a signature: do not wait for one
+    }
+    let mut boot = Map::new();
+    boot.insert("bootstrap_host".into(), Value::String(w.host.clone()));
+    boot.insert("bootstrap_port".into(), w.bootstrap_port.map_or(Value::Null, Value::from));
+    boot.insert("bootstrap_room".into(), Value::from(room));
+    boot.insert("stream".into(), Value::Bool(client_stream));
+    let dbody = with_fields(base, &boot);
+    boot.insert("stream".into(), Value::Bool(late || client_stream));
+    let pbody = with_fields(base, &boot);
+    let purl = format!("{}{}", w.url, path);
+    let mut attempt = Attempt::start(&plane.prefill, p);
+    let leg = Leg { role: Role::Prefill, worker: p, counters: &plane.counters };
+    let ctx = DecodeCtx { path, room, p, dbody: &dbody, client_stream, deadline };
+
+    if !late {
+        let sig = Sig::none(no_sig.then_some("prefill_no_signature"), 0.0);
+        let decision = plane.route(&sig, &[])?;
+        let (etx, mut erx) = tokio::sync::oneshot::channel();
+        let early = {
+            let plane = Arc::clone(plane);
+            let join = tokio::spawn(async move {
+                let r = early_prefill(&plane, &purl, pbody, deadline, &mut attempt).await;
+                drop(attempt);
+                let _ = etx.send(r);
+            });
+            Background::new(join)
+        };
+        // A failed prefill ends the request (the decode leg would wait for KV that never comes).
+        let dec = decode(plane, &ctx, &decision, None);
+        tokio::pin!(dec);
+        let out = tokio::select! {
+            r = &mut dec => r,
+            Ok(Err(perr)) = &mut erx => Err(FlowError::Upstream(perr)),
+        };
+        let out = out.map_err(|e| match e {
+            FlowError::Upstream(u) => FlowError::Upstream(u.final_()), // early binding does not re-send
+            e => e,
+        });
+        if out.is_ok() {
+            early.keep();
+        }
+        return out;
+    }
+
+    let t0 = Instant::now();
+    let presp = match plane.open(leg, &purl, pbody, Some(secs(plane.cfg.first_byte_timeout_s)), deadline).await {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(c) = &e.cause {
+                attempt.failure(c);
+            }
+            return Err(e.into());
+        }
+    };
+    let mut body = presp.into_body();
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    let limit = secs(plane.cfg.signature_timeout_s).min(remaining);
+    let sig = match timeout(limit, await_signature(plane, &mut body, t0)).await {
+        Err(_) => Sig::none(Some("timeout"), t0.elapsed().as_secs_f64()),
+        Ok(Err(SigError::Stream(e))) => {
+            leg.error("stream");
+            attempt.failure("stream");
+            return Err(UpstreamError::retryable(502, &format!("prefill worker {p} stream failed: {e}"), Role::Prefill, "stream").into());
+        }
+        Ok(Err(SigError::Ended(msg))) => {
+            leg.error("no_signature");
+            attempt.failure("ended");
+            return Err(UpstreamError::retryable(502, &msg, Role::Prefill, "ended").into());
+        }
+        Ok(Ok(s)) => s,
+    };
+    attempt.success();
+    plane.counters.sig_wait.observe(sig.wait_s);
+    let prefill = Arc::new(PrefillLeg { worker: p, attempt: Mutex::new(attempt), drain: Drain::spawn(body, deadline) });
+    let out = decode_with_failover(plane, &ctx, sig, &prefill).await;
+    if let Err(FlowError::Upstream(e)) = &out {
+        if let (true, Some(c)) = (e.role == Role::Prefill, &e.cause) {
+            prefill.attempt.lock().unwrap_or_else(|x| x.into_inner()).failure(c);
+        }
+    }
+    out
+}
+
+async fn early_prefill(plane: &Plane, url: &str, body: Bytes, deadline: Instant, attempt: &mut Attempt) -> Result<(), UpstreamError> {
+    let leg = Leg { role: Role::Prefill, worker: attempt.worker, counters: &plane.counters };
+    let resp = match plane.open(leg, url, body, None, deadline).await {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(c) = &e.cause {
+                attempt.failure(c);
+            }
+            return Err(e);
+        }
+    };
+    match timeout_at(deadline, resp.into_body().collect()).await {
+        Ok(Ok(_)) => {
+            attempt.success();
+            Ok(())
+        }
+        _ => {
+            attempt.failure("stream");
+            Err(UpstreamError::retryable(504, &format!("prefill worker {} failed", attempt.worker), Role::Prefill, "stream").final_())
+        }
+    }
+}
+
+enum SigError {
+    Stream(hyper::Error),
+    Ended(String),
+}
+
+/// Read prefill stream events until the signature; the rest is left for the drain. A line
+/// over the bound is a malformed signature (the fallback), not a failed request.
+async fn await_signature(plane: &Plane, body: &mut Incoming, t0: Instant) -> Result<Sig, SigError> {
+    let layout = plane.layout();
+    let limits = DecodeLimits { max_bytes: DEFAULT_MAX_BYTES, layout };
+    let mut reader = LineReader::new(MAX_EVENT_BYTES);
+    let mut last = None;
+    loop {
+        let line = match reader.next(body).await.map_err(SigError::Stream)? {
+            None => return Err(SigError::Ended(ended_message(last.as_ref()))),
+            Some(Line::TooLong) => {
+                plane.counters.inc(names::MALFORMED, &[]);
+                plane.warn_malformed(&format!("prefill stream line over {MAX_EVENT_BYTES} bytes: signature ignored"));
+                return Ok(Sig::none(Some("malformed"), t0.elapsed().as_secs_f64()));
+            }
+            Some(Line::Data(l)) => l,
+        };
+        let Some(data) = sse_data(&line) else { continue };
+        let found = match inspect(data, &limits, &mut last) {
+            None => continue,
+            Some(Found::Ended(msg)) => return Err(SigError::Ended(msg)),
+            Some(f) => f,
+        };
+        let wait = t0.elapsed().as_secs_f64();
+        return Ok(match found {
+            Found::NoCounts(why) => {
+                plane.warn_malformed(&format!("the prefill sent no counts: {}", label_safe(&why, 200)));
+                Sig::none(Some("prefill_none"), wait) // its reason goes to the log, not the label
+            }
+            _ if layout.is_none() => Sig::none(Some("no_centroids"), wait),
+            Found::Malformed(e) => {
+                plane.counters.inc(names::MALFORMED, &[]);
+                plane.warn_malformed(&format!("malformed signature payload: {}", label_safe(&e.to_string(), 200)));
+                Sig::none(Some("malformed"), wait)
+            }
+            Found::Counts(c) => {
+                plane.counters.sig_bytes.observe(c.data_bytes() as f64);
+                Sig { counts: Some(c), reason: None, wait_s: wait, profile: None }
+            }
+            Found::Ended(_) => unreachable!(),
+        });
+    }
+}
+
+/// Printable ASCII, at most `n` characters (worker-given text in labels and logs).
+pub fn label_safe(s: &str, n: usize) -> String {
+    s.chars().take(n).map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).collect()
+}

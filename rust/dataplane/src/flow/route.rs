@@ -1,0 +1,188 @@
+//! Stage 3, the route: the decode worker for a request, by the core router from the
+//! prefill's signature (or its fallback), with what the drift monitor reads of the
+//! decision; and the queue slot the chosen worker's request holds (`Lease`).
+
+use std::sync::Arc;
+
+use eldr_core::distance::Counts;
+use eldr_core::payload::DecodedCounts;
+use eldr_core::{ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError};
+
+use crate::counters::names;
+use crate::errors::FlowError;
+use crate::plane::{DriftSample, Plane};
+use crate::reservoir::Ticket;
+
+/// What the prefill's stream gave: decoded counts, or why none.
+pub struct Sig {
+    pub counts: Option<DecodedCounts>,
+    /// Why there are no counts (None: the route's own reason says it).
+    pub reason: Option<String>,
+    pub wait_s: f64,
+    /// The locality balancer's profile, built once so a failover acquires the same one.
+    pub profile: Option<Arc<ExpertProfile>>,
+}
+
+impl Sig {
+    pub(crate) fn none(reason: Option<&str>, wait_s: f64) -> Sig {
+        Sig { counts: None, reason: reason.map(str::to_owned), wait_s, profile: None }
+    }
+}
+
+/// A decode choice with what the headers and metrics show of it.
+pub struct Choice {
+    pub worker: usize,
+    pub reason: String,
+    pub band: Option<Vec<usize>>,
+    pub profile: Option<Arc<ExpertProfile>>,
+}
+
+impl Plane {
+    /// Route with the core router; on a re-send, the least loaded routable decode worker
+    /// not tried yet.
+    pub fn route(&self, sig: &Sig, tried: &[usize]) -> Result<Choice, FlowError> {
+        let t0 = std::time::Instant::now();
+        // the reservoir's draw for this request, before routing: the route keeps the
+        // signature only when the reservoir will store it (re-sends are not offers)
+        let ticket = match (&self.drift, &sig.counts) {
+            (Some(feed), Some(_)) if tried.is_empty() => Some(feed.sampler.begin()),
+            _ => None,
+        };
+        let keep = ticket.as_ref().is_some_and(|t| t.keeps());
+        let (routed, profile) = if self.router.policy().uses_profile() { self.locality_route(sig) } else {
+            let r = match &sig.counts {
+                Some(c) => self.router.route_counts(c, keep, true),
+                None => self.router.route(|_| Err(fallback_why(sig)), true),
+            };
+            (r, None)
+        };
+        let r = match routed {
+            Ok(r) => r,
+            Err(RouteError::NoHealthyWorker) => return self.panic_route(tried),
+        };
+        let worker = r.decision.worker.expect("route returns a worker or an error");
+        let mut choice = Choice { worker, reason: r.decision.reason.label(), band: r.decision.band.clone(), profile };
+        if tried.contains(&worker) {
+            let loads = &r.loads;
+            let routable = self.decode.routable_all();
+            let other = (0..routable.len()).filter(|k| routable[*k] && !tried.contains(k)).min_by_key(|&k| (loads[k], k));
+            let Some(k) = other else { return Err(FlowError::NoHealthyWorker) };
+            choice = Choice { worker: k, reason: "retry".into(), band: None, profile: choice.profile };
+        }
+        self.counters.route_seconds.observe(t0.elapsed().as_secs_f64());
+        let head = choice.reason.split(':').next().unwrap_or("").to_owned();
+        self.counters.inc(names::ROUTES, &[&choice.worker.to_string(), &head]);
+        if choice.reason == "band" {
+            if let (Some(b), Some(ds), Some(d)) = (&choice.band, &r.distances, r.decision.d_star) {
+                self.counters.band_size.observe(b.len() as f64);
+                self.counters.d_star.observe(d);
+                self.counters.d_chosen.observe(ds[choice.worker]);
+            }
+        } else if self.cfg.counts_policy() && choice.reason != "retry" && choice.reason != "profile" {
+            // the decision names the fallback: 'no_signature:<why>' or 'no_centroids'
+            let why = choice.reason.split_once(':').map_or(choice.reason.as_str(), |(_, w)| w).to_owned();
+            self.counters.inc(names::FALLBACKS, &[&why]);
+        }
+        if let (Some(feed), true) = (&self.drift, choice.reason != "retry") {
+            feed.push(self.drift_sample(sig, &choice, r, ticket));
+        }
+        Ok(choice)
+    }
+
+    /// Panic mode (Envoy's panic threshold at its floor): no decode worker is routable (all
+    /// ejected, on probation or failing their health checks, which overload alone can cause),
+    /// so the request goes to the least loaded one not tried yet rather than failing with 503.
+    /// A worker that really is down answers its own fast error, and the request fails over.
+    fn panic_route(&self, tried: &[usize]) -> Result<Choice, FlowError> {
+        let k = self.decode.panic_pick(tried).ok_or(FlowError::NoHealthyWorker)?;
+        self.counters.inc(names::PANIC_ROUTES, &["decode"]);
+        self.counters.inc(names::ROUTES, &[&k.to_string(), "panic"]);
+        Ok(Choice { worker: k, reason: "panic".into(), band: None, profile: None })
+    }
+
+    /// What the drift monitor reads of a decision: its distances, every time the route
+    /// computed them, and its signature only when the reservoir's draw (`ticket`) stores it.
+    /// A decision with distances commits the draw (an offer); any other gives it back when
+    /// the ticket drops. The distances measure how far traffic is from the fitted centroids,
+    /// which the band rule's decision carries; under the locality balancer the distances of
+    /// the same counts are computed here for the monitor alone.
+    fn drift_sample(&self, sig: &Sig, choice: &Choice, r: eldr_core::router::Routed, ticket: Option<Ticket<'_>>) -> DriftSample {
+        fn offer(ticket: Option<Ticket<'_>>, distances: &Option<Vec<f64>>, reason: &str) -> Option<crate::reservoir::Draw> {
+            match ticket {
+                Some(t) if distances.is_some() && reason == "band" => Some(t.commit()),
+                _ => None, // dropped: the draw goes back
+            }
+        }
+        if r.distances.is_some() || !self.router.policy().uses_profile() {
+            let offer = offer(ticket, &r.distances, &choice.reason);
+            let signature = r.signature.filter(|_| offer.is_some_and(|d| d.keeps()));
+            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: r.distances, signature, offer };
+        }
+        let (Some(c), Some(store)) = (&sig.counts, self.router.store()) else {
+            return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None, offer: None };
+        };
+        let snap = store.snapshot();
+        let keep = ticket.as_ref().is_some_and(|t| t.keeps());
+        let mut kept = eldr_core::SparseSignature::default();
+        match eldr_core::distance::from_fill(&snap.set, keep.then_some(&mut kept), |spec, out| c.fill_signature(spec, out)) {
+            Ok(d) => {
+                let d = Some(d);
+                let offer = offer(ticket, &d, "band");
+                DriftSample { generation: snap.generation, reason: "band".into(), distances: d, signature: keep.then_some(kept), offer }
+            }
+            Err(_) => DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None, offer: None },
+        }
+    }
+
+    /// The locality balancer: the request's expert profile over the centroid file's
+    /// selected layers, built once (kept on the Sig by the caller through `Choice`).
+    fn locality_route(&self, sig: &Sig) -> (Result<eldr_core::router::Routed, RouteError>, Option<Arc<ExpertProfile>>) {
+        if let Some(p) = &sig.profile {
+            return (self.router.route_profiled(|_| Err(NoSignature::Missing), Some(p), true), Some(Arc::clone(p)));
+        }
+        let (Some(c), Some((l, e))) = (&sig.counts, self.layout()) else {
+            return (self.router.route(|_| Err(fallback_why(sig)), true), None);
+        };
+        let why = match c.to_layout(l, e) {
+            Err(_) => NoSignature::Shape, // the centroid layout changed under a reload
+            Ok(dense) => match self.router.profile::<u32, f32>(Counts::Dense(&dense), c.num_tokens().max(1)) {
+                Some(Ok(p)) => {
+                    let p = Arc::new(p);
+                    return (self.router.route_profiled(|_| Err(NoSignature::Missing), Some(&p), true), Some(p));
+                }
+                Some(Err(why)) => why,
+                None => NoSignature::Missing,
+            },
+        };
+        (self.router.route(|_| Err(why), true), None)
+    }
+}
+
+/// Why a request without usable counts falls back, in the one fallback vocabulary
+/// (`NoSignature`; 'no_centroids' the router names itself when it has no centroid file).
+fn fallback_why(sig: &Sig) -> NoSignature {
+    match sig.reason.as_deref() {
+        None | Some("no_centroids") => NoSignature::Missing,
+        Some(r) => NoSignature::parse(r).unwrap_or(NoSignature::Missing),
+    }
+}
+
+/// A queue slot on a decode worker (and the request's experts there, under locality).
+pub(crate) struct Lease {
+    _slot: LoadGuard,
+    _experts: Option<ExpertGuard>,
+}
+
+impl Plane {
+    pub(crate) fn lease(&self, w: usize, profile: Option<&Arc<ExpertProfile>>) -> Lease {
+        let experts = profile.and_then(|p| match self.router.policy().track(self.router.num_workers(), w, Arc::clone(p)) {
+            Some(Ok(g)) => Some(g),
+            Some(Err(e)) => {
+                self.warn_malformed(&format!("expert profile not counted: {e}"));
+                None
+            }
+            None => None,
+        });
+        Lease { _slot: self.router.tracker().acquire(w, 0), _experts: experts }
+    }
+}
