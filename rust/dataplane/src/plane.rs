@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use eldr_core::rng::AtomicRng;
 use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
 use hyper::body::Incoming;
@@ -19,7 +18,7 @@ use crate::counters::{names, Counters};
 use crate::errors::UpstreamError;
 use crate::outlier::WorkerPool;
 use crate::reservoir::{Draw, KeepSampler};
-use crate::upstream::{self, HttpClient, Leg, Refused};
+use crate::upstream::{self, HttpClient, Leg, Refused, ReqBody};
 
 pub struct Plane {
     pub cfg: Config,
@@ -127,7 +126,7 @@ impl Plane {
 
     /// POST to a worker (see `upstream::post`); a refused connection marks it down at once
     /// (the health check brings it back).
-    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: Bytes, first_byte: Option<Duration>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: ReqBody, first_byte: Option<Duration>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
         upstream::post(&self.client, leg, url, body, first_byte, deadline).await.map_err(|(e, refused)| {
             if let Refused::Yes = refused {
                 self.pool(leg.role).set_health(leg.worker, false);

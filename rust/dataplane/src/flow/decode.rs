@@ -22,13 +22,13 @@ use crate::errors::{FlowError, UpstreamError};
 use crate::outlier::Attempt;
 use crate::plane::Plane;
 use crate::response::{full, Body, ChannelBody};
-use crate::upstream::{next_chunk, Leg};
+use crate::upstream::{next_chunk, Leg, ReqBody};
 
 pub(crate) struct DecodeCtx<'a> {
     pub(crate) path: &'a str,
     pub(crate) room: u64,
     pub(crate) p: usize,
-    pub(crate) dbody: &'a Bytes,
+    pub(crate) dbody: &'a ReqBody,
     pub(crate) client_stream: bool,
     pub(crate) deadline: Instant,
 }
@@ -197,7 +197,7 @@ pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Cho
 /// it; the KV can: a decode at work takes the prefill's KV, which ends the prefill's stream,
 /// within the first-byte timeout. One that has not by then is treated like a stream with
 /// no first byte. Once the KV is taken, the request deadline bounds it.
-async fn open_watched(plane: &Plane, leg: Leg<'_>, url: &str, body: Bytes, deadline: Instant, prefill: Option<&Arc<PrefillLeg>>) -> Result<Response<Incoming>, UpstreamError> {
+async fn open_watched(plane: &Plane, leg: Leg<'_>, url: &str, body: ReqBody, deadline: Instant, prefill: Option<&Arc<PrefillLeg>>) -> Result<Response<Incoming>, UpstreamError> {
     let opening = plane.open(leg, url, body, None, deadline);
     tokio::pin!(opening);
     if let Some(leg_p) = prefill.filter(|l| !l.drain.done()) {

@@ -24,9 +24,9 @@ use crate::outlier::Attempt;
 use crate::plane::Plane;
 use crate::response::Body;
 use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_EVENT_BYTES};
-use crate::upstream::Leg;
+use crate::upstream::{Leg, ReqBody};
 
-pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &[u8], client_stream: bool) -> Result<Response<Body>, FlowError> {
+pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, client_stream: bool) -> Result<Response<Body>, FlowError> {
     let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
     let _active = plane.budget.active();
     let mut tried: Vec<usize> = Vec::new();
@@ -56,7 +56,7 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &[u8], c
     Err(last.map_or(FlowError::NoHealthyWorker, FlowError::Upstream))
 }
 
-async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &[u8], p: usize, client_stream: bool, deadline: Instant) -> Result<Response<Body>, FlowError> {
+async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &Bytes, p: usize, client_stream: bool, deadline: Instant) -> Result<Response<Body>, FlowError> {
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
     let w = &plane.cfg.prefill[p];
     let room = plane.rng.next_u64() >> 1; // 63 bits, as SGLang's bootstrap rooms
@@ -147,7 +147,7 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &[u8], p: usiz
     out
 }
 
-async fn early_prefill(plane: &Plane, url: &str, body: Bytes, deadline: Instant, attempt: &mut Attempt) -> Result<(), UpstreamError> {
+async fn early_prefill(plane: &Plane, url: &str, body: ReqBody, deadline: Instant, attempt: &mut Attempt) -> Result<(), UpstreamError> {
     let leg = Leg { role: Role::Prefill, worker: attempt.worker, counters: &plane.counters };
     let resp = match plane.open(leg, url, body, None, deadline).await {
         Ok(r) => r,

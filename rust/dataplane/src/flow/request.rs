@@ -43,7 +43,9 @@ async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Result
     let (base, client_stream) = if raw.len() > LARGE_BODY_BYTES {
         tokio::task::spawn_blocking(move || parse_body(kind, &raw)).await.map_err(|_| BadRequest::with_status(503, "the request body could not be parsed"))??
     } else {
-        parse_body(kind, &raw)?
+        let parsed = parse_body(kind, &raw);
+        drop(raw); // the client's bytes go now, not when the request ends
+        parsed?
     };
     // Admitted after the body is read: a bad request gets its 4xx whatever the load, and a
     // refused one has nothing left unread (closing on an unread body can reset the answer).
