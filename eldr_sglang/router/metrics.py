@@ -84,6 +84,9 @@ REQUEST_COUNTERS = (
      "Client connections closed by the router or failed, by cause (header_timeout: no request head in time; idle_timeout: "
      "none after an answer; bad_request, incomplete, aborted, io, accept)",
      ("kind",)),
+    ("eldr_router_output_tokens",
+     "Output tokens of answers that ended whole, by decode policy, decode worker and endpoint (SGLang's "
+     "completion_tokens when the answer carries it, else its stream events)", ("policy", "worker", "endpoint")),
 )
 # (name, help); the bucket bounds come with the data plane's snapshot
 REQUEST_HISTOGRAMS = (
@@ -94,6 +97,16 @@ REQUEST_HISTOGRAMS = (
     ("eldr_router_signature_bytes", "Signature payload data size"),
     ("eldr_router_route_seconds", "Time in the routing call (decode and route)"),
 )
+# Latency on the request path, labelled by decode policy, decode worker and endpoint (the
+# prefill leg by policy and endpoint); measured in the data plane from the streamed bytes.
+LATENCY_HISTOGRAMS = {
+    "eldr_router_ttft_seconds": "Time to first token: the client's request arriving to the decode's first chunk going "
+                                "back (streamed answers)",
+    "eldr_router_tpot_seconds": "Time per output token of a streamed answer: (last token - first token) / (tokens - 1)",
+    "eldr_router_itl_seconds": "Inter-token latency: the gap before each streamed chunk that carries tokens",
+    "eldr_router_e2e_seconds": "End to end: the client's request arriving to the answer's last byte",
+    "eldr_router_prefill_seconds": "The prefill leg: the prefill call to the end of its answer (the KV handed over)",
+}
 
 
 class RequestPathMetrics:
@@ -126,6 +139,15 @@ class RequestPathMetrics:
                 cum += c
                 buckets.append((floatToGoString(b), cum))
             yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+        for name, label_names, bounds, series in snap.get("labelled_histograms", []):
+            fam = HistogramMetricFamily(name, LATENCY_HISTOGRAMS.get(name, name), labels=list(label_names))
+            for values, counts, total in series:
+                cum, buckets = 0, []
+                for b, c in zip([*bounds, float("inf")], counts):
+                    cum += c
+                    buckets.append((floatToGoString(b), cum))
+                fam.add_metric(list(values), buckets, sum_value=total)
+            yield fam
 
 
 class RouterMetrics:

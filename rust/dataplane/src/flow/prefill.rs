@@ -18,7 +18,7 @@ use super::decode::{decode, decode_with_failover, DecodeCtx};
 use super::drain::{Background, Drain, PrefillLeg};
 use super::route::Sig;
 use crate::config::{secs, Role};
-use crate::counters::names;
+use crate::counters::{names, Histogram};
 use crate::errors::{FlowError, UpstreamError};
 use crate::outlier::Attempt;
 use crate::plane::Plane;
@@ -26,7 +26,7 @@ use crate::response::Body;
 use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_EVENT_BYTES};
 use crate::upstream::{Leg, ReqBody};
 
-pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, client_stream: bool) -> Result<Response<Body>, FlowError> {
+pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, client_stream: bool, t0: Instant, endpoint: &'static str) -> Result<Response<Body>, FlowError> {
     let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
     let _active = plane.budget.active();
     let mut tried: Vec<usize> = Vec::new();
@@ -42,7 +42,8 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, 
             plane.counters.inc(names::RETRIES, &["prefill", &cause]);
             plane.budget.retrying()
         });
-        match serve_with_prefill(plane, path, base, p, client_stream, deadline).await {
+        let ctx = Leg0 { path, p, client_stream, deadline, t0, endpoint };
+        match serve_with_prefill(plane, base, ctx).await {
             Ok(r) => return Ok(r),
             Err(FlowError::Upstream(e)) if e.is_retryable() => {
                 last = Some(e);
@@ -56,7 +57,18 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, 
     Err(last.map_or(FlowError::NoHealthyWorker, FlowError::Upstream))
 }
 
-async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &Bytes, p: usize, client_stream: bool, deadline: Instant) -> Result<Response<Body>, FlowError> {
+/// What one prefill attempt of a request knows.
+struct Leg0<'a> {
+    path: &'a str,
+    p: usize,
+    client_stream: bool,
+    deadline: Instant,
+    t0: Instant,
+    endpoint: &'static str,
+}
+
+async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>) -> Result<Response<Body>, FlowError> {
+    let Leg0 { path, p, client_stream, deadline, t0: t_request, endpoint } = c;
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
     let w = &plane.cfg.prefill[p];
     let room = plane.rng.next_u64() >> 1; // 63 bits, as SGLang's bootstrap rooms
@@ -76,7 +88,8 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &Bytes, p: usi
     let purl = format!("{}{}", w.url, path);
     let mut attempt = Attempt::start(&plane.prefill, p);
     let leg = Leg { role: Role::Prefill, worker: p, counters: &plane.counters };
-    let ctx = DecodeCtx { path, room, p, dbody: &dbody, client_stream, deadline };
+    let ctx = DecodeCtx { path, room, p, dbody: &dbody, client_stream, deadline, t0: t_request, endpoint };
+    let prefill_leg = plane.counters.latency.prefill(plane.router.policy_name(), endpoint);
 
     if !late {
         let sig = Sig::none(no_sig.then_some("prefill_no_signature"), 0.0);
@@ -85,7 +98,7 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &Bytes, p: usi
         let early = {
             let plane = Arc::clone(plane);
             let join = tokio::spawn(async move {
-                let r = early_prefill(&plane, &purl, pbody, deadline, &mut attempt).await;
+                let r = early_prefill(&plane, &purl, pbody, deadline, &mut attempt, &prefill_leg).await;
                 drop(attempt);
                 let _ = etx.send(r);
             });
@@ -137,7 +150,7 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &Bytes, p: usi
     };
     attempt.success();
     plane.counters.sig_wait.observe(sig.wait_s);
-    let prefill = Arc::new(PrefillLeg { worker: p, attempt: Mutex::new(attempt), drain: Drain::spawn(body, deadline) });
+    let prefill = Arc::new(PrefillLeg { worker: p, attempt: Mutex::new(attempt), drain: Drain::spawn(body, deadline, Some((prefill_leg, t0))) });
     let out = decode_with_failover(plane, &ctx, sig, &prefill).await;
     if let Err(FlowError::Upstream(e)) = &out {
         if let (true, Some(c)) = (e.role == Role::Prefill, &e.cause) {
@@ -147,8 +160,9 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &Bytes, p: usi
     out
 }
 
-async fn early_prefill(plane: &Plane, url: &str, body: ReqBody, deadline: Instant, attempt: &mut Attempt) -> Result<(), UpstreamError> {
+async fn early_prefill(plane: &Plane, url: &str, body: ReqBody, deadline: Instant, attempt: &mut Attempt, timing: &Histogram) -> Result<(), UpstreamError> {
     let leg = Leg { role: Role::Prefill, worker: attempt.worker, counters: &plane.counters };
+    let t0 = Instant::now();
     let resp = match plane.open(leg, url, body, None, deadline).await {
         Ok(r) => r,
         Err(e) => {
@@ -161,6 +175,7 @@ async fn early_prefill(plane: &Plane, url: &str, body: ReqBody, deadline: Instan
     match timeout_at(deadline, resp.into_body().collect()).await {
         Ok(Ok(_)) => {
             attempt.success();
+            timing.observe(t0.elapsed().as_secs_f64());
             Ok(())
         }
         _ => {
