@@ -4,6 +4,7 @@
 //! routes first and sends both legs at once.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use eldr_core::payload::{DecodeLimits, DEFAULT_MAX_BYTES};
@@ -30,20 +31,47 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, 
     let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
     let _active = plane.budget.active();
     let mut tried: Vec<usize> = Vec::new();
+    let mut tried_decode: Vec<usize> = Vec::new();
     let mut last: Option<UpstreamError> = None;
-    for attempt in 0..plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) {
-        let Some(p) = plane.pick_prefill(&tried) else { break };
-        if attempt > 0 && !plane.may_retry(Role::Prefill) {
+    // Late binding re-sends a failed prefill to another one (a failed decode moves to another
+    // decode inside, with the same room). Early binding re-sends any failure before the
+    // client's first byte as the gateway does: a fresh prefill and decode pair (a prefill
+    // already tried only when there is no other) with a new room, after a back-off.
+    let early = !plane.cfg.late_binding;
+    let attempts = if early { 1 + plane.cfg.retries as usize } else { plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) };
+    for attempt in 0..attempts {
+        let p = match plane.pick_prefill(&tried) {
+            Some(p) => p,
+            None if early && attempt > 0 => match plane.pick_prefill(&[]) {
+                Some(p) => p,
+                None => break,
+            },
+            None => break,
+        };
+        let role = last.as_ref().map_or(Role::Prefill, |e| e.role);
+        if attempt > 0 && !plane.may_retry(role) {
             break;
         }
-        tried.push(p);
+        if early && attempt > 0 {
+            let wait = Duration::from_secs_f64(RESEND_BACKOFF_S * RESEND_BACKOFF_GROWTH.powi(attempt as i32 - 1));
+            if Instant::now() + wait >= deadline {
+                break;
+            }
+            tokio::time::sleep(wait).await;
+        }
+        if !tried.contains(&p) {
+            tried.push(p);
+        }
         let _retrying = (attempt > 0).then(|| {
             let cause = last.as_ref().and_then(|e| e.cause.clone()).unwrap_or_else(|| "error".into());
-            plane.counters.inc(names::RETRIES, &["prefill", &cause]);
+            plane.counters.inc(names::RETRIES, &[role.as_str(), &cause]);
+            if role == Role::Decode {
+                plane.counters.inc(names::DECODE_FAILOVERS, &[]);
+            }
             plane.budget.retrying()
         });
         let ctx = Leg0 { path, p, client_stream, deadline, t0, endpoint };
-        match serve_with_prefill(plane, base, ctx).await {
+        match serve_with_prefill(plane, base, ctx, &mut tried_decode).await {
             Ok(r) => return Ok(r),
             Err(FlowError::Upstream(e)) if e.is_retryable() => {
                 last = Some(e);
@@ -67,7 +95,12 @@ struct Leg0<'a> {
     endpoint: &'static str,
 }
 
-async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>) -> Result<Response<Body>, FlowError> {
+/// Early binding's first re-send waits this long, each next one this many times longer (the
+/// gateway's 50 ms x 1.5).
+const RESEND_BACKOFF_S: f64 = 0.050;
+const RESEND_BACKOFF_GROWTH: f64 = 1.5;
+
+async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>, tried_decode: &mut Vec<usize>) -> Result<Response<Body>, FlowError> {
     let Leg0 { path, p, client_stream, deadline, t0: t_request, endpoint } = c;
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
     let w = &plane.cfg.prefill[p];
@@ -93,7 +126,15 @@ async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>) -> Re
 
     if !late {
         let sig = Sig::none(no_sig.then_some("prefill_no_signature"), 0.0);
-        let decision = plane.route(&sig, &[])?;
+        // a decode that failed this request is not chosen again while another is left
+        let decision = match plane.route(&sig, tried_decode) {
+            Ok(d) => d,
+            Err(_) if !tried_decode.is_empty() => plane.route(&sig, &[])?,
+            Err(e) => return Err(e),
+        };
+        if !tried_decode.contains(&decision.worker) {
+            tried_decode.push(decision.worker);
+        }
         let (etx, mut erx) = tokio::sync::oneshot::channel();
         let early = {
             let plane = Arc::clone(plane);
@@ -104,17 +145,14 @@ async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>) -> Re
             });
             Background::new(join)
         };
-        // A failed prefill ends the request (the decode leg would wait for KV that never comes).
+        // A failed prefill ends this attempt (the decode leg would wait for KV that never comes);
+        // either leg's failure before the first byte is re-sent by the caller on a fresh pair.
         let dec = decode(plane, &ctx, &decision, None);
         tokio::pin!(dec);
         let out = tokio::select! {
             r = &mut dec => r,
             Ok(Err(perr)) = &mut erx => Err(FlowError::Upstream(perr)),
         };
-        let out = out.map_err(|e| match e {
-            FlowError::Upstream(u) => FlowError::Upstream(u.final_()), // early binding does not re-send
-            e => e,
-        });
         if out.is_ok() {
             early.keep();
         }
