@@ -152,6 +152,32 @@ def test_faulty_decode_is_ejected_and_its_requests_fail_over(cluster, trace_file
         router.stop()
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "eldr"])
+def test_hung_decode_is_ejected_even_when_clients_give_up_first(cluster, trace_files, workdir, faults, policy):
+    """Clients with a 12 s limit against the default 60 s first-byte timeout: every request on
+    the hung decode ends with its client leaving, never with a router timeout. Before, that
+    counted as nothing and the hung worker stayed in rotation (round_robin left half the
+    requests hanging); now a decode silent for 10 s when its client leaves, while another
+    answered meanwhile, is charged a timeout, and is ejected."""
+    faults(cluster["decode"][1], "hang")
+    router, base = eldr_router(cluster, trace_files, workdir, ["--eject-after-failures", "2", "--eject-base-secs", "60",
+                                                            "--request-timeout-secs", "120"], policy)
+    global CLIENT_TIMEOUT
+    saved, CLIENT_TIMEOUT = CLIENT_TIMEOUT, 12.0
+    try:
+        first = run_requests(base, 15, concurrency=15, seed=12)
+        hung = [r for r in first if r["status"] == "client_timeout"]
+        assert hung, "some requests met the hung decode"
+        st = get_json(base + "/eldr/status")
+        assert st["decode_healthy"] == [True, False, True] and st["decode_workers"][1]["circuit"] == "open", st
+        assert metric(metrics(base), "eldr_router_upstream_timeouts_total", role="decode", worker="1", phase="client_gone") >= 2
+        after = run_requests(base, 10, concurrency=5, seed=13)
+        assert all(r["status"] == 200 and r["complete"] and r["worker"] in (0, 2) for r in after)
+    finally:
+        CLIENT_TIMEOUT = saved
+        router.stop()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_dead_decode_is_marked_down_and_its_requests_fail_over(cluster, trace_files, workdir, policy):
     """A decode worker with nothing listening: refused connections mark it down at once, and
