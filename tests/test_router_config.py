@@ -42,6 +42,14 @@ def test_sglang_router_style_flags():
     (BASE + ["--disagg-router", "random", "--eldr-load-factor", "-0.5"], "--eldr-load-factor"),
     (["--pd-disaggregation", "--prefill", "https://h:1", "--decode", "http://h:2"], "plain http:// to workers only"),
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "https://h:2"], "plain http:// to workers only"),
+    # one worker given twice would be counted as two (twice the traffic, a wrong K for the centroid file)
+    (BASE + ["--disagg-router", "random", "--decode", "http://127.0.0.1:4"], "--decode: 'http://127.0.0.1:4' twice"),
+    (BASE + ["--disagg-router", "random", "--decode", "http://127.0.0.1:4/"], "--decode: 'http://127.0.0.1:4' twice"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://Dec:2", "--decode", "http://dec:2",
+      "--disagg-router", "random"], "--decode: 'http://Dec:2' and 'http://dec:2', the same worker"),
+    (["--pd-disaggregation", "--prefill", "http://h", "--prefill", "http://h:80/", "--decode", "http://h:2",
+      "--disagg-router", "random"],
+     "--prefill: 'http://h' and 'http://h:80', the same worker"),
 ])
 def test_bad_command_lines_are_explained(argv, match):
     with pytest.raises(ConfigError, match=match):
@@ -54,6 +62,32 @@ def test_launch_router_reports_errors_without_traceback(tmp_path):
     p = subprocess.run([sys.executable, "-m", "eldr_sglang.launch_router", *BASE, "--eldr-centroids", str(bad),
                         "--port", "1"], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "Traceback" not in p.stderr and "error" in p.stderr
+
+
+def test_launch_router_refuses_a_centroid_file_whose_baseline_does_not_fit(tmp_path):
+    """Drift baseline shares for 3 workers in a file for 2: the router stops at start with one line
+    naming the file, instead of serving with a drift monitor that can never match a decision."""
+    import json
+
+    import numpy as np
+
+    from eldr_sglang import _core
+
+    bad = tmp_path / "bad_shares.eldr"
+    prov = {"baseline": {"mean_d_star": 0.1, "std_d_star": 0.05, "nearest_share": [0.3, 0.3, 0.4]}}
+    _core.write_centroids(str(bad), np.eye(2, 8, dtype=np.float32), np.ones(1, np.float32), np.ones((1, 8), np.float32),
+                          0.1, None, json.dumps(prov))
+    argv = [*BASE, "--disagg-router", "eldr", "--eldr-centroids", str(bad), "--port", "1"]
+    p = subprocess.run([sys.executable, "-m", "eldr_sglang.launch_router", *argv], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"launch_router: error: centroid file {bad}: its drift baseline is unusable"), p.stderr
+    assert "nearest_share has 3 entries for K=2 workers" in last and "--no-eldr-drift" in last
+    # as the message says: without drift handling the file routes (the app builds)
+    from eldr_sglang.router.app import build_app
+    from eldr_sglang.router.config import parse_config
+
+    build_app(parse_config(argv + ["--no-eldr-drift"]))
 
 
 def test_running_from_v1_loads():

@@ -58,11 +58,16 @@ def faults(cluster):
         set_fault(url, "none")
 
 
-def eldr_router(urls, trace_files, workdir, extra):
+def eldr_router(urls, trace_files, workdir, extra, policy: str = "eldr"):
+    """The router under `policy`: eldr (late binding) or a baseline (early binding)."""
     _, _, cpath = trace_files
-    return start_router(urls, workdir, ["--disagg-router", "eldr", "--no-eldr-drift", "--eldr-centroids", str(cpath),
-                                        "--eldr-signature-timeout-secs", "2", "--load-monitor-interval", "0.2",
+    counts = ["--no-eldr-drift", "--eldr-centroids", str(cpath), "--eldr-signature-timeout-secs", "2"] if policy == "eldr" else []
+    return start_router(urls, workdir, ["--disagg-router", policy, *counts, "--load-monitor-interval", "0.2",
                                         "--health-check-interval-secs", "0.3", *extra])
+
+
+# every policy fails over: eldr binds late, the baselines early (re-sent on a fresh pair)
+POLICIES = ["eldr", "round_robin", "shortest_queue"]
 
 
 async def _request(s, base: str, i: int, stream: bool, rng: random.Random, extra_ctl=None):
@@ -115,13 +120,15 @@ def decode_recv(url: str) -> int:
 
 
 # ------------------------------------------------------------------ decode faults
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("fault", ["hang", "error500"])
-def test_faulty_decode_is_ejected_and_its_requests_fail_over(cluster, trace_files, workdir, faults, fault):
+def test_faulty_decode_is_ejected_and_its_requests_fail_over(cluster, trace_files, workdir, faults, fault, policy):
     """A decode worker that accepts and never answers, or answers 500 to everything (its
     /health stays green): every request still completes on another worker, within the
-    timeouts; the worker is ejected and gets no more traffic."""
+    timeouts; the worker is ejected and gets no more traffic. Under every policy: before,
+    round_robin and shortest_queue failed about half the requests against a 500-ing decode."""
     faults(cluster["decode"][1], fault)
-    router, base = eldr_router(cluster, trace_files, workdir, FAST)
+    router, base = eldr_router(cluster, trace_files, workdir, FAST, policy)
     try:
         results = run_requests(base, 60, concurrency=8, seed=1, stream_share=0.7 if fault == "error500" else 1.0)
         bad = [r for r in results if not (r["status"] == 200 and r["complete"])]
@@ -139,6 +146,51 @@ def test_faulty_decode_is_ejected_and_its_requests_fail_over(cluster, trace_file
         after = run_requests(base, 30, concurrency=8, seed=2)
         assert all(r["status"] == 200 and r["complete"] for r in after)
         assert decode_recv(cluster["decode"][1]) == seen
+        st = wait_idle(base)
+        assert st["decode_inflight"] == [0, 0, 0] and st["prefill_inflight"] == [0, 0]
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "eldr"])
+def test_hung_decode_is_ejected_even_when_clients_give_up_first(cluster, trace_files, workdir, faults, policy):
+    """Clients with a 12 s limit against the default 60 s first-byte timeout: every request on
+    the hung decode ends with its client leaving, never with a router timeout. Before, that
+    counted as nothing and the hung worker stayed in rotation (round_robin left half the
+    requests hanging); now a decode silent for 10 s when its client leaves, while another
+    answered meanwhile, is charged a timeout, and is ejected."""
+    faults(cluster["decode"][1], "hang")
+    router, base = eldr_router(cluster, trace_files, workdir, ["--eject-after-failures", "2", "--eject-base-secs", "60",
+                                                            "--request-timeout-secs", "120"], policy)
+    global CLIENT_TIMEOUT
+    saved, CLIENT_TIMEOUT = CLIENT_TIMEOUT, 12.0
+    try:
+        first = run_requests(base, 15, concurrency=15, seed=12)
+        hung = [r for r in first if r["status"] == "client_timeout"]
+        assert hung, "some requests met the hung decode"
+        st = get_json(base + "/eldr/status")
+        assert st["decode_healthy"] == [True, False, True] and st["decode_workers"][1]["circuit"] == "open", st
+        assert metric(metrics(base), "eldr_router_upstream_timeouts_total", role="decode", worker="1", phase="client_gone") >= 2
+        after = run_requests(base, 10, concurrency=5, seed=13)
+        assert all(r["status"] == 200 and r["complete"] and r["worker"] in (0, 2) for r in after)
+    finally:
+        CLIENT_TIMEOUT = saved
+        router.stop()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_dead_decode_is_marked_down_and_its_requests_fail_over(cluster, trace_files, workdir, policy):
+    """A decode worker with nothing listening: refused connections mark it down at once, and
+    every request is re-sent to a live one."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    urls = {"prefill": cluster["prefill"], "decode": [cluster["decode"][0], dead, cluster["decode"][2]]}
+    router, base = eldr_router(urls, trace_files, workdir, FAST, policy)
+    try:
+        results = run_requests(base, 40, concurrency=8, seed=11, stream_share=0.5)
+        bad = [r for r in results if not (r["status"] == 200 and r["complete"])]
+        assert not bad, [(r["status"], r["body"][:200]) for r in bad[:5]]
+        assert all(r["worker"] in (0, 2) for r in results)
+        assert get_json(base + "/eldr/status")["decode_healthy"][1] is False
         st = wait_idle(base)
         assert st["decode_inflight"] == [0, 0, 0] and st["prefill_inflight"] == [0, 0]
     finally:
@@ -197,13 +249,14 @@ def test_decode_that_stalls_mid_stream_is_cut_and_frees_its_slot(cluster, trace_
 
 
 # ------------------------------------------------------------------ prefill faults
-def test_prefill_down_at_start_or_failing_is_ejected_and_failed_over(cluster, trace_files, workdir, faults):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prefill_down_at_start_or_failing_is_ejected_and_failed_over(cluster, trace_files, workdir, faults, policy):
     """Prefill 0 has nothing listening, prefill 2 answers 500 to everything: every request
     still succeeds (re-sent to a working prefill with a new room) and both are taken out."""
     dead = [f"http://127.0.0.1:{free_port()}", free_port()]
     faults(cluster["prefill"][1][0], "error500")
     urls = {"prefill": [dead, cluster["prefill"][0], cluster["prefill"][1]], "decode": cluster["decode"]}
-    router, base = eldr_router(urls, trace_files, workdir, FAST)
+    router, base = eldr_router(urls, trace_files, workdir, FAST, policy)
     try:
         results = run_requests(base, 60, concurrency=8, seed=7, stream_share=0.5)
         bad = [r for r in results if not (r["status"] == 200 and r["complete"])]

@@ -250,3 +250,70 @@ def test_counts_above_uint16_are_kept_exactly(tmp_path):
         assert z["c0_count"].dtype == np.uint32 and z["c1_count"].dtype == np.uint16
     with open_counts_trace(out) as t:
         np.testing.assert_array_equal(t.counts().toarray(), [[70000, 0, 3, 0], [1, 2, 0, 0]])
+
+
+def _flip_member_byte(src, member, dst):
+    """Copy `src` to `dst` with one byte in the middle of ZIP member `member`'s data flipped."""
+    with zipfile.ZipFile(src) as z:
+        info = z.getinfo(member)
+    data = bytearray(src.read_bytes())
+    name_len, extra_len = struct.unpack_from("<2H", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_len + extra_len + info.compress_size // 2] ^= 0x01
+    dst.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def trace_files(v1, tmp_path_factory):
+    d = tmp_path_factory.mktemp("corrupt")
+    small = v1.subset(np.arange(300))
+    save_trace(small, d / "v1.npz")
+    write_v1_as_counts(small, d / "v2.npz", chunk_requests=100)
+    assert eldr(["fit", str(d / "v2.npz"), "--workers", "2", "--out", str(d / "c.eldr"), "-q", "--restarts", "1"]) == 0
+    return d
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_flipped_byte_in_any_trace_member_is_a_clear_error(trace_files, tmp_path, capsys, version):
+    """Every member a command reads up front (the per-request arrays, meta_json, v1's ids):
+    one flipped byte fails its ZIP CRC, and fit, simulate, refit and drift-check each stop with
+    one line naming the file and the member, never a zipfile traceback."""
+    good = trace_files / f"{version}.npz"
+    cents = str(trace_files / "c.eldr")
+    with zipfile.ZipFile(good) as z:
+        members = [n for n in z.namelist() if not n[0] in "cd" or not n[1].isdigit()]  # chunks: test above
+    assert "meta_json.npy" in members and "prefill_len.npy" in members
+    for member in members:
+        bad = tmp_path / f"bad_{member}.npz"
+        _flip_member_byte(good, member, bad)
+        for argv in (["fit", str(bad), "--workers", "2", "--out", str(tmp_path / "o.eldr"), "-q"],
+                     ["simulate", "--trace", str(bad), "--centroids", cents, "--requests", "20", "--no-progress"],
+                     ["refit", cents, "--trace", str(bad), "--out", str(tmp_path / "r.eldr")],
+                     ["drift-check", cents, "--trace", str(bad)]):
+            assert eldr(argv) == 1, (member, argv[0])
+            err = capsys.readouterr().err
+            name = member.removesuffix(".npy")
+            assert f"{bad}: member '{name}' is corrupt or truncated" in err, (member, argv[0], err)
+            assert err.count(str(bad)) == 1 and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_failed_discard_still_removes_the_temporary_file(tmp_path, monkeypatch):
+    """On a full disk the ZIP's close (which writes the central directory) raises too: the
+    staged file must go all the same, and the write's own error is the one that surfaces."""
+    import scipy.sparse as sp
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (central directory)")
+
+    out = tmp_path / "t.npz"
+    with pytest.raises(OSError, match=r"No space left on device \(chunk\)"):  # the write's error, not close's
+        with CountsTraceWriter(out, num_layers=2, num_experts=4, top_k=1) as w:
+            w.write_chunk(sp.csr_matrix(np.ones((3, 8))), [1, 1, 1], [0, 0, 0])
+            monkeypatch.setattr(w._zip, "close", full)
+            raise OSError(28, "No space left on device (chunk)")
+    assert list(tmp_path.iterdir()) == []
+    # the disk fills while close() writes the last member: the same
+    with pytest.raises(OSError, match="central directory"):
+        with CountsTraceWriter(out, num_layers=2, num_experts=4, top_k=1) as w:
+            w.write_chunk(sp.csr_matrix(np.ones((3, 8))), [1, 1, 1], [0, 0, 0])
+            monkeypatch.setattr(w._zip, "close", full)
+    assert list(tmp_path.iterdir()) == []

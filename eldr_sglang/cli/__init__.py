@@ -25,6 +25,7 @@ COMMANDS = [
     "eldr_sglang.cli.patch",
     "eldr_sglang.cli.refit",
     "eldr_sglang.cli.drift_check",
+    "eldr_sglang.cli.experiment",
 ]
 
 

@@ -58,7 +58,8 @@ class DriftHook:
         router = pd.router
         path = pd.cfg.centroids
         self.check_interval_s = float(check_interval_s)
-        monitor = DriftMonitor(router.centroid_set().provenance_json, window=window,
+        # num_workers: a baseline whose shares are for another K is refused, at start and on a rebase
+        monitor = DriftMonitor(router.centroid_set().provenance_json, window=window, num_workers=int(router.centroid_set().num_workers),
                                baseline_loader=lambda: router.centroid_set().provenance_json, on_window=self._on_window)
         # router=None: the router's own reload loop picks the new file up (and refreshes its layout)
         self.ctl = RefitController(path, router=None, monitor=monitor, on_drift=refit_on_drift, interval_s=interval_s,
@@ -237,6 +238,26 @@ def _json_safe(o):
     return str(o)
 
 
+def check_baseline(provenance_json: str, num_workers: int, path) -> None:
+    """A centroid file that carries a drift baseline must carry a usable one: shares for its K
+    workers, finite statistics. Raises ValueError naming the file (the router refuses to start);
+    a file with no baseline at all is fine (drift handling is then off, with a warning)."""
+    from eldr_sglang.drift.monitor import baseline_from_provenance
+
+    try:
+        prov = json.loads(provenance_json or "{}")
+    except json.JSONDecodeError:
+        prov = None
+    if not isinstance(prov, dict) or prov.get("baseline") is None:
+        return
+    try:
+        baseline_from_provenance(prov, num_workers)
+    except ValueError as exc:
+        raise ValueError(f"centroid file {path}: its drift baseline is unusable: {exc}. Rewrite the file with "
+                         "`eldr fit` or `eldr refit`, or start with --no-eldr-drift to route on it without drift "
+                         "handling") from None
+
+
 def install(app, pd, admin_token: str | None = None, **options) -> DriftHook | None:
     """Attach drift handling to the router app: sets `pd.drift`, adds `POST /eldr/refit`,
     `GET /eldr/drift`, the gauges, and the background task. Returns None (and adds 404
@@ -251,6 +272,7 @@ def install(app, pd, admin_token: str | None = None, **options) -> DriftHook | N
     enabled = conf.pop("enabled", True) and pd.cfg.policy in COUNTS_POLICIES and bool(pd.cfg.centroids)
     hook = None
     if enabled:
+        check_baseline(pd.router.centroid_set().provenance_json, len(pd.cfg.decode), pd.cfg.centroids)
         try:
             hook = DriftHook(pd, admin_token=admin_token, **conf)
         except (ValueError, OSError) as exc:  # e.g. a centroid file without a baseline: route on, without drift handling

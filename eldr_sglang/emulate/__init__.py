@@ -21,7 +21,15 @@ import sys
 from aiohttp import web
 
 
+# `cluster` port layout: prefill i on base+i, decode j on base+10+j, bootstrap i on base+100+i
+MAX_CLUSTER_PREFILL = 10
+MAX_CLUSTER_DECODE = 90
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from eldr_sglang.cli.args import integer, real
+
+    port = integer(1, 65535)
     ap = argparse.ArgumentParser(prog="python -m eldr_sglang.emulate", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="role", required=True)
 
@@ -29,13 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--trace", required=True, help="ELDR trace (.npz) whose routing the workers replay")
         p.add_argument("--model", default="auto", help="model profile (default: from the trace)")
         p.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
-        p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled time (<1: faster)")
+        p.add_argument("--time-scale", type=real(0, lo_open=True), default=1.0, help="multiply every modelled time (<1: faster)")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--no-signature", action="store_true", help="prefill: behave like an unpatched worker")
         p.add_argument("--assign", choices=["hash", "sequential"], default="hash",
                        help="prefill: map prompts to trace requests by hash, or in arrival (trace) order")
-        p.add_argument("--max-running-requests", type=int, default=256, help="decode batch limit")
-        p.add_argument("--bootstrap-timeout-secs", type=float, default=300.0)
+        p.add_argument("--max-running-requests", type=integer(1, 1 << 20), default=256, help="decode batch limit")
+        p.add_argument("--bootstrap-timeout-secs", type=real(0, lo_open=True), default=300.0)
         p.add_argument("--log-level", default="warning")
         p.add_argument("--fault", action="append", default=[], metavar="[ROLE:INDEX=]MODE",
                        help="inject a fault (see eldr_sglang.emulate.workers): MODE for a single worker, "
@@ -43,16 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prefill", help="one emulated prefill worker")
     common(p)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--bootstrap-port", type=int, required=True)
+    p.add_argument("--port", type=port, required=True)
+    p.add_argument("--bootstrap-port", type=port, required=True)
     d = sub.add_parser("decode", help="one emulated decode worker")
     common(d)
-    d.add_argument("--port", type=int, required=True)
+    d.add_argument("--port", type=port, required=True)
     c = sub.add_parser("cluster", help="prefill and decode workers in one process")
     common(c)
-    c.add_argument("--prefill", type=int, default=2)
-    c.add_argument("--decode", type=int, default=4)
-    c.add_argument("--base-port", type=int, required=True)
+    c.add_argument("--prefill", type=integer(0, MAX_CLUSTER_PREFILL), default=2)
+    c.add_argument("--decode", type=integer(0, MAX_CLUSTER_DECODE), default=4)
+    c.add_argument("--base-port", type=port, required=True,
+                   help="prefill i listens on BASE+i (bootstrap BASE+100+i), decode j on BASE+10+j")
     c.add_argument("--kv-in-process", action="store_true",
                    help="decode takes the KV of this process's prefill workers by a call instead of GET /kv/{room} "
                    "(same handoff and answers, less CPU: for benchmarks whose bottleneck must not be the emulator)")
@@ -122,7 +131,15 @@ async def _run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices[args.role]
+    if args.role == "cluster":
+        top = args.base_port + max(100 + args.prefill - 1 if args.prefill else 0, 10 + args.decode - 1 if args.decode else 0)
+        if top > 65535:
+            sub.error(f"argument --base-port: {args.base_port} puts the last worker on port {top}, above 65535")
+    elif args.role == "prefill" and args.port == args.bootstrap_port:
+        sub.error("argument --bootstrap-port: must differ from --port")
     logging.basicConfig(level=args.log_level.upper())
     try:
         import uvloop  # optional: a faster event loop when installed

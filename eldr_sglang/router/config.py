@@ -110,10 +110,31 @@ class RouterConfig:
             if not url.startswith("http://"):  # the data plane speaks plain HTTP/1.1 to workers
                 raise ConfigError(f"worker URL {url!r}: the router speaks plain http:// to workers only "
                                   "(https is not supported; put a TLS proxy beside the worker instead)")
+        for flag, urls in (("--prefill", [w.url for w in self.prefill]), ("--decode", list(self.decode))):
+            seen: dict[tuple, str] = {}
+            for url in urls:
+                key = _worker_key(url)
+                if key in seen:
+                    same = f"{url!r} twice" if seen[key] == url else f"{seen[key]!r} and {url!r}, the same worker,"
+                    raise ConfigError(f"{flag}: {same} given: each worker once (a duplicate would be counted as two "
+                                      "workers, doubling its share of the traffic and breaking the worker count the "
+                                      "centroid file is fitted for)")
+                seen[key] = url
 
     @property
     def late_binding(self) -> bool:
         return self.bind == "late" or (self.bind == "auto" and self.policy in COUNTS_POLICIES)
+
+
+def _worker_key(url: str) -> tuple:
+    """What makes two worker URLs the same worker: host (case-insensitive), port (80 when
+    none is given) and path, whatever the trailing slash."""
+    p = urlparse(url)
+    try:
+        port = p.port or 80
+    except ValueError:  # an out-of-range port: compare the text
+        port = p.netloc
+    return (p.scheme.lower(), (p.hostname or "").lower(), port, p.path.rstrip("/"))
 
 
 def _url(u: str, flag: str) -> str:

@@ -63,7 +63,8 @@ REQUEST_COUNTERS = (
     ("eldr_router_retries_refused",
      "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)", ("role",)),
     ("eldr_router_upstream_timeouts",
-     "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total)", ("role", "worker", "phase")),
+     "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total; client_gone: a decode "
+     "silent for 10 s, or its first-byte timeout if shorter, when the client left)", ("role", "worker", "phase")),
     ("eldr_router_ejections", "Outlier ejections of a worker", ("role", "worker")),
     ("eldr_router_probation_trials", "Trial requests sent to an ejected worker whose ejection ended", ("role", "worker")),
     ("eldr_router_prefill_routes", "Prefill choices by worker", ("worker",)),
@@ -84,6 +85,9 @@ REQUEST_COUNTERS = (
      "Client connections closed by the router or failed, by cause (header_timeout: no request head in time; idle_timeout: "
      "none after an answer; bad_request, incomplete, aborted, io, accept)",
      ("kind",)),
+    ("eldr_router_output_tokens",
+     "Output tokens of answers that ended whole, by decode policy, decode worker and endpoint (SGLang's "
+     "completion_tokens when the answer carries it, else its stream events)", ("policy", "worker", "endpoint")),
 )
 # (name, help); the bucket bounds come with the data plane's snapshot
 REQUEST_HISTOGRAMS = (
@@ -94,6 +98,16 @@ REQUEST_HISTOGRAMS = (
     ("eldr_router_signature_bytes", "Signature payload data size"),
     ("eldr_router_route_seconds", "Time in the routing call (decode and route)"),
 )
+# Latency on the request path, labelled by decode policy, decode worker and endpoint (the
+# prefill leg by policy and endpoint); measured in the data plane from the streamed bytes.
+LATENCY_HISTOGRAMS = {
+    "eldr_router_ttft_seconds": "Time to first token: the client's request arriving to the decode's first chunk going "
+                                "back (streamed answers)",
+    "eldr_router_tpot_seconds": "Time per output token of a streamed answer: (last token - first token) / (tokens - 1)",
+    "eldr_router_itl_seconds": "Inter-token latency: the gap before each streamed chunk that carries tokens",
+    "eldr_router_e2e_seconds": "End to end: the client's request arriving to the answer's last byte",
+    "eldr_router_prefill_seconds": "The prefill leg: the prefill call to the end of its answer (the KV handed over)",
+}
 
 
 class RequestPathMetrics:
@@ -126,6 +140,15 @@ class RequestPathMetrics:
                 cum += c
                 buckets.append((floatToGoString(b), cum))
             yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+        for name, label_names, bounds, series in snap.get("labelled_histograms", []):
+            fam = HistogramMetricFamily(name, LATENCY_HISTOGRAMS.get(name, name), labels=list(label_names))
+            for values, counts, total in series:
+                cum, buckets = 0, []
+                for b, c in zip([*bounds, float("inf")], counts):
+                    cum += c
+                    buckets.append((floatToGoString(b), cum))
+                fam.add_metric(list(values), buckets, sum_value=total)
+            yield fam
 
 
 class RouterMetrics:

@@ -26,6 +26,7 @@ many requests as asked (the simulator needs it, the fit does not).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -39,7 +40,7 @@ from typing import Iterator
 import numpy as np
 import scipy.sparse as sp
 
-from .format import TRACE_FORMAT, Trace, TraceError, check_meta, load_trace
+from .format import TRACE_FORMAT, Trace, TraceError, check_meta, load_trace, read_member
 
 COUNTS_VERSION = 2
 DEFAULT_CHUNK_REQUESTS = 4096
@@ -167,17 +168,26 @@ class CountsTraceWriter:
         return self._staged.commit()
 
     def discard(self) -> None:
-        if not self._closed:
-            self._zip.close()
-            self._closed = True
-        self._staged.discard()
+        """Remove the staged file. Never raises for the ZIP's own close: on a full disk that close
+        (it writes the central directory) fails too, and the file must go all the same."""
+        try:
+            if not self._closed:
+                self._closed = True
+                with contextlib.suppress(Exception):  # ZipFile.close closes the file in a finally
+                    self._zip.close()
+        finally:
+            self._staged.discard()
 
     def __enter__(self) -> "CountsTraceWriter":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None and not self._closed:
-            self.close()
+        if exc_type is None and not self._staged.done:
+            try:
+                self.close()
+            except BaseException:  # a full disk at the last member, the fsync or the rename
+                self.discard()
+                raise
         else:
             self.discard()
 
@@ -400,8 +410,9 @@ def open_counts_trace(path: str | os.PathLike) -> CountsTrace:
     try:
         if not hasattr(z, "files") or "meta_json" not in z.files:
             raise TraceError(f"{path}: not an ELDR trace (no meta_json)")
+        meta_text = str(read_member(z, "meta_json", path))
         try:
-            meta = check_meta(json.loads(str(z["meta_json"])))
+            meta = check_meta(json.loads(meta_text))
         except json.JSONDecodeError as exc:
             raise TraceError(f"{path}: meta_json is not valid JSON ({exc})") from None
         except TraceError as exc:
@@ -423,7 +434,7 @@ def open_counts_trace(path: str | os.PathLike) -> CountsTrace:
         arrays = {}
         for name in _PER_REQUEST:
             if name in z.files:
-                a = z[name]
+                a = read_member(z, name, path)
                 if a.shape != (R,):
                     raise TraceError(f"{path}: {name} has shape {a.shape}, expected ({R},)")
                 arrays[name] = a

@@ -48,6 +48,20 @@ class TraceError(ValueError):
     """A trace file is missing, malformed or inconsistent; the message names the problem."""
 
 
+def read_member(z, name: str, path) -> np.ndarray:
+    """Array `name` of an open `.npz` (`np.load`'s NpzFile), or a TraceError naming the file and
+    the member when it cannot be read: a flipped byte fails the ZIP CRC check
+    (zipfile.BadZipFile), a cut file ends early (EOFError, OSError), a damaged .npy header
+    fails to parse (ValueError)."""
+    try:
+        return z[name]
+    except KeyError:
+        raise TraceError(f"{path}: member {name!r} is missing") from None
+    except Exception as exc:  # noqa: BLE001 - zipfile, zlib and npy errors come in many types
+        raise TraceError(f"{path}: member {name!r} is corrupt or truncated ({type(exc).__name__}: {exc}); "
+                         "the file is damaged: write or copy it again") from None
+
+
 def check_meta(meta) -> dict:
     """meta_json as a dict with well-typed fields: an object; format and model strings;
     version, num_layers, num_experts, top_k integers in range. Raises TraceError naming the
@@ -191,7 +205,7 @@ def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
         if "meta_json" in z.files and "expert_ids" not in z.files:
             version = None
             with contextlib.suppress(Exception):  # a bad meta_json is reported below
-                version = json.loads(str(z["meta_json"])).get("version")
+                version = json.loads(str(read_member(z, "meta_json", path))).get("version")
             if version == 2:
                 raise TraceError(f"{path}: a trace v2 (prompt counts; it does not store every prompt token's routing): "
                                  "eldr fit reads it; commands that replay every token need a trace v1 "
@@ -200,7 +214,7 @@ def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
         if missing:
             raise TraceError(f"{path}: not an ELDR trace, missing arrays {missing}")
         try:
-            meta = json.loads(str(z["meta_json"]))
+            meta = json.loads(str(read_member(z, "meta_json", path)))
         except json.JSONDecodeError as exc:
             raise TraceError(f"{path}: meta_json is not valid JSON ({exc})") from None
         if isinstance(meta, dict) and meta.get("format", TRACE_FORMAT) != TRACE_FORMAT:
@@ -211,15 +225,17 @@ def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
             raise TraceError(f"{path}: {exc}") from None
         if int(meta.get("version", TRACE_VERSION)) != TRACE_VERSION:
             raise TraceError(f"{path}: trace version {meta.get('version')} is not supported (only {TRACE_VERSION})")
-        opt = lambda k: z[k] if k in z.files else None  # noqa: E731
+        get = lambda k: read_member(z, k, path)  # noqa: E731
+        opt = lambda k: get(k) if k in z.files else None  # noqa: E731
+        arrival_s = opt("arrival_s")
         trace = Trace(
-            expert_ids=z["expert_ids"],
-            req_offsets=z["req_offsets"].astype(np.int64, copy=False),
-            prefill_len=z["prefill_len"].astype(np.int32, copy=False),
+            expert_ids=get("expert_ids"),
+            req_offsets=get("req_offsets").astype(np.int64, copy=False),
+            prefill_len=get("prefill_len").astype(np.int32, copy=False),
             meta=meta,
             domain=opt("domain"),
             subdomain=opt("subdomain"),
-            arrival_s=None if opt("arrival_s") is None else z["arrival_s"].astype(np.float64, copy=False),
+            arrival_s=None if arrival_s is None else arrival_s.astype(np.float64, copy=False),
         )
     if validate:
         try:

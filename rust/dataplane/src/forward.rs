@@ -36,7 +36,7 @@ pub async fn forward(plane: Arc<Plane>, req: Request<Incoming>) -> Response<Body
             b = b.header(k, v);
         }
     }
-    let Ok(up) = b.body(http_body_util::Full::new(data)) else { return json_response(400, error_json("bad request")) };
+    let Ok(up) = b.body(crate::upstream::ReqBody::from(data).into()) else { return json_response(400, error_json("bad request")) };
     match timeout(secs(plane.cfg.request_timeout_s), plane.client.request(up)).await {
         Ok(Ok(resp)) => {
             let (mut parts, body) = resp.into_parts();

@@ -21,7 +21,7 @@
 //! requests still fail over. A worker that hangs while the others answer, or answers 5xx, is
 //! ejected as before.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -88,9 +88,18 @@ pub struct WorkerPool {
     /// Decode: the core router's tracker, whose health flags the policies read.
     tracker: Option<Arc<QueueTracker>>,
     counters: Arc<Counters>,
+    /// A request abandoned (its client gone) after this long without a byte from the worker
+    /// counts as that worker's timeout (milliseconds; 0: off). See [`Attempt`]'s drop.
+    silence_ms: AtomicU64,
 }
 
 impl WorkerPool {
+    /// Count requests whose client left after `d` without a byte from the worker as timeouts
+    /// of the worker (the overload rule applies as to any timeout); `Duration::ZERO`: off.
+    pub fn set_silence(&self, d: Duration) {
+        self.silence_ms.store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+
     pub fn new(role: Role, urls: &[String], threshold: u32, base_s: f64, max_s: f64, tracker: Option<Arc<QueueTracker>>, counters: Arc<Counters>) -> Arc<Self> {
         let now = Instant::now();
         let workers = urls
@@ -106,6 +115,7 @@ impl WorkerPool {
             max: Duration::from_secs_f64(max_s.max(base_s)),
             tracker,
             counters,
+            silence_ms: AtomicU64::new(0),
         })
     }
 
@@ -318,20 +328,22 @@ pub struct Attempt {
     pool: Arc<WorkerPool>,
     pub worker: usize,
     verdict: bool,
+    progressed: bool,
     started: Instant,
 }
 
 impl Attempt {
     pub fn start(pool: &Arc<WorkerPool>, worker: usize) -> Self {
         pool.dispatched(worker);
-        Attempt { pool: Arc::clone(pool), worker, verdict: false, started: Instant::now() }
+        Attempt { pool: Arc::clone(pool), worker, verdict: false, progressed: false, started: Instant::now() }
     }
     pub fn success(&mut self) {
         self.pool.success(self.worker);
         self.verdict = true;
     }
     /// The worker answered its first byte (the verdict comes at the end).
-    pub fn progress(&self) {
+    pub fn progress(&mut self) {
+        self.progressed = true;
         self.pool.progress(self.worker);
     }
     pub fn failure(&mut self, kind: &str) {
@@ -341,9 +353,19 @@ impl Attempt {
 }
 
 impl Drop for Attempt {
+    /// No verdict: the client went away first. A worker that had sent nothing for the pool's
+    /// silence limit by then is charged a timeout all the same (clients that give up before
+    /// the first-byte timeout must not keep a hung worker in rotation); otherwise no verdict.
     fn drop(&mut self) {
         if !self.verdict {
-            self.pool.abandoned(self.worker);
+            let silence = self.pool.silence_ms.load(Ordering::Relaxed);
+            if !self.progressed && silence > 0 && self.started.elapsed() >= Duration::from_millis(silence) {
+                let role = self.pool.role.as_str();
+                self.pool.counters.inc(names::TIMEOUTS, &[role, &self.worker.to_string(), "client_gone"]);
+                self.pool.failure_since(self.worker, "silent_timeout", Some(self.started));
+            } else {
+                self.pool.abandoned(self.worker);
+            }
         }
         self.pool.finished(self.worker);
     }
@@ -374,6 +396,36 @@ mod tests {
         p.failure(2, "x");
         p.failure(2, "x");
         assert!(p.routable(2));
+    }
+
+    #[test]
+    fn silence_until_the_client_leaves_counts_against_the_worker() {
+        let wait = |ms| std::thread::sleep(Duration::from_millis(ms));
+        let p = pool(3);
+        p.set_silence(Duration::from_millis(40));
+        // worker 0 answers first bytes meanwhile: worker 1's silence is its own
+        for _ in 0..2 {
+            let a = Attempt::start(&p, 1);
+            wait(50);
+            p.progress(0);
+            drop(a); // the client gave up
+        }
+        assert!(!p.routable(1), "two silent abandoned requests eject it (threshold 2)");
+        assert_eq!(p.counters.get(names::TIMEOUTS, &["decode", "1", "client_gone"]), 2);
+        // a client that leaves early, or after bytes came, says nothing about the worker
+        let a = Attempt::start(&p, 2);
+        drop(a);
+        let mut b = Attempt::start(&p, 2);
+        b.progress();
+        wait(50);
+        drop(b);
+        assert_eq!(p.state()[2].consecutive_failures, 0);
+        // off by default
+        let q = pool(2);
+        let a = Attempt::start(&q, 1);
+        wait(50);
+        drop(a);
+        assert_eq!(q.state()[1].consecutive_failures, 0);
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

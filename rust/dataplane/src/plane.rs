@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use eldr_core::rng::AtomicRng;
 use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
 use hyper::body::Incoming;
@@ -19,7 +18,12 @@ use crate::counters::{names, Counters};
 use crate::errors::UpstreamError;
 use crate::outlier::WorkerPool;
 use crate::reservoir::{Draw, KeepSampler};
-use crate::upstream::{self, HttpClient, Leg, Refused};
+use crate::upstream::{self, HttpClient, Leg, Refused, ReqBody};
+
+/// How long a decode may send nothing to a request whose client then leaves before that
+/// counts as its timeout (at most the first-byte timeout): clients that give up first (a
+/// 12 s client limit against the 60 s first-byte timeout) must not keep a hung decode in.
+pub const DECODE_SILENCE_S: f64 = 10.0;
 
 pub struct Plane {
     pub cfg: Config,
@@ -93,6 +97,9 @@ impl Plane {
         let purls: Vec<String> = cfg.prefill.iter().map(|p| p.url.clone()).collect();
         let prefill = WorkerPool::new(Role::Prefill, &purls, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, None, Arc::clone(&counters));
         let decode = WorkerPool::new(Role::Decode, &cfg.decode, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, Some(Arc::clone(router.tracker())), Arc::clone(&counters));
+        // a decode silent for this long when its client gave up is charged a timeout (prefills
+        // are not: under early binding a prefill waits for its decode to take the KV)
+        decode.set_silence(secs(cfg.first_byte_timeout_s).min(Duration::from_secs_f64(DECODE_SILENCE_S)));
         let prefill_policy = make_policy(&cfg.prefill_policy, cfg.seed).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let cfg_reservoir = if cfg.counts_policy() { cfg.signature_reservoir } else { 0 };
         let sampler = match (cfg_reservoir > 0, cfg.reservoir) {
@@ -127,7 +134,7 @@ impl Plane {
 
     /// POST to a worker (see `upstream::post`); a refused connection marks it down at once
     /// (the health check brings it back).
-    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: Bytes, first_byte: Option<Duration>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: ReqBody, first_byte: Option<Duration>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
         upstream::post(&self.client, leg, url, body, first_byte, deadline).await.map_err(|(e, refused)| {
             if let Refused::Yes = refused {
                 self.pool(leg.role).set_health(leg.worker, false);

@@ -98,7 +98,8 @@ impl PyDataPlane {
         Ok(self.plane.pool(Self::role(role)?).routable_all())
     }
     /// A snapshot for the Prometheus collector: {"counters": {name: [(labels, value)]},
-    /// "histograms": {name: (upper bounds, per-bucket counts with +Inf last, sum)}}.
+    /// "histograms": {name: (upper bounds, per-bucket counts with +Inf last, sum)},
+    /// "labelled_histograms": [(name, label names, upper bounds, [(label values, counts, sum)])]}.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.plane.counters;
         let counters = PyDict::new(py);
@@ -114,7 +115,16 @@ impl PyDataPlane {
             let (counts, sum) = h.snapshot();
             hists.set_item(name, (h.bounds.to_vec(), counts, sum))?;
         }
+        let labelled = PyList::empty(py);
+        for (name, label_names, bounds, series) in c.latency.snapshot() {
+            let items = PyList::empty(py);
+            for (values, counts, sum) in series {
+                items.append((PyTuple::new(py, values)?, counts, sum))?;
+            }
+            labelled.append((name, PyTuple::new(py, label_names)?, bounds.to_vec(), items))?;
+        }
         let out = PyDict::new(py);
+        out.set_item("labelled_histograms", labelled)?;
         out.set_item("counters", counters)?;
         out.set_item("histograms", hists)?;
         Ok(out)

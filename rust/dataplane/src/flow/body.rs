@@ -8,6 +8,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::errors::BadRequest;
+use crate::upstream::ReqBody;
 
 /// The eldr endpoints, each with its own body rules.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -41,7 +42,7 @@ const ROUTER_FIELDS: [&str; 4] = ["bootstrap_host", "bootstrap_port", "bootstrap
 /// its stream flag). Values are kept as the client wrote them (raw JSON: a number no
 /// machine type holds passes through unchanged, as Python's int does); only the fields the
 /// router checks are looked into.
-pub fn parse_body(kind: Kind, raw: &[u8]) -> Result<(Vec<u8>, bool), BadRequest> {
+pub fn parse_body(kind: Kind, raw: &[u8]) -> Result<(Bytes, bool), BadRequest> {
     let syntax = |e: serde_json::Error| {
         if e.to_string().contains("recursion limit") {
             BadRequest::new("the request body is nested too deeply")
@@ -52,7 +53,9 @@ pub fn parse_body(kind: Kind, raw: &[u8]) -> Result<(Vec<u8>, bool), BadRequest>
     if nesting_depth(raw) > MAX_BODY_DEPTH {
         return Err(BadRequest::new("the request body is nested too deeply"));
     }
-    let body: HashMap<String, Box<RawValue>> = match serde_json::from_slice(raw) {
+    // values borrowed from `raw`, not copied: the prompt is in memory twice at most while
+    // parsing (the client's bytes and the compact body), once after
+    let body: HashMap<String, &RawValue> = match serde_json::from_slice(raw) {
         Ok(b) => b,
         Err(e) => {
             let first = raw.iter().find(|b| !b.is_ascii_whitespace()).copied();
@@ -79,7 +82,7 @@ pub fn parse_body(kind: Kind, raw: &[u8]) -> Result<(Vec<u8>, bool), BadRequest>
         out.extend_from_slice(v.get().as_bytes());
     }
     out.push(b'}');
-    Ok((out, stream))
+    Ok((Bytes::from(out), stream))
 }
 
 /// Deepest nesting a client body may have (raw values are not parsed, so serde's own
@@ -141,9 +144,9 @@ fn is_integer(v: &RawValue) -> bool {
     json_kind(v) == Json::Number && !v.get().bytes().any(|b| matches!(b, b'.' | b'e' | b'E'))
 }
 
-fn validate(kind: Kind, body: &HashMap<String, Box<RawValue>>) -> Result<(), BadRequest> {
+fn validate(kind: Kind, body: &HashMap<String, &RawValue>) -> Result<(), BadRequest> {
     let bad = |m: &str| Err(BadRequest::new(m));
-    let field = |k: &str| body.get(k).map(|v| (v.as_ref(), json_kind(v))).filter(|(_, t)| *t != Json::Null);
+    let field = |k: &str| body.get(k).map(|v| (*v, json_kind(v))).filter(|(_, t)| *t != Json::Null);
     if body.get("stream").is_some_and(|v| json_kind(v) != Json::Bool) {
         return bad("'stream' must be true or false");
     }
@@ -207,17 +210,19 @@ fn validate(kind: Kind, body: &HashMap<String, Box<RawValue>>) -> Result<(), Bad
     Ok(())
 }
 
-/// `base` (a compact JSON object) with `fields` set, without re-encoding it.
-pub fn with_fields(base: &[u8], fields: &Map<String, Value>) -> Bytes {
-    let extra = serde_json::to_vec(fields).expect("json");
-    if base == b"{}" {
-        return Bytes::from(extra);
+/// `base` (a compact JSON object from [`parse_body`]) with `fields` set, without re-encoding
+/// or copying it: the body shares `base` and owns only the fields.
+pub fn with_fields(base: &Bytes, fields: &Map<String, Value>) -> ReqBody {
+    let mut extra = serde_json::to_vec(fields).expect("json");
+    if &base[..] == b"{}" || base.len() < 2 {
+        return ReqBody::from(Bytes::from(extra));
     }
-    let mut out = Vec::with_capacity(base.len() + extra.len());
-    out.extend_from_slice(&base[..base.len() - 1]);
-    out.push(b',');
-    out.extend_from_slice(&extra[1..]);
-    Bytes::from(out)
+    if extra.len() > 2 {
+        extra[0] = b','; // `{"a":1}` + `{"f":2}` -> `{"a":1` + `,"f":2}`
+    } else {
+        extra.remove(0); // no fields: `}`
+    }
+    ReqBody::new(base.slice(..base.len() - 1), Bytes::from(extra))
 }
 
 #[cfg(test)]
@@ -249,7 +254,7 @@ mod tests {
         assert!(ok(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":1}"#).is_ok());
         // a number no machine type holds passes through as written
         let big = format!(r#"{{"text":"a","x":1{}}}"#, "0".repeat(400));
-        assert!(String::from_utf8(parse_body(Kind::Generate, big.as_bytes()).unwrap().0).unwrap().contains(&"0".repeat(400)));
+        assert!(String::from_utf8(parse_body(Kind::Generate, big.as_bytes()).unwrap().0.to_vec()).unwrap().contains(&"0".repeat(400)));
     }
 
     #[test]
@@ -258,8 +263,15 @@ mod tests {
         assert!(stream);
         let mut f = Map::new();
         f.insert("bootstrap_room".into(), Value::from(7));
-        let out: Value = serde_json::from_slice(&with_fields(&base, &f)).unwrap();
+        let out: Value = serde_json::from_slice(&with_fields(&base, &f).to_vec()).unwrap();
         assert_eq!(out, serde_json::json!({"text": "a", "bootstrap_room": 7}));
-        assert_eq!(&with_fields(b"{}", &f)[..], br#"{"bootstrap_room":7}"#);
+        assert_eq!(&with_fields(&Bytes::from_static(b"{}"), &f).to_vec()[..], br#"{"bootstrap_room":7}"#);
+        assert_eq!(&with_fields(&base, &Map::new()).to_vec()[..], br#"{"text":"a"}"#);
+        // the legs share the client's bytes: the body's head is a view of `base`, not a copy
+        let (big, _) = parse_body(Kind::Generate, format!(r#"{{"text":"{}"}}"#, "x".repeat(1 << 20)).as_bytes()).unwrap();
+        let leg = with_fields(&big, &f);
+        assert_eq!(leg.len(), big.len() + r#","bootstrap_room":7"#.len());
+        assert!(leg.to_vec().ends_with(br#"xx","bootstrap_room":7}"#));
+        assert_eq!(leg.head().as_ptr(), big.as_ptr());
     }
 }

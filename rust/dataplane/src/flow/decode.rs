@@ -14,23 +14,26 @@ use tokio::sync::mpsc;
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::drain::{kv_lost_error, PrefillLeg};
-use super::pump::pump;
+use super::pump::{pump, Timing};
 use super::route::{Choice, Sig};
 use crate::config::{secs, Role};
-use crate::counters::names;
+use crate::counters::{names, scan_chunk};
 use crate::errors::{FlowError, UpstreamError};
 use crate::outlier::Attempt;
 use crate::plane::Plane;
 use crate::response::{full, Body, ChannelBody};
-use crate::upstream::{next_chunk, Leg};
+use crate::upstream::{next_chunk, Leg, ReqBody};
 
 pub(crate) struct DecodeCtx<'a> {
     pub(crate) path: &'a str,
     pub(crate) room: u64,
     pub(crate) p: usize,
-    pub(crate) dbody: &'a Bytes,
+    pub(crate) dbody: &'a ReqBody,
     pub(crate) client_stream: bool,
     pub(crate) deadline: Instant,
+    /// When the client's request arrived (the latency metrics count from it).
+    pub(crate) t0: Instant,
+    pub(crate) endpoint: &'static str,
 }
 
 pub(crate) async fn decode_with_failover(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, mut sig: Sig, prefill: &Arc<PrefillLeg>) -> Result<Response<Body>, FlowError> {
@@ -141,6 +144,12 @@ pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Cho
             leg.keep_draining();
         }
         drop(lease);
+        // non-streamed: the end-to-end time and the tokens are all that can be known
+        let policy = plane.router.policy_name();
+        plane.counters.latency.decode(policy, w, ctx.endpoint).e2e.observe(ctx.t0.elapsed().as_secs_f64());
+        if let (_, Some(n)) = scan_chunk(&data) {
+            plane.counters.add(names::OUTPUT_TOKENS, &[policy, &w.to_string(), ctx.endpoint], n);
+        }
         let mut r = Response::new(full(data));
         r.headers_mut().insert(CONTENT_TYPE, ctype.unwrap_or(HeaderValue::from_static("application/json")));
         explain_headers(plane, ctx, choice, &mut r);
@@ -161,6 +170,7 @@ pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Cho
     let failed = match timeout(left, next_chunk(&mut body)).await {
         Ok(Ok(Some(first))) => {
             attempt.progress();
+            let timing = Timing::first(plane, w, ctx, &first);
             let head = &first[..first.len().min(8192)];
             if head.windows(7).any(|x| x == b"\"abort\"") {
                 if let Some(leg) = prefill {
@@ -171,7 +181,7 @@ pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Cho
             }
             let (tx, rx) = mpsc::channel::<Bytes>(32);
             let _ = tx.try_send(first);
-            tokio::spawn(pump(Arc::clone(plane), body, tx, attempt, lease, prefill.cloned(), ctx.deadline));
+            tokio::spawn(pump(Arc::clone(plane), body, tx, attempt, lease, prefill.cloned(), ctx.deadline, timing));
             let mut r = Response::new(ChannelBody::boxed(rx));
             let h = r.headers_mut();
             h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -197,7 +207,7 @@ pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Cho
 /// it; the KV can: a decode at work takes the prefill's KV, which ends the prefill's stream,
 /// within the first-byte timeout. One that has not by then is treated like a stream with
 /// no first byte. Once the KV is taken, the request deadline bounds it.
-async fn open_watched(plane: &Plane, leg: Leg<'_>, url: &str, body: Bytes, deadline: Instant, prefill: Option<&Arc<PrefillLeg>>) -> Result<Response<Incoming>, UpstreamError> {
+async fn open_watched(plane: &Plane, leg: Leg<'_>, url: &str, body: ReqBody, deadline: Instant, prefill: Option<&Arc<PrefillLeg>>) -> Result<Response<Incoming>, UpstreamError> {
     let opening = plane.open(leg, url, body, None, deadline);
     tokio::pin!(opening);
     if let Some(leg_p) = prefill.filter(|l| !l.drain.done()) {

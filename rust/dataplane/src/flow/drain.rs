@@ -3,7 +3,7 @@
 //! whether the prefill, and its parked KV, went away.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hyper::body::Incoming;
@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{timeout, timeout_at, Instant};
 
 use crate::config::Role;
+use crate::counters::Histogram;
 use crate::errors::UpstreamError;
 use crate::outlier::Attempt;
 use crate::upstream::next_chunk;
@@ -54,7 +55,9 @@ pub(crate) struct Drain {
 }
 
 impl Drain {
-    pub(crate) fn spawn(mut body: Incoming, deadline: Instant) -> Drain {
+    /// `timing`: the prefill leg's histogram and when the leg was sent, observed when the
+    /// stream ends whole (the KV handed over).
+    pub(crate) fn spawn(mut body: Incoming, deadline: Instant, timing: Option<(Arc<Histogram>, Instant)>) -> Drain {
         let (tx, rx) = watch::channel(PENDING);
         let join = tokio::spawn(async move {
             let read_all = async {
@@ -62,7 +65,12 @@ impl Drain {
                 Ok::<(), hyper::Error>(())
             };
             let s = match timeout_at(deadline, read_all).await {
-                Ok(Ok(())) => ENDED,
+                Ok(Ok(())) => {
+                    if let Some((h, t0)) = &timing {
+                        h.observe(t0.elapsed().as_secs_f64());
+                    }
+                    ENDED
+                }
                 Ok(Err(_)) => BROKE,
                 Err(_) => DEADLINE,
             };

@@ -12,7 +12,9 @@
 //! slot, trial and in-flight count is held by a guard, so it is released exactly once
 //! whatever ends the request, a client that goes away (its future dropped) included.
 //!
-//! Early binding (the baselines): decode is picked first and both legs are sent at once.
+//! Early binding (the baselines): decode is picked first and both legs are sent at once; a
+//! failure of either before the first byte is re-sent on a fresh pair with a new room, after
+//! a back-off (50 ms, x1.5 each time), within the same `retries` and budget.
 //!
 //! One module per stage, in the order a request meets them; each calls only the stages
 //! after it (and [`drain`], which the prefill stage starts and the decode stage watches):

@@ -4,6 +4,7 @@
 //! routes first and sends both legs at once.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use eldr_core::payload::{DecodeLimits, DEFAULT_MAX_BYTES};
@@ -18,31 +19,59 @@ use super::decode::{decode, decode_with_failover, DecodeCtx};
 use super::drain::{Background, Drain, PrefillLeg};
 use super::route::Sig;
 use crate::config::{secs, Role};
-use crate::counters::names;
+use crate::counters::{names, Histogram};
 use crate::errors::{FlowError, UpstreamError};
 use crate::outlier::Attempt;
 use crate::plane::Plane;
 use crate::response::Body;
 use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_EVENT_BYTES};
-use crate::upstream::Leg;
+use crate::upstream::{Leg, ReqBody};
 
-pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &[u8], client_stream: bool) -> Result<Response<Body>, FlowError> {
+pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, client_stream: bool, t0: Instant, endpoint: &'static str) -> Result<Response<Body>, FlowError> {
     let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
     let _active = plane.budget.active();
     let mut tried: Vec<usize> = Vec::new();
+    let mut tried_decode: Vec<usize> = Vec::new();
     let mut last: Option<UpstreamError> = None;
-    for attempt in 0..plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) {
-        let Some(p) = plane.pick_prefill(&tried) else { break };
-        if attempt > 0 && !plane.may_retry(Role::Prefill) {
+    // Late binding re-sends a failed prefill to another one (a failed decode moves to another
+    // decode inside, with the same room). Early binding re-sends any failure before the
+    // client's first byte as the gateway does: a fresh prefill and decode pair (a prefill
+    // already tried only when there is no other) with a new room, after a back-off.
+    let early = !plane.cfg.late_binding;
+    let attempts = if early { 1 + plane.cfg.retries as usize } else { plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) };
+    for attempt in 0..attempts {
+        let p = match plane.pick_prefill(&tried) {
+            Some(p) => p,
+            None if early && attempt > 0 => match plane.pick_prefill(&[]) {
+                Some(p) => p,
+                None => break,
+            },
+            None => break,
+        };
+        let role = last.as_ref().map_or(Role::Prefill, |e| e.role);
+        if attempt > 0 && !plane.may_retry(role) {
             break;
         }
-        tried.push(p);
+        if early && attempt > 0 {
+            let wait = Duration::from_secs_f64(RESEND_BACKOFF_S * RESEND_BACKOFF_GROWTH.powi(attempt as i32 - 1));
+            if Instant::now() + wait >= deadline {
+                break;
+            }
+            tokio::time::sleep(wait).await;
+        }
+        if !tried.contains(&p) {
+            tried.push(p);
+        }
         let _retrying = (attempt > 0).then(|| {
             let cause = last.as_ref().and_then(|e| e.cause.clone()).unwrap_or_else(|| "error".into());
-            plane.counters.inc(names::RETRIES, &["prefill", &cause]);
+            plane.counters.inc(names::RETRIES, &[role.as_str(), &cause]);
+            if role == Role::Decode {
+                plane.counters.inc(names::DECODE_FAILOVERS, &[]);
+            }
             plane.budget.retrying()
         });
-        match serve_with_prefill(plane, path, base, p, client_stream, deadline).await {
+        let ctx = Leg0 { path, p, client_stream, deadline, t0, endpoint };
+        match serve_with_prefill(plane, base, ctx, &mut tried_decode).await {
             Ok(r) => return Ok(r),
             Err(FlowError::Upstream(e)) if e.is_retryable() => {
                 last = Some(e);
@@ -56,7 +85,23 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &[u8], c
     Err(last.map_or(FlowError::NoHealthyWorker, FlowError::Upstream))
 }
 
-async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &[u8], p: usize, client_stream: bool, deadline: Instant) -> Result<Response<Body>, FlowError> {
+/// What one prefill attempt of a request knows.
+struct Leg0<'a> {
+    path: &'a str,
+    p: usize,
+    client_stream: bool,
+    deadline: Instant,
+    t0: Instant,
+    endpoint: &'static str,
+}
+
+/// Early binding's first re-send waits this long, each next one this many times longer (the
+/// gateway's 50 ms x 1.5).
+const RESEND_BACKOFF_S: f64 = 0.050;
+const RESEND_BACKOFF_GROWTH: f64 = 1.5;
+
+async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>, tried_decode: &mut Vec<usize>) -> Result<Response<Body>, FlowError> {
+    let Leg0 { path, p, client_stream, deadline, t0: t_request, endpoint } = c;
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
     let w = &plane.cfg.prefill[p];
     let room = plane.rng.next_u64() >> 1; // 63 bits, as SGLang's bootstrap rooms
@@ -76,32 +121,38 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &[u8], p: usiz
     let purl = format!("{}{}", w.url, path);
     let mut attempt = Attempt::start(&plane.prefill, p);
     let leg = Leg { role: Role::Prefill, worker: p, counters: &plane.counters };
-    let ctx = DecodeCtx { path, room, p, dbody: &dbody, client_stream, deadline };
+    let ctx = DecodeCtx { path, room, p, dbody: &dbody, client_stream, deadline, t0: t_request, endpoint };
+    let prefill_leg = plane.counters.latency.prefill(plane.router.policy_name(), endpoint);
 
     if !late {
         let sig = Sig::none(no_sig.then_some("prefill_no_signature"), 0.0);
-        let decision = plane.route(&sig, &[])?;
+        // a decode that failed this request is not chosen again while another is left
+        let decision = match plane.route(&sig, tried_decode) {
+            Ok(d) => d,
+            Err(_) if !tried_decode.is_empty() => plane.route(&sig, &[])?,
+            Err(e) => return Err(e),
+        };
+        if !tried_decode.contains(&decision.worker) {
+            tried_decode.push(decision.worker);
+        }
         let (etx, mut erx) = tokio::sync::oneshot::channel();
         let early = {
             let plane = Arc::clone(plane);
             let join = tokio::spawn(async move {
-                let r = early_prefill(&plane, &purl, pbody, deadline, &mut attempt).await;
+                let r = early_prefill(&plane, &purl, pbody, deadline, &mut attempt, &prefill_leg).await;
                 drop(attempt);
                 let _ = etx.send(r);
             });
             Background::new(join)
         };
-        // A failed prefill ends the request (the decode leg would wait for KV that never comes).
+        // A failed prefill ends this attempt (the decode leg would wait for KV that never comes);
+        // either leg's failure before the first byte is re-sent by the caller on a fresh pair.
         let dec = decode(plane, &ctx, &decision, None);
         tokio::pin!(dec);
         let out = tokio::select! {
             r = &mut dec => r,
             Ok(Err(perr)) = &mut erx => Err(FlowError::Upstream(perr)),
         };
-        let out = out.map_err(|e| match e {
-            FlowError::Upstream(u) => FlowError::Upstream(u.final_()), // early binding does not re-send
-            e => e,
-        });
         if out.is_ok() {
             early.keep();
         }
@@ -137,7 +188,7 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &[u8], p: usiz
     };
     attempt.success();
     plane.counters.sig_wait.observe(sig.wait_s);
-    let prefill = Arc::new(PrefillLeg { worker: p, attempt: Mutex::new(attempt), drain: Drain::spawn(body, deadline) });
+    let prefill = Arc::new(PrefillLeg { worker: p, attempt: Mutex::new(attempt), drain: Drain::spawn(body, deadline, Some((prefill_leg, t0))) });
     let out = decode_with_failover(plane, &ctx, sig, &prefill).await;
     if let Err(FlowError::Upstream(e)) = &out {
         if let (true, Some(c)) = (e.role == Role::Prefill, &e.cause) {
@@ -147,8 +198,9 @@ async fn serve_with_prefill(plane: &Arc<Plane>, path: &str, base: &[u8], p: usiz
     out
 }
 
-async fn early_prefill(plane: &Plane, url: &str, body: Bytes, deadline: Instant, attempt: &mut Attempt) -> Result<(), UpstreamError> {
+async fn early_prefill(plane: &Plane, url: &str, body: ReqBody, deadline: Instant, attempt: &mut Attempt, timing: &Histogram) -> Result<(), UpstreamError> {
     let leg = Leg { role: Role::Prefill, worker: attempt.worker, counters: &plane.counters };
+    let t0 = Instant::now();
     let resp = match plane.open(leg, url, body, None, deadline).await {
         Ok(r) => r,
         Err(e) => {
@@ -161,6 +213,7 @@ async fn early_prefill(plane: &Plane, url: &str, body: Bytes, deadline: Instant,
     match timeout_at(deadline, resp.into_body().collect()).await {
         Ok(Ok(_)) => {
             attempt.success();
+            timing.observe(t0.elapsed().as_secs_f64());
             Ok(())
         }
         _ => {

@@ -11,7 +11,8 @@ use tokio::time::{timeout, Instant};
 use super::drain::PrefillLeg;
 use super::route::Lease;
 use crate::config::{secs, Role};
-use crate::counters::names;
+use super::decode::DecodeCtx;
+use crate::counters::{names, scan_chunk, Latency};
 use crate::errors::UpstreamError;
 use crate::outlier::Attempt;
 use crate::plane::Plane;
@@ -20,7 +21,57 @@ use crate::upstream::{next_chunk, Leg};
 /// Stream the rest of the decode's answer to the client, each chunk within the stall
 /// timeout. Owns every guard of the request: they are released when it ends, the client
 /// going away included (its body is dropped, which closes the channel).
-pub(crate) async fn pump(plane: Arc<Plane>, mut body: Incoming, tx: mpsc::Sender<Bytes>, mut attempt: Attempt, lease: Lease, prefill: Option<Arc<PrefillLeg>>, deadline: Instant) {
+/// A streamed answer's timing: the latency metrics of its (policy, decode worker, endpoint),
+/// when the request came and its first and latest token chunks, the SSE events seen and the
+/// last `completion_tokens` count. Per chunk: a timestamp, a counter and one scan.
+pub(crate) struct Timing {
+    lat: Arc<Latency>,
+    policy: &'static str,
+    endpoint: &'static str,
+    t0: Instant,
+    t_first: Instant,
+    t_last: Instant,
+    events: u64,
+    tokens: Option<u64>,
+}
+
+impl Timing {
+    /// The decode's first chunk, about to go to the client: its time to first token.
+    pub(crate) fn first(plane: &Plane, worker: usize, ctx: &DecodeCtx<'_>, chunk: &[u8]) -> Timing {
+        let now = Instant::now();
+        let policy = plane.router.policy_name();
+        let lat = plane.counters.latency.decode(policy, worker, ctx.endpoint);
+        lat.ttft.observe((now - ctx.t0).as_secs_f64());
+        let (events, tokens) = scan_chunk(chunk);
+        Timing { lat, policy, endpoint: ctx.endpoint, t0: ctx.t0, t_first: now, t_last: now, events, tokens }
+    }
+
+    fn chunk(&mut self, chunk: &[u8]) {
+        let (n, tokens) = scan_chunk(chunk);
+        if tokens.is_some() {
+            self.tokens = tokens;
+        }
+        if n > 0 {
+            let now = Instant::now();
+            self.lat.itl.observe((now - self.t_last).as_secs_f64());
+            self.t_last = now;
+            self.events += n;
+        }
+    }
+
+    /// The answer ended whole: end to end, time per output token ((last - first) / (tokens
+    /// - 1), tokens from SGLang's count when it sent one, else the events), the tokens.
+    fn end(&self, plane: &Plane, worker: usize) {
+        self.lat.e2e.observe(self.t0.elapsed().as_secs_f64());
+        let tokens = self.tokens.unwrap_or(self.events);
+        if tokens >= 2 {
+            self.lat.tpot.observe((self.t_last - self.t_first).as_secs_f64() / (tokens - 1) as f64);
+        }
+        plane.counters.add(names::OUTPUT_TOKENS, &[self.policy, &worker.to_string(), self.endpoint], tokens);
+    }
+}
+
+pub(crate) async fn pump(plane: Arc<Plane>, mut body: Incoming, tx: mpsc::Sender<Bytes>, mut attempt: Attempt, lease: Lease, prefill: Option<Arc<PrefillLeg>>, deadline: Instant, mut timing: Timing) {
     let w = attempt.worker;
     let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
     let stall = secs(plane.cfg.stall_timeout_s);
@@ -49,6 +100,7 @@ pub(crate) async fn pump(plane: Arc<Plane>, mut body: Incoming, tx: mpsc::Sender
             }
             Some(Ok(Ok(None))) => break,
             Some(Ok(Ok(Some(c)))) => {
+                timing.chunk(&c);
                 if tx.send(c).await.is_err() {
                     plane.counters.inc(names::DISCONNECTS, &[]);
                     return;
@@ -68,7 +120,10 @@ pub(crate) async fn pump(plane: Arc<Plane>, mut body: Incoming, tx: mpsc::Sender
             ev.extend_from_slice(b"\n\n");
             let _ = tx.send(Bytes::from(ev)).await;
         }
-        None => attempt.success(),
+        None => {
+            attempt.success();
+            timing.end(&plane, w);
+        }
     }
     drop(lease);
 }

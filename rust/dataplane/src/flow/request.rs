@@ -26,8 +26,9 @@ const LARGE_BODY_BYTES: usize = 256 << 10;
 /// Serve one client request on an eldr endpoint (the server sends every other path to the
 /// control plane).
 pub async fn handle(plane: Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Response<Body> {
+    let t0 = tokio::time::Instant::now(); // the latency metrics count from here, as the client does
     let mut outcome = Outcome { plane: &plane, kind, status: None };
-    let resp = match serve(&plane, kind, req).await {
+    let resp = match serve(&plane, kind, req, t0).await {
         Ok(r) => r,
         Err(FlowError::Overloaded(why)) => overloaded_response(&plane, why),
         Err(e) => error_response(e),
@@ -36,19 +37,21 @@ pub async fn handle(plane: Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Re
     resp
 }
 
-async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Result<Response<Body>, FlowError> {
+async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>, t0: tokio::time::Instant) -> Result<Response<Body>, FlowError> {
     let path = req.uri().path().to_owned();
     let clen = req.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok());
     let raw = read_body(plane, req.into_body(), clen).await?;
     let (base, client_stream) = if raw.len() > LARGE_BODY_BYTES {
         tokio::task::spawn_blocking(move || parse_body(kind, &raw)).await.map_err(|_| BadRequest::with_status(503, "the request body could not be parsed"))??
     } else {
-        parse_body(kind, &raw)?
+        let parsed = parse_body(kind, &raw);
+        drop(raw); // the client's bytes go now, not when the request ends
+        parsed?
     };
     // Admitted after the body is read: a bad request gets its 4xx whatever the load, and a
     // refused one has nothing left unread (closing on an unread body can reset the answer).
     let permit = plane.admission.admit().await.map_err(FlowError::Overloaded)?;
-    let resp = route_request(plane, &path, &base, client_stream).await?;
+    let resp = route_request(plane, &path, &base, client_stream, t0, kind.label()).await?;
     Ok(resp.map(|b| PermitBody::wrap(b, permit)))
 }
 

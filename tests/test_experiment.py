@@ -1,0 +1,139 @@
+"""`eldr experiment report` on constructed switchback runs whose answer is known."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from eldr_sglang import experiment as X
+from eldr_sglang.cli import main as eldr
+
+
+def _blocks(rng, ratio: float, per_arm: int = 10, block_sd: float = 0.04) -> list[X.Block]:
+    """Alternating arms in a random order; arm 'a' has `ratio` times arm 'b''s TPOT level,
+    each block's level drawn log-normally around its arm's."""
+    arms = rng.permutation(["a"] * per_arm + ["b"] * per_arm)
+    out = []
+    for i, arm in enumerate(arms):
+        level = 0.010 * (ratio if arm == "a" else 1.0) * math.exp(rng.normal(0, block_sd))
+        out.append(X.Block(i, str(arm), 50, level, level * 1.05))
+    return out
+
+
+def test_a_known_effect_is_found_and_its_interval_covers_it():
+    blocks = _blocks(np.random.default_rng(1), 0.90)
+    res = X.report(blocks, ("a", "b"), confidence=0.95)
+    assert res["ci_low"] < -0.10 < res["ci_high"] < 0  # a's TPOT is 10 % lower, and the interval says so
+    assert res["diff_p50"] == res["p50"]["diff"] and res["blocks"] == 20 and res["p50"]["blocks"] == [10, 10]
+    flipped = X.report(blocks, ("b", "a"))
+    assert math.isclose((1 + flipped["diff_p50"]) * (1 + res["diff_p50"]), 1.0)
+    # without --arms, a run of exactly two arms compares them in order of appearance
+    assert X.report(blocks)["arms"] == list(dict.fromkeys(k.arm for k in blocks))
+
+
+def test_no_effect_interval_covers_zero_at_about_its_confidence():
+    """500 runs with equal arms: the 90 % interval holds zero in about 90 % of them (a wrong
+    variance, degrees of freedom or scale would move that far off)."""
+    rng = np.random.default_rng(7)
+    held = 0
+    for _ in range(500):
+        r = X.compare(_blocks(rng, 1.0, per_arm=6), ("a", "b"), "p50", confidence=0.90)
+        held += r["ci_low"] <= 0 <= r["ci_high"]
+    assert 0.86 <= held / 500 <= 0.94, held
+
+
+def test_blocks_needed_matches_the_normal_approximation():
+    # s = 0.05, 5 %: 2 (1.95996 + 0.84162)^2 0.05^2 / log(1.05)^2 = 16.6 -> 17 blocks per arm
+    assert X.blocks_needed(0.05, 0.05) == 17
+    assert X.blocks_needed(0.05, 0.10) < X.blocks_needed(0.05, 0.05) < X.blocks_needed(0.05, 0.02)
+    with pytest.raises(ValueError):
+        X.blocks_needed(0.05, 0.0)
+
+
+def _requests(rng, blocks, warm_s=5.0, warm_factor=3.0):
+    recs = []
+    for k in blocks:
+        for i in range(40):
+            t = i * 0.5
+            tp = k.p50 * math.exp(rng.normal(0, 0.05)) * (warm_factor if t < warm_s else 1.0)
+            recs.append({"block": k.block, "arm": k.arm, "t_s": t, "tpot_s": tp})
+        recs.append({"block": k.block, "arm": k.arm, "t_s": 30.0, "tpot_s": None})  # one output token: no TPOT
+    return recs
+
+
+def test_warmup_requests_are_dropped_from_each_block(tmp_path, capsys):
+    """Every block's first 5 s run at 3x TPOT only after arm 'a''s blocks (the previous arm's
+    requests still decoding): kept, they bias the answer; dropped, it is back to the truth."""
+    rng = np.random.default_rng(3)
+    blocks = _blocks(rng, 0.90)
+    recs = []
+    for r in _requests(rng, blocks, warm_factor=1.0):
+        if r["arm"] == "a" and r["tpot_s"] is not None and r["t_s"] < 5.0:
+            r["tpot_s"] *= 3.0
+        recs.append(r)
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    out = tmp_path / "r.json"
+    assert eldr(["experiment", "report", str(path), "--arms", "a,b", "--warmup", "5", "--json", str(out),
+                 "--plot", str(tmp_path / "r.png")]) == 0
+    res = json.loads(out.read_text())
+    assert res["ci_low"] < -0.10 < res["ci_high"] and res["ci_high"] < 0
+    assert res["mean"]["ci_low"] < -0.10 < res["mean"]["ci_high"]
+    assert all(b["dropped"] == 10 for b in res["per_block"]) and all(b["n"] == 30 for b in res["per_block"])
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "TPOT  p50: a vs b" in capsys.readouterr().out
+    # the same run without the warm-up dropped: arm a looks much worse than it is
+    assert eldr(["experiment", "report", str(path), "--arms", "a,b", "--json", str(out)]) == 0
+    kept = json.loads(out.read_text())
+    assert kept["mean"]["diff"] > 0.2 and kept["diff_p50"] > -0.09  # the mean most: 1/4 of a's requests at 3x
+    # flagged warm-up requests are dropped whatever --warmup says
+    for r in recs:
+        r["warmup"] = r["t_s"] < 5.0
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    assert eldr(["experiment", "report", str(path), "--arms", "a,b", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["ci_low"] < -0.10 < json.loads(out.read_text())["ci_high"]
+
+
+def test_block_records_and_a_json_object_are_read_too(tmp_path):
+    blocks = _blocks(np.random.default_rng(5), 1.2)
+    recs = [{"block": k.block, "arm": k.arm, "tpot_p50_s": k.p50, "tpot_mean_s": k.mean, "n": k.n} for k in blocks]
+    p = tmp_path / "blocks.json"
+    p.write_text(json.dumps({"blocks": recs}))
+    kind, got = X.load_records(p)
+    assert kind == "blocks" and len(got) == 20
+    res = X.report(X.blocks_from_records(got), ("a", "b"))
+    assert res["ci_low"] < 0.2 < res["ci_high"] and res["ci_low"] > 0
+
+
+@pytest.mark.parametrize("text, msg", [
+    ('{"block": 0, "arm": "a", "tpot_s": 0.01}\n{"block": 0, "arm": "b", "tpot_s": 0.01}\n', "two arms"),
+    ('{"block": 0, "arm": "a", "tpot_s": -1}\n', "'tpot_s' must be a positive finite number"),
+    ('{"block": -1, "arm": "a", "tpot_s": 0.01}\n', "'block' must be an integer >= 0"),
+    ('{"block": 0, "arm": "a", "tpot_s": 0.01}\nnot json\n', "line 2 is not JSON"),
+    ('{"block": 0, "arm": "a", "tpot_s": 0.01}\n{"block": 1, "arm": "b", "tpot_s": 0.01}\n', "needs at least 2 per arm"),
+    ("", "no records"),
+    ('{"block": 0, "arm": "a", "tpot_s": 0.01}\n{"block": 1, "arm": "b", "tpot_s": 0.01}\n'
+     '{"block": 2, "arm": "c", "tpot_s": 0.01}\n', "3 arms"),
+])
+def test_bad_runs_are_one_line_errors(tmp_path, capsys, text, msg):
+    p = tmp_path / "run.jsonl"
+    p.write_text(text)
+    assert eldr(["experiment", "report", str(p), "--min-requests", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eldr experiment: error: ") and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_unknown_arm_and_bad_flags(tmp_path, capsys):
+    p = tmp_path / "run.jsonl"
+    p.write_text('{"block": 0, "arm": "a", "tpot_s": 0.01}\n')
+    assert eldr(["experiment", "report", str(p), "--arms", "a,x", "--min-requests", "1"]) == 1
+    assert "arm 'x' is not in the run" in capsys.readouterr().err
+    assert eldr(["experiment", "report", str(p), "--arms", "a,a"]) == 1
+    assert "two different arms" in capsys.readouterr().err
+    for flag in (["--warmup", "-1"], ["--confidence", "1"], ["--min-requests", "0"]):
+        with pytest.raises(SystemExit) as e:
+            eldr(["experiment", "report", str(p), *flag])
+        assert e.value.code == 2
