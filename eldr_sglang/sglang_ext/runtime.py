@@ -140,17 +140,22 @@ def install(model_runner: Any) -> None:
     global ACCUMULATOR, MAX_BYTES, _GATHER, _DP_SLICE
     if getattr(model_runner, "is_draft_worker", False):
         return
-    asked = False
+    try:
+        asked = bool(_flag("enable_eldr_signature"))
+    except Exception:  # not a server process of the patched series
+        asked = False
+    if not asked:  # the common case on every other server: nothing more is read, nothing logged
+        _off("--enable-eldr-signature not set", False)
+        return
     try:
         from sglang.srt.runtime_context import get_parallel, get_schedule, get_server_args
 
-        asked = bool(_flag("enable_eldr_signature"))
         reason = layout_refusal(get_server_args().resolved_dict())
     except Exception as exc:  # a layout this module does not know: stay off, loudly
         _off(f"cannot read the server's layout: {exc}", True)
         return
     if reason is not None:
-        _off(reason, asked)
+        _off(reason, True)
         return
     import torch
 
