@@ -371,6 +371,33 @@ def test_unpatched_prefill_is_detected_and_not_waited_for(trace_files, workdir):
         cproc.stop()
 
 
+def test_dp_attention_deepep_prefill_whose_layout_is_off_is_reported_with_its_reason(trace_files, workdir):
+    # a patched prefill that cannot attribute its layout says so in /server_info (patch 0004);
+    # the router shows the reason in /eldr/status, a gauge and its warning, and does not wait
+    _, tpath, cpath = trace_files
+    reason = "--enable-two-batch-overlap: each MoE layer's top-k ids arrive in two micro-batches"
+    cproc, urls = start_cluster(tpath, workdir, prefill=1, decode=4, time_scale=TIME_SCALE,
+                                extra=["--signature-off", reason])
+    try:
+        rproc, base = start_router(urls, workdir, ["--disagg-router", "eldr", "--no-eldr-drift", "--eldr-centroids", str(cpath),
+                                                   "--eldr-signature-timeout-secs", "120", "--load-monitor-interval", "0"])
+    except BaseException:
+        cproc.stop()
+        raise
+    try:
+        st = get_json(base + "/eldr/status")
+        assert st["prefill_signatures"] == [False] and st["prefill_signature_off"] == [reason]
+        status, headers, _ = post(base + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert status == 200 and headers["X-ELDR-Reason"].startswith("no_signature")
+        text = _metrics(base)
+        assert metric(text, "eldr_router_prefill_signature_off", worker="0", reason=reason) == 1
+        assert metric(text, "eldr_router_fallbacks_total", reason="timeout") == 0
+        assert f"does not stream ELDR signatures ({reason})" in rproc.tail()
+    finally:
+        rproc.stop()
+        cproc.stop()
+
+
 def test_centroid_file_hot_reload_changes_routes(cluster, trace_files, workdir):
     import shutil
 

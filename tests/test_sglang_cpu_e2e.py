@@ -18,7 +18,6 @@ CI=true or ELDR_REQUIRE_SGLANG=1, where the tests fail instead.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures as cf
 import json
 import subprocess
@@ -33,12 +32,10 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from _sglang_cpu import STARTUP_TIMEOUT, harness_or_skip  # noqa: E402
+from _sglang_cpu import EXPERTS, LAYERS, MAX_NEW, TOP_K, counts_of, generate, prompt_rows, signature_counts  # noqa: E402
 from eldr_sglang.testing.pd_cluster import get_json, metric, post  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-
-LAYERS, TOP_K, EXPERTS = 2, 2, 8  # the tiny Qwen3-MoE (eldr_sglang/testing/sglang_cpu/model.py)
-MAX_NEW = 12
 
 # the greedy KV comparison prompts (each sent once through the router: no radix-cache hits)
 KV_PROMPTS = [
@@ -82,33 +79,6 @@ def _wait(h, servers):
     from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
 
     wait_ready(servers, STARTUP_TIMEOUT)
-
-
-def generate(url: str, text: str, max_new: int = MAX_NEW, stream: bool = False, **extra):
-    """POST /generate (greedy, exactly max_new tokens); the answer, or a stream's last event."""
-    status, headers, body = post(url + "/generate", {"text": text, "stream": stream, "sampling_params": {
-        "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}, **extra}, timeout=300)
-    assert status == 200, body[:2000]
-    if not stream:
-        return headers, json.loads(body)
-    events = [ev[6:] for ev in body.decode().split("\n\n") if ev.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", body[-500:]
-    return headers, json.loads(events[-2])
-
-
-def prompt_rows(resp: dict) -> np.ndarray:
-    """The prompt's rows [prompt_tokens, layers, top_k] of meta_info.routed_experts."""
-    arr = np.frombuffer(base64.b64decode(resp["meta_info"]["routed_experts"]), dtype="<i4").reshape(-1, LAYERS, TOP_K)
-    n = resp["meta_info"]["prompt_tokens"]
-    assert arr.shape[0] >= n, (arr.shape, n)
-    return arr[:n]
-
-
-def counts_of(rows: np.ndarray) -> np.ndarray:
-    counts = np.zeros((LAYERS, EXPERTS), np.int64)
-    for layer in range(LAYERS):
-        np.add.at(counts[layer], rows[:, layer].reshape(-1), 1)
-    return counts
 
 
 @pytest.fixture(scope="module")
@@ -214,16 +184,6 @@ def pd(cpu, centroids):
 
 # ---------------------------------------------------------------------------------------------
 # helpers on the taps' records
-
-
-def signature_counts(raw) -> tuple[np.ndarray, object]:
-    """[layers, experts] counts of a streamed meta_info.eldr_signature (a per-token list)."""
-    from eldr_sglang.sglang_ext.payload import decode_payload
-
-    if isinstance(raw, list):
-        raw = raw[0]
-    dec = decode_payload(raw)
-    return dec.counts.astype(np.int64), dec
 
 
 def prefill_stream_rows(pd: PD, room: int) -> np.ndarray:

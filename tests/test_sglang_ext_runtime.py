@@ -63,3 +63,31 @@ def test_emit_is_off_without_accumulator(monkeypatch):
     req = types.SimpleNamespace(customized_info=None)
     runtime.emit(None, [req])
     assert req.customized_info is None
+
+
+def test_dp_attention_deepep_layout_refusal_names_the_flag_and_status_merges():
+    from eldr_sglang.sglang_ext.runtime import layout_refusal, merge_status
+
+    base = {"enable_eldr_signature": True, "disaggregation_mode": "prefill", "pp_size": 1, "attn_cp_size": 1}
+    # DP attention and DeepEP are attributable: nothing to refuse
+    assert layout_refusal(dict(base, attn_dp_size=32, moe_a2a_backend="deepep", deepep_mode="normal")) is None
+    assert layout_refusal(dict(base, enable_eldr_signature=False)) == "--enable-eldr-signature not set"
+    assert layout_refusal(dict(base, disaggregation_mode="decode")).startswith("--disaggregation-mode decode")
+    assert layout_refusal(dict(base, pp_size=2)).startswith("--pp-size 2")
+    assert layout_refusal(dict(base, attn_cp_size=4)).startswith("--attn-cp-size 4")
+    assert layout_refusal(dict(base, enable_two_batch_overlap=True)).startswith("--enable-two-batch-overlap")
+    # the DP controller's merge: "on" only if every scheduler is on
+    assert merge_status(["on", "on"]) == "on"
+    assert merge_status(["on", "off (--pp-size 2: x)"]) == "off (--pp-size 2: x)"
+    assert merge_status([None]).startswith("off (")
+
+
+def test_dp_attention_deepep_router_reads_off_reason_from_server_info():
+    from eldr_sglang.router.loads import prefill_signature_state
+
+    assert prefill_signature_state({"eldr_signature": "on", "enable_eldr_signature": True}) == (True, None)
+    assert prefill_signature_state({"eldr_signature": "off (--pp-size 2: stages)", "enable_eldr_signature": True}) == (
+        False, "--pp-size 2: stages")
+    assert prefill_signature_state({"enable_eldr_signature": True}) == (True, None)  # an older series
+    signs, reason = prefill_signature_state({})
+    assert not signs and "unpatched" in reason

@@ -39,13 +39,13 @@ def overlay(tmp_path_factory) -> Path:
 
 def test_series_applies_cleanly_and_idempotently(overlay):
     _, states = patching.check(overlay)
-    assert [s.state for s in states] == ["unapplied"] * 3, states
+    assert [s.state for s in states] == ["unapplied"] * len(states) == ["unapplied"] * 4, states
     _, done = patching.apply(overlay)
     assert done == [p.name for p in patching.read_series(patching.default_series_dir())]
     _, states = patching.check(overlay)
     assert {s.state for s in states} == {"applied"}
     assert patching.apply(overlay)[1] == []  # idempotent
-    assert len(patching.revert(overlay)[1]) == 3
+    assert len(patching.revert(overlay)[1]) == 4
     assert patching.revert(overlay)[1] == []
     assert {s.state for s in patching.check(overlay)[1]} == {"unapplied"}
     patching.apply(overlay)

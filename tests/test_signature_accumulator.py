@@ -117,3 +117,30 @@ def test_moe_layer_ids_from_hf_configs():
     mx = C()
     mx.num_hidden_layers = 4
     assert moe_layer_ids(mx) == [0, 1, 2, 3]
+
+
+def test_dp_attention_row_start_is_read_at_first_capture_and_a_failed_read_refuses():
+    # gathered rows of 3 DP ranks: this rank's 4 tokens sit at rows 6..9 once SGLang padded them
+    rng = np.random.default_rng(3)
+    acc, oracle = _acc(max_rows=64), Oracle()
+    start = {"row": None}
+    acc.begin_forward([4], [4], [1], row_start=lambda: start["row"])
+    start["row"] = 6  # known only after begin_forward, as under DP attention
+    for layer in range(HIDDEN):
+        ids = np.argsort(rng.random((13, E)), axis=1)[:, :K]  # every row a valid id: padding must not count
+        oracle.add(4, layer, ids[6:10])
+        acc.capture(layer, torch.tensor(ids, dtype=torch.int32))
+    counts, valid, tokens = acc.take([4])
+    assert valid == [True] and tokens == [4]
+    np.testing.assert_array_equal(counts[0], oracle.c[4])
+
+    def broken():
+        raise ValueError("no global_num_tokens_cpu")
+
+    acc.begin_forward([5], [2], [1], row_start=broken)
+    acc.capture(1, torch.zeros((4, K), dtype=torch.int32))
+    assert acc.take([5])[1] == [False]
+    # rows that end before this rank's tokens do: refused, not guessed
+    acc.begin_forward([2], [3], [1], row_start=lambda: 5)
+    acc.capture(1, torch.zeros((6, K), dtype=torch.int32))
+    assert acc.take([2])[1] == [False]

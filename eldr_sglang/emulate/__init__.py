@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--time-scale", type=real(0, lo_open=True), default=1.0, help="multiply every modelled time (<1: faster)")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--no-signature", action="store_true", help="prefill: behave like an unpatched worker")
+        p.add_argument("--signature-off", metavar="REASON", default=None,
+                       help="prefill: behave like a patched worker whose parallel layout cannot be attributed "
+                            "(/server_info says eldr_signature: off (REASON); no signature is streamed)")
         p.add_argument("--assign", choices=["hash", "sequential"], default="hash",
                        help="prefill: map prompts to trace requests by hash, or in arrival (trace) order")
         p.add_argument("--max-running-requests", type=integer(1, 1 << 20), default=256, help="decode batch limit")
@@ -109,7 +112,7 @@ async def _run(args) -> None:
         specs = faults.get((role, index), [])
         if role == "prefill":
             w = PrefillWorker(spec, signature=not args.no_signature, bootstrap_timeout_s=args.bootstrap_timeout_secs,
-                              sequence=sequence)
+                              sequence=sequence, signature_off=args.signature_off)
             await site(w.app(), port)
             await site(w.bootstrap_app(), bport)
             if getattr(args, "kv_in_process", False):

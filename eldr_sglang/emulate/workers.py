@@ -274,8 +274,12 @@ class _Parked:
 
 class PrefillWorker:
     def __init__(self, spec: WorkerSpec, *, signature: bool = True, max_bytes: int = 16384,
-                 bootstrap_timeout_s: float = 300.0, sequence=None, fault: str | None = None):
-        self.spec, self.signature, self.max_bytes = spec, signature, max_bytes
+                 bootstrap_timeout_s: float = 300.0, sequence=None, fault: str | None = None,
+                 signature_off: str | None = None):
+        # signature_off: a patched prefill whose layout cannot be attributed (it streams none)
+        self.spec, self.max_bytes = spec, max_bytes
+        self.signature, self.signature_off = signature and signature_off is None, signature_off
+        self.patched = signature or signature_off is not None
         self.faults = Faults(fault)
         self.sequence = sequence  # shared counter: assign trace requests in arrival order
         self.bootstrap_timeout_s = bootstrap_timeout_s
@@ -316,8 +320,11 @@ class PrefillWorker:
                                               "num_used_tokens": 0, "disaggregation": {"mode": "prefill"}}]})
 
     async def server_info(self, _):
-        return web.json_response({"disaggregation_mode": "prefill", "enable_eldr_signature": self.signature,
-                                  "enable_eldr_late_binding": True, "emulator": True, "model_path": self.spec.name})
+        info = {"disaggregation_mode": "prefill", "enable_eldr_signature": self.patched,
+                "enable_eldr_late_binding": True, "emulator": True, "model_path": self.spec.name}
+        if self.patched:  # the patched scheduler's handshake (patch 0004); unpatched SGLang has no such field
+            info["eldr_signature"] = "on" if self.signature else f"off ({self.signature_off})"
+        return web.json_response(info)
 
     async def stats(self, _):
         return web.json_response({"served": self.served, "inflight": self.inflight, "parked": len(self.rooms)})

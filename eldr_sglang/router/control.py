@@ -61,6 +61,8 @@ class ControlPlane:
         # data plane's state): what the /server_info probe found about each prefill (None: not
         # known yet). The decode workers' /v1/loads reports live in the queue tracker alone.
         self.prefill_signs: list[bool | None] = [None] * len(cfg.prefill)
+        # why a prefill streams none, as its /server_info says (None: it does, or not known yet)
+        self.prefill_signature_off: list[str | None] = [None] * len(cfg.prefill)
         self.session: aiohttp.ClientSession | None = None
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
         self._reload_busy_since: float | None = None
@@ -78,9 +80,10 @@ class ControlPlane:
         """Decode worker i's /v1/loads count, blended into the queue tracker's load."""
         self.router.report_load(i, running)
 
-    def set_prefill_signs(self, i: int, signs: bool | None) -> None:
-        """Whether prefill i streams signatures: one that does not is bound early."""
+    def set_prefill_signs(self, i: int, signs: bool | None, reason: str | None = None) -> None:
+        """Whether prefill i streams signatures (and why not): one that does not is bound early."""
         self.prefill_signs[i] = signs
+        self.prefill_signature_off[i] = None if signs else reason
         self.dataplane.set_prefill_signature(i, signs)
 
     # ------------------------------------------------------------------ state
@@ -109,6 +112,7 @@ class ControlPlane:
             "decode_workers": dec,
             "prefill_workers": pre,
             "prefill_signatures": list(self.prefill_signs),
+            "prefill_signature_off": list(self.prefill_signature_off),
             "centroid_generation": int(self.router.centroid_generation),
             "centroid_reload_failures": int(self.router.reload_failures),
             "last_reload_error": reload_error,

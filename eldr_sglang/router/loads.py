@@ -125,10 +125,27 @@ async def poll_loads(pd, interval: float) -> None:
     await asyncio.gather(*(loop(i, u) for i, u in enumerate(pd.cfg.decode)))
 
 
+def prefill_signature_state(info: dict) -> tuple[bool, str | None]:
+    """(streams signatures?, why not) from a prefill's /server_info.
+
+    A patched prefill reports `eldr_signature`: "on", or "off (reason)" when its parallel layout
+    cannot be attributed (the reason names the flag). An older patched prefill has only the flag
+    `enable_eldr_signature`; an unpatched one has neither."""
+    sig = info.get("eldr_signature")
+    if isinstance(sig, str):
+        if sig == "on":
+            return True, None
+        reason = sig[5:-1] if sig.startswith("off (") and sig.endswith(")") else sig
+        return False, (reason or "off")[:200]
+    if info.get("enable_eldr_signature", False):
+        return True, None
+    return False, "unpatched, or without --enable-eldr-signature"
+
+
 async def probe_prefill_signature(pd, i: int) -> None:
-    """Does prefill i stream signatures? Its /server_info lists the patched flag
-    `enable_eldr_signature`; absent (unpatched SGLang) or false means no, and the router then
-    binds decode at once for that worker instead of waiting for a signature that never comes."""
+    """Does prefill i stream signatures (prefill_signature_state of its /server_info)? If not,
+    the router binds decode at once for that worker instead of waiting for a signature that
+    never comes, and says why once (a warning, /eldr/status, a metric)."""
     try:
         async with pd.session.get(f"{pd.cfg.prefill[i].url}/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
             if r.status != 200:
@@ -137,11 +154,11 @@ async def probe_prefill_signature(pd, i: int) -> None:
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return  # unknown: keep waiting for signatures (bounded by the timeout)
     if isinstance(info, dict):
-        signs = bool(info.get("enable_eldr_signature", False))
-        if pd.prefill_signs[i] is not signs and not signs:
-            logger.warning("prefill worker %d (%s) does not stream ELDR signatures (unpatched, or without "
-                           "--enable-eldr-signature): its requests are routed without one", i, pd.cfg.prefill[i].url)
-        pd.set_prefill_signs(i, signs)
+        signs, reason = prefill_signature_state(info)
+        if not signs and (pd.prefill_signs[i] is not signs or pd.prefill_signature_off[i] != reason):
+            logger.warning("prefill worker %d (%s) does not stream ELDR signatures (%s): its requests are routed "
+                           "without one", i, pd.cfg.prefill[i].url, safe(reason))
+        pd.set_prefill_signs(i, signs, reason)
 
 
 async def check_health(pd, interval: float, threshold: int) -> None:

@@ -48,7 +48,13 @@ class _StateCollector:
                 yield g
         gen = GaugeMetricFamily("eldr_router_centroid_generation", "Centroid file generation (grows on each hot reload)")
         gen.add_metric([], s["centroid_generation"])
-        yield from (q, own, rep, h, ej, gen)
+        off = GaugeMetricFamily("eldr_router_prefill_signature_off",
+                                "1 for a prefill worker that streams no signatures, with the reason its /server_info gives",
+                                labels=["worker", "reason"])
+        for i, reason in enumerate(s.get("prefill_signature_off", [])):
+            if reason is not None:
+                off.add_metric([str(i), reason], 1.0)
+        yield from (q, own, rep, h, ej, gen, off)
 
 
 # The request path's metrics: the Rust data plane keeps the counters (rust/dataplane/src/

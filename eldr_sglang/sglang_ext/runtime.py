@@ -9,13 +9,29 @@ Call sites (patches/sglang-0.5.23):
                                  (before their KV is sent)
 - `openai_chunk(content, seen)`  OpenAI chat/completions streaming: forward the payload
 - `resolve_late_binding(args)`   arg_groups/pd_disaggregation_hook.py
+- `status()` / `merge_status()`  Scheduler / DataParallelController `get_init_info`: the
+                                 `eldr_signature` field of `/server_info` ("on" or "off (reason)")
+
+Parallel layouts. The rows a MoE layer's top-k covers are mapped to this rank's tokens the way
+SGLang's own per-request capture (`state_capturer/routed_experts.py`, RoutedExpertsCapturer)
+reads them, with its helpers:
+- TP, EP without DeepEP, multi-node TP: every rank sees all of its DP group's tokens;
+- DP attention: the rows of all DP ranks are gathered; this rank's tokens start where
+  `get_dp_local_slice_cpu` says (read at the first MoE layer, once SGLang has padded them);
+- DeepEP (and DeepEP v2), normal and low-latency: each attention-TP rank holds a slice of the
+  tokens; they are all-gathered over the attention-TP group (`attn_tp_all_gather_into_tensor`,
+  the capturer's own call) and then start at row 0.
+The ids are logical (the capture site precedes the EPLB logical-to-physical map), so EPLB and
+redundant experts never change a count. One rank per DP group (the scheduler's rank zero) sends
+outputs, and it holds that group's requests' full counts. Layouts where that is not so are
+refused at start-up (`layout_refusal`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from eldr_sglang.sglang_ext.payload import DEFAULT_MAX_BYTES, META_KEY, PAYLOAD_VERSION, encode_counts
 
@@ -23,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 ACCUMULATOR = None  # CountsAccumulator of this process, or None
 MAX_BYTES = DEFAULT_MAX_BYTES
+STATUS = "off (--enable-eldr-signature not set)"  # what /server_info reports as eldr_signature
+_GATHER: Callable[[Any], Any] | None = None  # DeepEP: top-k rows -> the attention-TP group's rows
+_DP_SLICE: Callable[[Any], int] | None = None  # DP attention: forward batch -> this rank's first row
 _EXTEND_MODES = ("EXTEND", "MIXED", "SPLIT_PREFILL")
 
 
@@ -55,33 +74,112 @@ def _flag(name: str, default: Any = False) -> Any:
     return getattr(get_disagg(), name, default)
 
 
+# --------------------------------------------------------------------------- layout
+def layout_refusal(args: Mapping[str, Any]) -> str | None:
+    """Why a server with these (resolved) arguments cannot attribute expert counts to its
+    requests, naming the flag; None when it can."""
+    if not args.get("enable_eldr_signature"):
+        return "--enable-eldr-signature not set"
+    mode = args.get("disaggregation_mode", "null")
+    if mode != "prefill":
+        return f"--disaggregation-mode {mode}: signatures are made by prefill servers"
+    pp = int(args.get("pp_size") or 1)
+    if pp > 1:
+        return f"--pp-size {pp}: each pipeline stage sees only its own layers' experts"
+    cp = int(args.get("attn_cp_size") or 1)
+    if cp > 1:
+        return f"--attn-cp-size {cp}: context parallelism splits a request's tokens across ranks"
+    if args.get("enable_two_batch_overlap"):
+        return "--enable-two-batch-overlap: each MoE layer's top-k ids arrive in two micro-batches"
+    return None
+
+
+def status() -> str:
+    """This process's `eldr_signature` for /server_info: "on", or "off (reason)"."""
+    return STATUS
+
+
+def merge_status(statuses) -> str:
+    """One `eldr_signature` for a server of several schedulers (DP ranks): "on" only if all are."""
+    vals = [s for s in statuses if isinstance(s, str)]
+    off = [s for s in vals if s != "on"]
+    if off:
+        return off[0]
+    return "on" if vals else "off (no scheduler reported a signature status)"
+
+
+def _off(reason: str, asked: bool) -> None:
+    global STATUS
+    STATUS = f"off ({reason})"
+    if asked:  # one line, naming the flag; silent on servers that never asked for signatures
+        logger.warning("ELDR signature off: %s; the router routes this server's requests without one", reason)
+
+
+def _attn_tp_gather(buf, tp: int, gather_into: Callable[[Any, Any], Any]) -> Callable[[Any], Any]:
+    """DeepEP scatters a forward's tokens over the attention-TP ranks: rebuild the group's rows
+    with SGLang's own all-gather into a fixed buffer (graph-safe). Every rank of the group
+    calls it at every MoE layer, as RoutedExpertsCapturer.capture does; None when the rows
+    outgrow the buffer (the forward is then refused, on every rank alike)."""
+    import torch
+
+    def gather(local):
+        n, w = int(local.shape[0]), int(local.shape[1])
+        if n * tp * w > buf.numel():
+            return None
+        out = buf[: n * tp * w].view(n * tp, w)
+        gather_into(out, local.to(torch.int32).contiguous())
+        return out
+
+    return gather
+
+
 # --------------------------------------------------------------------------- install
 def install(model_runner: Any) -> None:
-    """Create this process's accumulator when the server is an ELDR prefill worker."""
-    global ACCUMULATOR, MAX_BYTES
+    """Create this process's accumulator when the server is an ELDR prefill worker whose
+    layout can be attributed; otherwise set STATUS to "off (reason)" and say so once."""
+    global ACCUMULATOR, MAX_BYTES, _GATHER, _DP_SLICE
     if getattr(model_runner, "is_draft_worker", False):
         return
     try:
-        if not _flag("enable_eldr_signature") or _flag("disaggregation_mode", "null") != "prefill":
-            return
-        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-        from sglang.srt.runtime_context import get_schedule
+        asked = bool(_flag("enable_eldr_signature"))
+    except Exception:  # not a server process of the patched series
+        asked = False
+    if not asked:  # the common case on every other server: nothing more is read, nothing logged
+        _off("--enable-eldr-signature not set", False)
+        return
+    try:
+        from sglang.srt.runtime_context import get_parallel, get_schedule, get_server_args
+
+        reason = layout_refusal(get_server_args().resolved_dict())
     except Exception as exc:  # a layout this module does not know: stay off, loudly
-        logger.warning("ELDR signature disabled: %s", exc)
+        _off(f"cannot read the server's layout: {exc}", True)
         return
-    if is_dp_attention_enabled():
-        logger.warning(
-            "ELDR signature disabled: DP attention gathers tokens of all DP ranks into the MoE "
-            "layers; the router falls back to shortest-queue for these requests"
-        )
+    if reason is not None:
+        _off(reason, True)
         return
+    import torch
+
     from eldr_sglang.sglang_ext.accumulator import CountsAccumulator
 
     hf = model_runner.model_config.hf_text_config
     try:
         moe_layers, num_experts = moe_layer_ids(hf), num_routed_experts(hf)
     except (ValueError, AttributeError, TypeError) as exc:  # not an MoE model, or an unknown config
-        logger.warning("ELDR signature disabled: %s", exc)
+        _off(f"--enable-eldr-signature on a model without routed experts: {exc}", True)
+        return
+    try:
+        from sglang.srt.layers.dp_attention import (
+            attn_tp_all_gather_into_tensor,
+            get_dp_local_slice_cpu,
+            is_dp_attention_enabled,
+        )
+        from sglang.srt.state_capturer.routed_experts import _is_scattered_a2a_backend
+
+        parallel = get_parallel()
+        scattered, dp_attention = bool(_is_scattered_a2a_backend()), bool(is_dp_attention_enabled())
+        attn_tp, dp_ranks = int(parallel.attn_tp_size), int(parallel.num_dp_ranks)
+    except Exception as exc:
+        _off(f"cannot read the parallel layout: {exc}", True)
         return
     sched = get_schedule()
     max_tokens = max(
@@ -89,20 +187,41 @@ def install(model_runner: Any) -> None:
         int(getattr(sched, "max_prefill_tokens", 0) or 0),
         8192,
     )
+    top_k = int(getattr(hf, "num_experts_per_tok", 8))
+    # SGLang pads each DP rank's rows to a multiple of the attention-TP size
+    rows_per_rank = max_tokens + attn_tp
+    _GATHER = _DP_SLICE = None
+    if scattered:
+        shared = int(getattr(getattr(model_runner.model, "shared_experts_config", None), "num_fused_shared_experts", 0) or 0)
+        buf = torch.empty(rows_per_rank * (top_k + shared), dtype=torch.int32, device=model_runner.device)
+        _GATHER = _attn_tp_gather(buf, attn_tp, attn_tp_all_gather_into_tensor)
+        max_rows = rows_per_rank
+    elif dp_attention:
+        # the eager forward's layout (can_run_graph False): a graph replay never calls back
+        # into Python, and the accumulator refuses such a forward
+        _DP_SLICE = lambda fb: get_dp_local_slice_cpu(fb, False, None)[0]  # noqa: E731
+        max_rows = rows_per_rank * max(dp_ranks, 1)
+    else:
+        max_rows = rows_per_rank
     pool = model_runner.req_to_token_pool
     MAX_BYTES = int(_flag("eldr_signature_max_bytes", DEFAULT_MAX_BYTES))
     ACCUMULATOR = CountsAccumulator(
         num_hidden_layers=int(hf.num_hidden_layers),
         moe_layers=moe_layers,
         num_experts=num_experts,
-        top_k=int(getattr(hf, "num_experts_per_tok", 8)),
+        top_k=top_k,
         max_slots=int(pool.req_to_token.shape[0]),
         max_tokens=max_tokens,
+        max_rows=max_rows,
         device=model_runner.device,
     )
+    global STATUS
+    STATUS = "on"
+    layout = "DeepEP rows gathered over attention TP" if scattered else (
+        f"DP attention, {dp_ranks} DP ranks" if dp_attention else "all rows local")
     logger.info(
-        "ELDR signature on: %d MoE layers x %d experts, %d slots, %d tokens per forward, payload <= %d bytes",
-        len(ACCUMULATOR.moe_layers), ACCUMULATOR.num_experts, ACCUMULATOR.max_slots, max_tokens, MAX_BYTES,
+        "ELDR signature on: %d MoE layers x %d experts, %d slots, %d tokens per forward, payload <= %d bytes, %s",
+        len(ACCUMULATOR.moe_layers), ACCUMULATOR.num_experts, ACCUMULATOR.max_slots, max_tokens, MAX_BYTES, layout,
     )
 
 
@@ -122,19 +241,27 @@ def begin_forward(model_runner: Any, forward_batch: Any) -> None:
     slots = [int(x) for x in idx.tolist()] if hasattr(idx, "tolist") else [int(x) for x in idx]
     gen = model_runner.req_to_token_pool.req_generation
     generations = [int(x) for x in gen[slots].tolist()]
+    dp_slice = _DP_SLICE
     acc.begin_forward(
         slots,
         [int(x) for x in lens],
         generations,
         slots_dev=forward_batch.req_pool_indices,
         lens_dev=forward_batch.extend_seq_lens,
+        row_start=0 if dp_slice is None else (lambda: dp_slice(forward_batch)),
     )
 
 
 def capture(layer_id: int | None, topk_ids: Any) -> None:
     acc = ACCUMULATOR
-    if acc is not None:
-        acc.capture(layer_id, topk_ids)
+    if acc is None:
+        return
+    if _GATHER is not None:  # a collective: every attention-TP rank, every MoE layer
+        topk_ids = _GATHER(topk_ids)
+        if topk_ids is None:
+            acc.refuse_forward()
+            return
+    acc.capture(layer_id, topk_ids)
 
 
 # --------------------------------------------------------------------------- emit
