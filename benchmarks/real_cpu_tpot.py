@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_sglang import io_safe
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
 from eldr_sglang.testing.sglang_cpu import locality_model as lm
 from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
@@ -146,6 +147,38 @@ def _mean_distinct(steps) -> float:
     return float(np.mean([np.mean(s.distinct) for s in steps])) if steps else float("nan")
 
 
+def _by_batch(steps) -> dict:
+    """{batch size: [sum of per-step mean distinct experts per layer, steps]}."""
+    out: dict = {}
+    for st in steps:
+        cell = out.setdefault(str(st.tokens), [0.0, 0])
+        cell[0] += float(np.mean(st.distinct))
+        cell[1] += 1
+    return out
+
+
+def matched_distinct_ratio(pol_runs: list, base_runs: list) -> float:
+    """Distinct experts per layer per step of a policy over the baseline's, at equal batch size
+    (batches of 2 or more, each size weighted by the fewer of the two step counts), so a policy is
+    credited for its batches' composition, not for running smaller batches."""
+    def pool(runs):
+        out: dict = {}
+        for r in runs:
+            for b, (tot, n) in r["by_batch"].items():
+                c = out.setdefault(b, [0.0, 0])
+                c[0] += tot
+                c[1] += n
+        return out
+    a, b = pool(pol_runs), pool(base_runs)
+    common = [k for k in a if k in b and int(k) >= 2 and a[k][1] >= 3 and b[k][1] >= 3]
+    if not common:
+        return float("nan")
+    w = {k: min(a[k][1], b[k][1]) for k in common}
+    num = sum(w[k] * a[k][0] / a[k][1] for k in common)
+    den = sum(w[k] * b[k][0] / b[k][1] for k in common)
+    return num / den
+
+
 # ------------------------------------------------------------------ one benchmark run
 def bench_run(h: Harness, router_url: str, model: Path, data: Path, n: int, conc: int, out_len: int, seed: int,
               out: Path) -> dict:
@@ -211,6 +244,9 @@ def summarize(cell: dict, rng) -> dict:
             "requests": int(len(tp)), "failed": int(sum(r["failed"] for r in runs)),
             "domain_pure_outputs": float(np.mean([r["purity"] for r in runs])),
         }
+    if "round_robin" in cell and all("by_batch" in r for runs in cell.values() for r in runs):
+        for pol in rows:
+            rows[pol]["distinct_vs_round_robin_equal_batch"] = matched_distinct_ratio(cell[pol], cell["round_robin"]) - 1
     bal = [p for p in BALANCERS if p in rows]
     best = min(bal, key=lambda p: rows[p]["tpot_p50_ms"]) if bal else None
     out = {"policies": rows, "best_balancer": best}
@@ -266,6 +302,11 @@ def run_setting(h: Harness, a, locality: float, policies: list[str], log) -> dic
         data.write_text("".join(json.dumps({"conversations": [
             {"content": lm.domain_prompt(geo, int(rng.integers(D)), a.input_len, rng)}, {"content": "<t600>" * 4}]})
             + "\n" for _ in range(a.num_prompts)))
+        # a fresh cluster's first run pays one-off costs (lazy initialisation, first KV transfers):
+        # one discarded run of the first policy warms it before anything is measured
+        one_policy_run(h, a, policies[0], centroids, prefill, boot, decodes, model, data, max(a.concurrencies),
+                       -1, geo, work)
+        log(f"   cluster warm-up run done ({time.monotonic() - t0:.0f} s)")
         for rep in range(a.repeats):
             for conc in a.concurrencies:
                 order = policies[rep % len(policies):] + policies[:rep % len(policies)]
@@ -283,9 +324,10 @@ def run_setting(h: Harness, a, locality: float, policies: list[str], log) -> dic
                     "output_throughput": r["output_throughput"], "routes": r["routes"]} for r in runs]
                 for p, runs in cell.items()}
            for c, cell in cells.items()}
-    return {"locality": locality, "geometry": {"beta": geo.beta, "own_share_target": geo.own_share_target},
+    return {"locality": locality, "engine_layers": L, "geometry": {"beta": geo.beta, "own_share_target": geo.own_share_target},
             "engine_checks": checks, "startup_s": startup, "cells": summary, "raw": raw,
-            "trace": str(trace), "centroids": str(centroids), "seconds": round(time.monotonic() - t0)}
+            "trace": str(trace), "centroids": str(centroids), "model_dir": str(model),
+            "decode_step_logs": [str(h.step_log(d.name)) for d in decodes], "seconds": round(time.monotonic() - t0)}
 
 
 def one_policy_run(h, a, pol, centroids, prefill, boot, decodes, model, data, conc, rep, geo, work) -> dict:
@@ -295,9 +337,9 @@ def one_policy_run(h, a, pol, centroids, prefill, boot, decodes, model, data, co
     try:
         wait_ready([router], 120)
         starts = [h.step_log(d.name).stat().st_size if h.step_log(d.name).exists() else 0 for d in decodes]
-        out = work / f"run-{rep}-{conc}-{pol.replace('/', '_')}.jsonl"
+        out = work / f"run-{'warmup' if rep < 0 else rep}-{conc}-{pol.replace('/', '_')}.jsonl"
         out.unlink(missing_ok=True)
-        res = bench_run(h, router.url, model, data, a.num_prompts, conc, a.output_len, a.seed + rep, out)
+        res = bench_run(h, router.url, model, data, a.num_prompts, conc, a.output_len, a.seed + 1000 + rep, out)
         steps = [s for d, st in zip(decodes, starts) for s in _steps_since(h.step_log(d.name), st, geo.spec["layers"])]
         routes = router_routes(router.url)
     finally:
@@ -306,7 +348,7 @@ def one_policy_run(h, a, pol, centroids, prefill, boot, decodes, model, data, co
     return {"tpot": tp, "itl": itl, "failed": failed + (a.num_prompts - int(res.get("completed", 0))),
             "output_throughput": float(res["output_throughput"]),
             "distinct": _mean_distinct(steps), "batch": float(np.mean([s.tokens for s in steps])) if steps else 0.0,
-            "purity": domain_purity(res.get("generated_texts", []), geo), "routes": routes}
+            "by_batch": _by_batch(steps), "purity": domain_purity(res.get("generated_texts", []), geo), "routes": routes}
 
 
 def _short_routes(routes: dict) -> str:
@@ -338,25 +380,167 @@ def _run(cmd) -> str:
 
 
 # ------------------------------------------------------------------ report
+def _checks_lines(s: dict) -> list[str]:
+    lines = [f"\n## locality {s['locality']:g}: the engine's own checks (reference server)\n"]
+    ck = s.get("engine_checks")
+    if not ck:
+        return lines + ["- not recorded"]
+    own, dis, share = ck["own_expert_share"], ck["distinct_per_layer_batch8"], ck["moe_share_of_step"]
+    return lines + [
+        f"- own-expert share of top-k picks: target {own['target']:.3f}, prompt {own['prompt']:.3f}, decode {own['decode']:.3f}",
+        "- prefill-to-decode expert correlation per domain: "
+        + ", ".join(f"{d}: {v:.2f}" for d, v in ck["prefill_decode_correlation"].items()),
+        f"- distinct experts per layer, batch of 8: domain-pure {dis['domain_pure']:.2f}, mixed {dis['mixed']:.2f}",
+        f"- MoE share of a decode step (batch 8): domain-pure {share['domain_pure']:.2f}, mixed {share['mixed']:.2f}",
+        f"- server start-up (s): {s.get('startup_s', 'not recorded')}",
+    ]
+
+
 def table(result: dict) -> list[str]:
     lines = []
     for s in result["settings"]:
+        lines += _checks_lines(s)
+        for server, terms in s.get("cost_model_terms", {}).items():
+            lines.append(f"\ncost model term by term against {server}'s logged steps (medians):\n")
+            lines.append("| batch | steps | MoE measured ms | MoE model ms | rest of step measured ms | other_s model ms |")
+            lines.append("|---|---|---|---|---|---|")
+            for b, t in terms.items():
+                lines.append(f"| {b} | {t['steps']} | {t['moe_measured_ms']:.1f} | {t['moe_model_ms']:.1f} | "
+                             f"{t['other_measured_ms']:.1f} | {t['other_model_ms']:.1f} |")
         for conc, cell in s["cells"].items():
-            lines.append(f"\nlocality {s['locality']:g} (own-expert share {s['engine_checks']['own_expert_share']['prompt']:.2f}), "
-                         f"concurrency {conc}; best balancer: {cell['best_balancer']}")
-            lines.append(f"| policy | TPOT p50 ms | TPOT p99 ms | p50 vs best bal. | p99 vs best bal. | ITL mean ms | "
-                         "ITL p99 ms | out tok/s | distinct experts / layer / step | batch | requests | failed |")
-            lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+            own = s.get("engine_checks", {}).get("own_expert_share", {}).get("prompt")
+            lines.append(f"\nlocality {s['locality']:g}" + (f" (own-expert share {own:.2f})" if own is not None else "")
+                         + f", concurrency {conc}; best balancer: {cell['best_balancer']}")
+            lines.append(f"| policy | TPOT p50 ms | TPOT p99 ms | p50 vs best bal. | p99 vs best bal. | simulated p50 vs best bal. | "
+                         "ITL mean ms | ITL p99 ms | out tok/s | distinct experts / layer / step (simulated) | "
+                         "distinct vs round_robin at equal batch | batch | requests | failed |")
+            lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for pol, r in cell["policies"].items():
+                sim = f"{r['sim_p50_vs_best_balancer']:+.1%}" if "sim_p50_vs_best_balancer" in r else "-"
+                sim_d = f" ({r['sim_distinct_per_layer_step']:.2f})" if "sim_distinct_per_layer_step" in r else ""
                 lines.append(f"| {pol} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {r['p50_vs_best_balancer']:+.1%} | "
-                             f"{r['p99_vs_best_balancer']:+.1%} | {r['itl_mean_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
-                             f"{r['output_tok_s']:.1f} | {r['distinct_per_layer_step']:.2f} | {r['batch_per_step']:.1f} | "
+                             f"{r['p99_vs_best_balancer']:+.1%} | {sim} | {r['itl_mean_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+                             f"{r['output_tok_s']:.1f} | {r['distinct_per_layer_step']:.2f}{sim_d} | "
+                             f"{r.get('distinct_vs_round_robin_equal_batch', float('nan')):+.1%} | {r['batch_per_step']:.1f} | "
                              f"{r['requests']} | {r['failed']} |")
             d = cell.get("default_vs_best_balancer_p50")
             if d:
                 lines.append(f"\n{DEFAULT_LABEL} vs {cell['best_balancer']}: TPOT p50 {d['value']:+.1%} "
                              f"(95% bootstrap CI {d['ci_low']:+.1%} .. {d['ci_high']:+.1%})")
     return lines
+
+
+# ------------------------------------------------------------------ rebuilding from a kept run
+RUN_GAP_S = 30.0  # decode servers idle this long between two runs (router restart + client start-up)
+
+
+def rebuild_setting(work: Path, locality: float, a, policies: list[str]) -> dict:
+    """A setting's results from a work directory kept with --keep (the run files, the decode
+    step logs, the engine checks logged to stderr are not kept: pass them separately), for a run
+    stopped before it wrote its JSON. The decode steps are split into runs at the idle gaps
+    (> RUN_GAP_S) that the router restart and the client start-up leave between runs; the split
+    must give at least one segment per run file, in the order the runs were made, or nothing is
+    rebuilt (a run stopped mid-way leaves one segment more, which is dropped)."""
+    from eldr_sglang.testing.sglang_cpu.step_log import read_steps
+
+    model = work / "models" / f"locality-{locality:g}-{a.seed}-"
+    geo = lm.load_geometry(model)
+    L = geo.spec["layers"]
+    sdir = work / f"loc{locality:g}"
+    order = []
+    for rep in range(a.repeats):
+        for conc in a.concurrencies:
+            rot = policies[rep % len(policies):] + policies[:rep % len(policies)]
+            order += [(rep, conc, pol) for pol in rot]
+    files = [sdir / f"run-{rep}-{conc}-{pol.replace('/', '_')}.jsonl" for rep, conc, pol in order]
+    done = [f for f in files if f.exists()]
+    if files[:len(done)] != done:
+        raise SystemExit(f"{sdir}: the run files are not a prefix of the run order")
+    order = order[:len(done)]
+    drop = getattr(a, "drop_runs", 0)
+    warm = 1 if list(sdir.glob("run-warmup-*.jsonl")) else 0  # the script's discarded warm-up run comes first
+    segments = []
+    for i in range(2):
+        steps = read_steps(work / "logs" / f"l{locality:g}-decode{i}.steps", L)
+        cuts = [j + 1 for j in range(len(steps) - 1) if steps[j + 1].t0 - steps[j].t0 > RUN_GAP_S]
+        segs = [steps[b:e] for b, e in zip([0, *cuts], [*cuts, len(steps)])]
+        if len(segs) < warm + len(order):
+            raise SystemExit(f"decode{i}: {len(segs)} step segments for {warm + len(order)} runs; cannot attribute steps to runs")
+        segments.append(segs[warm:warm + len(order)])  # a last, unfinished run leaves one more segment
+    cells: dict = {}
+    for k, ((rep, conc, pol), f) in enumerate(zip(order, done)):
+        if k < drop:
+            continue
+        res = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()][-1]
+        steps = segments[0][k] + segments[1][k]
+        tp, itl, failed = request_tpots(res, drop=conc)
+        cells.setdefault(str(conc), {}).setdefault(pol, []).append({
+            "tpot": tp, "itl": itl, "failed": failed + (a.num_prompts - int(res.get("completed", 0))),
+            "output_throughput": float(res["output_throughput"]), "distinct": _mean_distinct(steps),
+            "batch": float(np.mean([st.tokens for st in steps])) if steps else 0.0, "by_batch": _by_batch(steps),
+            "purity": domain_purity(res.get("generated_texts", []), geo), "routes": {}})
+    summary = {c: summarize(cell, np.random.default_rng(a.seed + 1)) for c, cell in cells.items()}
+    return {"locality": locality, "engine_layers": L, "geometry": {"beta": geo.beta, "own_share_target": geo.own_share_target},
+            "cells": summary, "runs": len(order), "trace": str(sdir / "trace.npz"), "centroids": str(sdir / "centroids.eldr"),
+            "model_dir": str(model), "decode_step_logs": [str(work / "logs" / f"l{locality:g}-decode{i}.steps") for i in range(2)],
+            "rebuilt_from": str(work), "dropped_as_warmup": [f"rep {r} conc {c} {p}" for r, c, p in order[:drop]]}
+
+
+# ------------------------------------------------------------------ the simulator beside it
+def add_simulation(result: dict, calibration: Path, log) -> None:
+    """Put the simulator's prediction (benchmarks/real_cpu_sim.py: the same trace, centroids,
+    workers, concurrencies and output length, timed by this machine's CPU calibration) beside
+    each measured cell, with the per-term check of the cost model against the logged steps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("real_cpu_sim", Path(__file__).with_name("real_cpu_sim.py"))
+    real_cpu_sim = importlib.util.module_from_spec(spec)  # the sibling benchmark script, loaded by path
+    sys.modules["real_cpu_sim"] = real_cpu_sim
+    spec.loader.exec_module(real_cpu_sim)
+
+    from eldr_sglang.testing.sglang_cpu.step_log import read_steps
+
+    cfg, worst = result["config"], 0.0
+    for s in result["settings"]:
+        work = Path(s["trace"]).parent.parent  # runs written before these fields: the --keep layout
+        s.setdefault("model_dir", str(work / "models" / f"locality-{s['locality']:g}-{cfg['seed']}-"))
+        s.setdefault("engine_layers", json.loads((Path(s["model_dir"]) / "config.json").read_text())["num_hidden_layers"])
+        s.setdefault("decode_step_logs", [str(work / "logs" / f"l{s['locality']:g}-decode{i}.steps") for i in range(2)])
+        pred = real_cpu_sim.predict(s["trace"], s["centroids"], calibration, s["model_dir"], workers=2,
+                                    concurrencies=cfg["concurrencies"], output_len=cfg["output_len"],
+                                    policies=",".join(cfg["policies"].split(",")), seed=cfg["seed"])
+        for conc, cell in s["cells"].items():
+            sim = pred["cells"][conc]["policies"]
+            for pol, row in cell["policies"].items():
+                if pol in sim and "p50_vs_best_balancer" in sim[pol]:
+                    row["sim_p50_vs_best_balancer"] = sim[pol]["p50_vs_best_balancer"]
+                    row["sim_tpot_p50_ms"] = sim[pol]["tpot_p50_ms"]
+                    row["sim_distinct_per_layer_step"] = sim[pol]["distinct_per_layer_step"]
+                    worst = max(worst, abs(row["sim_p50_vs_best_balancer"] - row["p50_vs_best_balancer"]) * 100)
+        s["cost_model_terms"] = {  # per decode server: its steps in order, so the gaps between them are real
+            Path(path).stem: {str(b): v for b, v in real_cpu_sim.step_terms(
+                read_steps(Path(path), s["engine_layers"]), calibration, s["model_dir"]).items()}
+            for path in s["decode_step_logs"] if Path(path).exists()}
+        log(f"   simulated locality {s['locality']:g}")
+    result["sim_abs_error_points"] = round(worst, 2)
+    result["calibration"] = str(calibration)
+
+
+def headline(result: dict) -> dict:
+    """The top-level fields: the default's change at strong locality and the higher concurrency
+    (with its CI), the same change on the uniform control, the repeats behind them."""
+    settings = result["settings"]
+    strong = max(settings, key=lambda s: s["locality"])
+    control = min(settings, key=lambda s: s["locality"])
+    hi = str(max(int(c) for c in strong["cells"]))
+    for k in ("default_vs_best_balancer_p50", "control_default_vs_best_balancer_p50"):
+        result.pop(k, None)
+    if "default_vs_best_balancer_p50" in strong["cells"].get(hi, {}):
+        result["default_vs_best_balancer_p50"] = strong["cells"][hi]["default_vs_best_balancer_p50"]
+    if control is not strong and "default_vs_best_balancer_p50" in control["cells"].get(hi, {}):
+        result["control_default_vs_best_balancer_p50"] = control["cells"][hi]["default_vs_best_balancer_p50"]["value"]
+    result["repeats"] = {f"{s['locality']:g}": s.get("repeats", result["config"]["repeats"]) for s in settings}
+    return result
 
 
 def main() -> int:
@@ -370,10 +554,39 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=24, help="output tokens (fixed, EOS ignored)")
     ap.add_argument("--calibration-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (also after each locality setting)")
     ap.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     ap.add_argument("--keep", metavar="DIR", help="work directory to keep (default: a temporary one)")
+    ap.add_argument("--calibration", metavar="FILE", help="a CPU calibration (benchmarks/gpu_calibrate.py --device "
+                    "cpu): put the simulator's predicted change beside each measured one")
+    ap.add_argument("--add-simulation", metavar="RESULT", help="do not measure: read RESULT (this script's --json "
+                    "of a run kept with --keep) and add the simulation (needs --calibration)")
+    ap.add_argument("--combine", nargs="+", metavar="RESULT", help="do not measure: join the settings of several "
+                    "results (e.g. one run per locality) into one")
+    ap.add_argument("--rebuild", metavar="DIR", help="do not measure: rebuild a stopped run's results from its kept "
+                    "work directory (same --localities/--concurrencies/--repeats/--num-prompts as the run)")
+    ap.add_argument("--engine-checks-log", metavar="FILE", help="--rebuild: the run's stderr, for its engine checks")
+    ap.add_argument("--run-json", metavar="FILE", help="--rebuild: the run's own --json, if it finished (its "
+                    "engine checks, start-up times and peak memory are kept)")
+    ap.add_argument("--drop-runs", type=int, default=0, metavar="N", help="--rebuild: leave out the first N runs (a "
+                    "run made before the script warmed its cluster up pays the one-off start costs)")
     a = ap.parse_args()
+    for out in (a.json, a.md):
+        if out and Path(out).exists():
+            ap.error(f"{out} exists; move it away first (nothing is overwritten)")
+    if a.add_simulation:
+        if not a.calibration:
+            ap.error("--add-simulation needs --calibration")
+        result = json.loads(Path(a.add_simulation).read_text())
+        add_simulation(result, Path(a.calibration), lambda m: print(m, file=sys.stderr, flush=True))
+        return report(headline(result), a)
+    if a.combine:
+        parts = [json.loads(Path(f).read_text()) for f in a.combine]
+        result = dict(parts[0], settings=[s for r in parts for s in r["settings"]],
+                      seconds=sum(r["seconds"] for r in parts),
+                      peak_rss_gib=max((r["peak_rss_gib"] for r in parts if r["peak_rss_gib"] == r["peak_rss_gib"]),
+                                       default=float("nan")))  # a rebuilt part has no peak (NaN)
+        return report(headline(result), a)
     try:
         a.localities = [float(x) for x in a.localities.split(",")]
         a.concurrencies = [int(x) for x in a.concurrencies.split(",")]
@@ -382,39 +595,61 @@ def main() -> int:
     if min(a.concurrencies) < 1 or a.repeats < 1 or a.num_prompts <= max(a.concurrencies) or a.output_len < 4:
         ap.error("need concurrencies >= 1, repeats >= 1, --num-prompts > the largest concurrency, --output-len >= 4")
     policies = a.policies.split(",")
-    for out in (a.json, a.md):
-        if out and Path(out).exists():
-            ap.error(f"{out} exists; move it away first (nothing is overwritten)")
+    config = {k: v for k, v in vars(a).items() if k not in ("json", "md", "keep", "combine", "rebuild",
+                                                            "add_simulation", "engine_checks_log", "drop_runs",
+                                                            "run_json")}
+    base = {"config": config, "constructed_model": True, "default_policy": DEFAULT_LABEL, "cpu": _cpu_name()}
+    if a.rebuild:
+        checks = []
+        if a.engine_checks_log:
+            checks = [json.loads(ln.split("engine checks:", 1)[1]) for ln in Path(a.engine_checks_log).read_text().splitlines()
+                      if "engine checks:" in ln]
+        settings = [rebuild_setting(Path(a.rebuild), loc, a, policies) for loc in a.localities]
+        for st, ck in zip(settings, checks):
+            st["engine_checks"] = ck
+        peak = float("nan")
+        if a.run_json:  # the run's own JSON (it finished): keep what only the live run could record
+            own = {f"{x['locality']:g}": x for x in json.loads(Path(a.run_json).read_text())["settings"]}
+            peak = json.loads(Path(a.run_json).read_text()).get("peak_rss_gib", peak)
+            for st in settings:
+                for k in ("engine_checks", "startup_s"):
+                    if k in own.get(f"{st['locality']:g}", {}):
+                        st[k] = own[f"{st['locality']:g}"][k]
+        return report(headline(dict(base, settings=settings, peak_rss_gib=peak, seconds=0)), a)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
+    settings: list = []
     with tempfile.TemporaryDirectory() as tmp:
         h = Harness(Path(a.keep or tmp))
         try:
-            settings = [run_setting(h, a, loc, policies, log) for loc in a.localities]
+            for loc in a.localities:
+                settings.append(run_setting(h, a, loc, policies, log))
+                if a.json:  # a checkpoint: a later setting that fails keeps this one
+                    part = dict(base, settings=settings, peak_rss_gib=round(h.memory.peak / 2**30, 2),
+                                seconds=round(time.monotonic() - t0), complete=False)
+                    io_safe.write_text(a.json + ".partial", json.dumps(headline(part), indent=1), what="checkpoint")
             peak = h.memory.peak / 2**30
         finally:
             h.close()
-    result = {"config": {k: v for k, v in vars(a).items() if k not in ("json", "md", "keep")},
-              "constructed_model": True, "default_policy": DEFAULT_LABEL, "repeats": a.repeats,
-              "settings": settings, "peak_rss_gib": round(peak, 2), "seconds": round(time.monotonic() - t0),
-              "cpu": _cpu_name()}
-    strong = max(settings, key=lambda s: s["locality"])
-    control = min(settings, key=lambda s: s["locality"])
-    hi = str(max(a.concurrencies))
-    if "default_vs_best_balancer_p50" in strong["cells"].get(hi, {}):
-        result["default_vs_best_balancer_p50"] = strong["cells"][hi]["default_vs_best_balancer_p50"]
-    if control is not strong and "default_vs_best_balancer_p50" in control["cells"].get(hi, {}):
-        result["control_default_vs_best_balancer_p50"] = control["cells"][hi]["default_vs_best_balancer_p50"]["value"]
-    lines = table(result)
-    print("\n".join(lines))
-    print(f"\npeak RSS sum of the servers {peak:.2f} GiB; total {result['seconds']} s")
+    result = dict(base, settings=settings, peak_rss_gib=round(peak, 2), seconds=round(time.monotonic() - t0))
+    if a.calibration:
+        add_simulation(result, Path(a.calibration), log)
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        Path(a.json + ".partial").unlink(missing_ok=True)
+    return report(headline(result), a)
+
+
+def report(result: dict, a) -> int:
+    lines = table(result)
+    lines.append(f"\npeak RSS sum of the servers {result['peak_rss_gib']:.2f} GiB; measured in {result['seconds']} s")
+    print("\n".join(lines))
+    if a.json:
+        io_safe.write_text(a.json, json.dumps(result, indent=1), what="--json")
     if a.md:
-        Path(a.md).write_text("\n".join(lines) + "\n")
+        io_safe.write_text(a.md, "\n".join(lines) + "\n", what="--md")
     return 0
 
 
