@@ -411,7 +411,7 @@ def table(result: dict) -> list[str]:
             own = s.get("engine_checks", {}).get("own_expert_share", {}).get("prompt")
             lines.append(f"\nlocality {s['locality']:g}" + (f" (own-expert share {own:.2f})" if own is not None else "")
                          + f", concurrency {conc}; best balancer: {cell['best_balancer']}")
-            lines.append(f"| policy | TPOT p50 ms | TPOT p99 ms | p50 vs best bal. | p99 vs best bal. | simulated p50 vs best bal. | "
+            lines.append("| policy | TPOT p50 ms | TPOT p99 ms | p50 vs best bal. | p99 vs best bal. | simulated p50 vs best bal. | "
                          "ITL mean ms | ITL p99 ms | out tok/s | distinct experts / layer / step (simulated) | "
                          "distinct vs round_robin at equal batch | batch | requests | failed |")
             lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

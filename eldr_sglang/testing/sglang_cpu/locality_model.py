@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import CHAT_TEMPLATE, TOKENIZER_VOCAB
+from .model import TOKENIZER_VOCAB
 
 FIRST_DOMAIN_TOKEN = TOKENIZER_VOCAB  # ids below are BPE pieces and specials (see model.py)
 RESIDUAL_SCALE = 0.02  # o_proj / down_proj gain: the residual stays close to the embedding
