@@ -148,6 +148,30 @@ def predict(trace, centroids, calibration, model_dir, *, workers: int = 2, concu
             "cells": cells}
 
 
+def calibrated_model(calibration, model_dir):
+    """The simulator's execution model of the benchmark's model on the `cpu` profile, timed by
+    the calibration file: em.moe_layer_time(B, distinct) and em._other(B)."""
+    from eldr_sglang.models import get_model
+    from eldr_sglang.sim.cost_model import ExecutionModel, load_calibration
+    from eldr_sglang.sim.profiles import get_hardware
+
+    model = get_model(str(model_dir))
+    return ExecutionModel(model, get_hardware("cpu"),
+                          calibration=load_calibration(calibration, model.name, "cpu", profile=model))
+
+
+def speed_factor(steps, em) -> float:
+    """How slow the machine ran during these decode steps: the median over steps of the MoE time
+    measured inside the engine over the calibrated model's for the same batch and the same
+    distinct experts per layer. The model accounts for the experts a batch touches, so the
+    factor is the machine's own pace (shared memory bandwidth, other tenants), not the policy's;
+    where the model under-prices an expert (its b is low, see step_terms) a batch with fewer
+    experts gets a slightly lower factor, which counts against the locality policies."""
+    r = [st.moe_s / float(np.sum(em.moe_layer_time(int(st.tokens), np.asarray(st.distinct, dtype=np.float64))))
+         for st in steps]
+    return float(np.median(r)) if r else float("nan")
+
+
 def step_terms(steps, calibration, model_dir, min_steps: int = 5) -> dict:
     """Term by term, the calibrated cost model against decode steps measured inside a server.
 
@@ -159,13 +183,7 @@ def step_terms(steps, calibration, model_dir, min_steps: int = 5) -> dict:
     MoE term), and of the measured rest of a step, the gap from one step's start to the next
     minus its MoE time, against other_s(B) (the non-MoE term: the engine's scheduler and Python
     work shows up here). Gaps longer than 3x their batch's median are left out as idle time."""
-    from eldr_sglang.models import get_model
-    from eldr_sglang.sim.cost_model import ExecutionModel, load_calibration
-    from eldr_sglang.sim.profiles import get_hardware
-
-    model = get_model(str(model_dir))
-    em = ExecutionModel(model, get_hardware("cpu"),
-                        calibration=load_calibration(calibration, model.name, "cpu", profile=model))
+    em = calibrated_model(calibration, model_dir)
     steps = list(steps)
     by_b: dict[int, dict[str, list]] = {}
     for i, st in enumerate(steps):

@@ -23,15 +23,17 @@ Per locality setting:
    eldr_sglang/testing/sglang_cpu/step_log.py counts, inside the server, the distinct experts
    every decode step's batch touched);
 4. for each repeat, for each concurrency, for each policy in turn (interleaved A B C ... A B C),
-   a fresh router and `python -m sglang.benchmark.serving --pd-separated` on a domain-mixed
-   prompt set (the same shuffled set for every policy of a repeat). The first `concurrency`
-   requests of each run are dropped as warm-up.
+   a fresh router and SGLang's own client, `sglang.benchmark.serving --pd-separated` (its
+   entry point called in this process: --client), on a domain-mixed prompt set (the same
+   shuffled set for every policy of a repeat). The first `concurrency` requests of each run are
+   dropped as warm-up; the router's own TPOT/TTFT histograms are read beside the client's.
 
 Reported per policy and cell: TPOT p50/p99, ITL mean/p99, output tok/s, and the distinct
 experts per MoE layer per decode step measured in the decode servers; a bootstrap confidence
-interval (requests resampled within each repeat) for the default policy's TPOT p50 change
-against the best balancer of the cell. Time is measured on 2 cores: the decodes own one core
-each, the prefill, router and client share them.
+interval (repeats resampled, then requests within them) for the default policy's TPOT p50
+change against the best balancer of the cell; with --calibration, each run's machine pace and
+the speed-normalized TPOT. Time is measured on 2 cores: the decodes own one core each, the
+prefill (at nice --prefill-nice), router and client share them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import re
@@ -147,50 +150,90 @@ def _mean_distinct(steps) -> float:
     return float(np.mean([np.mean(s.distinct) for s in steps])) if steps else float("nan")
 
 
-def _by_batch(steps) -> dict:
-    """{batch size: [sum of per-step mean distinct experts per layer, steps]}."""
+def _by_batch(servers: list) -> dict:
+    """Per batch size, over the decode steps of each server (in order):
+    {"B": [sum of per-step mean distinct experts per layer, steps, sum of MoE ms, [step interval ms]]}.
+    A step's interval is the time to the same server's next step (the whole step: MoE, the rest
+    of the forward, the scheduler, any stall); a server's last step has none."""
     out: dict = {}
-    for st in steps:
-        cell = out.setdefault(str(st.tokens), [0.0, 0])
-        cell[0] += float(np.mean(st.distinct))
-        cell[1] += 1
+    for steps in servers:
+        for j, st in enumerate(steps):
+            cell = out.setdefault(str(st.tokens), [0.0, 0, 0.0, []])
+            cell[0] += float(np.mean(st.distinct))
+            cell[1] += 1
+            cell[2] += st.moe_s * 1e3
+            if j + 1 < len(steps):
+                cell[3].append((steps[j + 1].t0 - st.t0) * 1e3)
     return out
 
 
-def matched_distinct_ratio(pol_runs: list, base_runs: list) -> float:
-    """Distinct experts per layer per step of a policy over the baseline's, at equal batch size
-    (batches of 2 or more, each size weighted by the fewer of the two step counts), so a policy is
-    credited for its batches' composition, not for running smaller batches."""
-    def pool(runs):
-        out: dict = {}
-        for r in runs:
-            for b, (tot, n) in r["by_batch"].items():
-                c = out.setdefault(b, [0.0, 0])
-                c[0] += tot
-                c[1] += n
-        return out
-    a, b = pool(pol_runs), pool(base_runs)
-    common = [k for k in a if k in b and int(k) >= 2 and a[k][1] >= 3 and b[k][1] >= 3]
+def _pool(runs: list) -> dict:
+    out: dict = {}
+    for r in runs:
+        for b, (dist, n, moe, gaps) in r["by_batch"].items():
+            c = out.setdefault(b, [0.0, 0, 0.0, []])
+            c[0] += dist
+            c[1] += n
+            c[2] += moe
+            c[3] = c[3] + gaps
+    return out
+
+
+def matched_ratio(pol_runs: list, base_runs: list, what: str = "distinct") -> float:
+    """A policy's decode steps over the baseline's at equal batch size (batches of 2 or more,
+    each size weighted by the fewer of the two step counts), so a policy is credited for its
+    batches' composition, not for running smaller batches. what: "distinct" (mean distinct
+    experts per layer), "moe" (mean MoE time, timed inside the engine) or "step" (median step
+    interval: the per-token time a batch's requests see, without the rare stalls that the
+    median leaves out)."""
+    a, b = _pool(pol_runs), _pool(base_runs)
+    common = [k for k in a if k in b and int(k) >= 2 and a[k][1] >= 3 and b[k][1] >= 3
+              and (what != "step" or (len(a[k][3]) >= 3 and len(b[k][3]) >= 3))]
     if not common:
         return float("nan")
     w = {k: min(a[k][1], b[k][1]) for k in common}
-    num = sum(w[k] * a[k][0] / a[k][1] for k in common)
-    den = sum(w[k] * b[k][0] / b[k][1] for k in common)
-    return num / den
+
+    def stat(c):
+        return {"distinct": c[0] / c[1], "moe": c[2] / c[1], "step": float(np.median(c[3])) if c[3] else 0.0}[what]
+    return sum(w[k] * stat(a[k]) for k in common) / sum(w[k] * stat(b[k]) for k in common)
 
 
 # ------------------------------------------------------------------ one benchmark run
 def bench_run(h: Harness, router_url: str, model: Path, data: Path, n: int, conc: int, out_len: int, seed: int,
-              out: Path) -> dict:
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", router_url,
-           "--pd-separated", "--model", str(model), "--tokenizer", str(model), "--dataset-name", "custom",
-           "--dataset-path", str(data), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
-           "--request-rate", "inf", "--max-concurrency", str(conc), "--seed", str(seed), "--disable-tqdm",
-           "--warmup-requests", "1", "--output-file", str(out), "--output-details"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO, env=h.env)
-    if p.returncode != 0 or not out.exists():
-        raise SystemExit(f"sglang.benchmark.serving failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+              out: Path, in_process: bool = True) -> dict:
+    """One run of SGLang's own client (`sglang.benchmark.serving --pd-separated`) through the
+    router. in_process: call its command-line entry point in this process (the same code; it
+    spares every run the client's ~10-40 s import on 2 busy cores); else a subprocess."""
+    argv = ["--backend", "sglang", "--base-url", router_url,
+            "--pd-separated", "--model", str(model), "--tokenizer", str(model), "--dataset-name", "custom",
+            "--dataset-path", str(data), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
+            "--request-rate", "inf", "--max-concurrency", str(conc), "--seed", str(seed), "--disable-tqdm",
+            "--warmup-requests", "1", "--output-file", str(out), "--output-details"]
+    if in_process:
+        _client_in_process(argv, out.with_suffix(".client.log"))
+    else:
+        p = subprocess.run([sys.executable, "-m", "sglang.benchmark.serving", *argv], capture_output=True, text=True,
+                           timeout=1800, cwd=REPO, env=h.env)
+        if p.returncode != 0:
+            raise SystemExit(f"sglang.benchmark.serving failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    if not out.exists():
+        raise SystemExit(f"sglang.benchmark.serving wrote no {out}")
     return [json.loads(ln) for ln in out.read_text().splitlines() if ln.strip()][-1]
+
+
+def _client_in_process(argv: list[str], log: Path) -> None:
+    from sglang.benchmark import serving  # imported once, by the first run
+
+    saved = sys.argv
+    with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        sys.argv = ["sglang.benchmark.serving", *argv]
+        try:
+            serving.cli_main()
+        except SystemExit as e:  # argparse errors and the client's own exits
+            if e.code not in (None, 0):
+                raise SystemExit(f"sglang.benchmark.serving failed ({e.code}); its output: {log}") from None
+        finally:
+            sys.argv = saved
 
 
 def request_tpots(res: dict, drop: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -218,15 +261,28 @@ def domain_purity(texts: list[str], geo: lm.Geometry) -> float:
 
 # ------------------------------------------------------------------ statistics
 def change_ci(a: list[np.ndarray], b: list[np.ndarray], rng, n_boot: int = 2000) -> tuple[float, float, float]:
-    """p50(a)/p50(b) - 1 with a percentile bootstrap CI; requests resampled within each repeat."""
+    """p50(a)/p50(b) - 1 with a two-level percentile bootstrap CI: repeats are resampled (a's and
+    b's run of one repeat together: they shared its prompt set and its stretch of machine time),
+    then requests within each chosen run. Run-to-run variation on this machine is larger than
+    request-to-request, so resampling requests alone would give far too narrow an interval."""
     point = np.median(np.concatenate(a)) / np.median(np.concatenate(b)) - 1
+    n = min(len(a), len(b))
     boots = np.empty(n_boot)
     for i in range(n_boot):
-        ra = np.concatenate([x[rng.integers(0, len(x), len(x))] for x in a])
-        rb = np.concatenate([x[rng.integers(0, len(x), len(x))] for x in b])
+        reps = rng.integers(0, n, n) if n > 1 else [0]
+        ra = np.concatenate([a[j][rng.integers(0, len(a[j]), len(a[j]))] for j in reps])
+        rb = np.concatenate([b[j][rng.integers(0, len(b[j]), len(b[j]))] for j in reps])
         boots[i] = np.median(ra) / np.median(rb) - 1
     lo, hi = np.percentile(boots, [2.5, 97.5])
     return float(point), float(lo), float(hi)
+
+
+def _router_gap(runs: list, metric: str) -> float | None:
+    """Mean over runs of router mean / client mean - 1 for ttft or tpot (None if not recorded)."""
+    gaps = [r["router_vs_client"][f"router_mean_{metric}_ms"] / r["router_vs_client"][f"client_mean_{metric}_ms"] - 1
+            for r in runs if r.get("router_vs_client", {}).get(f"router_mean_{metric}_ms")
+            and r["router_vs_client"].get(f"client_mean_{metric}_ms")]
+    return float(np.mean(gaps)) if gaps else None
 
 
 def summarize(cell: dict, rng) -> dict:
@@ -243,13 +299,30 @@ def summarize(cell: dict, rng) -> dict:
             "batch_per_step": float(np.mean([r["batch"] for r in runs])),
             "requests": int(len(tp)), "failed": int(sum(r["failed"] for r in runs)),
             "domain_pure_outputs": float(np.mean([r["purity"] for r in runs])),
+            "router_vs_client_tpot": _router_gap(runs, "tpot"), "router_vs_client_ttft": _router_gap(runs, "ttft"),
         }
     if "round_robin" in cell and all("by_batch" in r for runs in cell.values() for r in runs):
         for pol in rows:
-            rows[pol]["distinct_vs_round_robin_equal_batch"] = matched_distinct_ratio(cell[pol], cell["round_robin"]) - 1
+            for what, key in (("distinct", "distinct"), ("moe", "moe_ms"), ("step", "step_ms")):
+                rows[pol][f"{key}_vs_round_robin_equal_batch"] = matched_ratio(cell[pol], cell["round_robin"], what) - 1
     bal = [p for p in BALANCERS if p in rows]
     best = min(bal, key=lambda p: rows[p]["tpot_p50_ms"]) if bal else None
     out = {"policies": rows, "best_balancer": best}
+    if bal and all(r.get("speed") for runs in cell.values() for r in runs):
+        # TPOT over the run's machine pace (see real_cpu_sim.speed_factor): the machine's speed
+        # varied up to 3x between runs, for every policy alike
+        norm = {p: [r["tpot"] / r["speed"] for r in runs] for p, runs in cell.items()}
+        for p in rows:
+            rows[p]["tpot_p50_speed_normalized_ms"] = float(np.median(np.concatenate(norm[p])) * 1e3)
+            rows[p]["speed_factors"] = [round(r["speed"], 3) for r in cell[p]]
+        nbest = min(bal, key=lambda p: rows[p]["tpot_p50_speed_normalized_ms"])
+        out["best_balancer_speed_normalized"] = nbest
+        for p in rows:
+            rows[p]["p50_speed_normalized_vs_best_balancer"] = (rows[p]["tpot_p50_speed_normalized_ms"]
+                                                                / rows[nbest]["tpot_p50_speed_normalized_ms"] - 1)
+        if DEFAULT_LABEL in cell:
+            v, lo, hi = change_ci(norm[DEFAULT_LABEL], norm[nbest], rng)
+            out["default_vs_best_balancer_p50_speed_normalized"] = {"value": v, "ci_low": lo, "ci_high": hi}
     if best:
         for pol in rows:
             rows[pol]["p50_vs_best_balancer"] = rows[pol]["tpot_p50_ms"] / rows[best]["tpot_p50_ms"] - 1
@@ -293,7 +366,8 @@ def run_setting(h: Harness, a, locality: float, policies: list[str], log) -> dic
     log(f"   collected {a.calibration_prompts} prompts and fitted 2 centroids ({time.monotonic() - t0:.0f} s)")
 
     prefill, boot, decodes = h.start_pd(model, 2, prefill_extra=["--enable-eldr-signature", "--enable-eldr-late-binding"],
-                                        decode_step_log=True, decode_cpus=[{0}, {1}], prefix=f"l{locality:g}-")
+                                        decode_step_log=True, decode_cpus=[{0}, {1}], prefix=f"l{locality:g}-",
+                                        prefill_nice=a.prefill_nice)
     cells: dict = {}
     try:
         wait_ready([prefill, *decodes], 900)
@@ -321,7 +395,8 @@ def run_setting(h: Harness, a, locality: float, policies: list[str], log) -> dic
         h.stop([prefill, *decodes])
     summary = {c: summarize(cell, np.random.default_rng(a.seed + 1)) for c, cell in cells.items()}
     raw = {c: {p: [{"tpot_ms": [round(x * 1e3, 3) for x in r["tpot"]], "distinct": r["distinct"], "batch": r["batch"],
-                    "output_throughput": r["output_throughput"], "routes": r["routes"]} for r in runs]
+                    "output_throughput": r["output_throughput"], "routes": r["routes"],
+                    "router_vs_client": r.get("router_vs_client"), "speed": r.get("speed")} for r in runs]
                 for p, runs in cell.items()}
            for c, cell in cells.items()}
     return {"locality": locality, "engine_layers": L, "geometry": {"beta": geo.beta, "own_share_target": geo.own_share_target},
@@ -339,16 +414,31 @@ def one_policy_run(h, a, pol, centroids, prefill, boot, decodes, model, data, co
         starts = [h.step_log(d.name).stat().st_size if h.step_log(d.name).exists() else 0 for d in decodes]
         out = work / f"run-{'warmup' if rep < 0 else rep}-{conc}-{pol.replace('/', '_')}.jsonl"
         out.unlink(missing_ok=True)
-        res = bench_run(h, router.url, model, data, a.num_prompts, conc, a.output_len, a.seed + 1000 + rep, out)
-        steps = [s for d, st in zip(decodes, starts) for s in _steps_since(h.step_log(d.name), st, geo.spec["layers"])]
-        routes = router_routes(router.url)
+        res = bench_run(h, router.url, model, data, a.num_prompts, conc, a.output_len, a.seed + 1000 + rep, out,
+                        in_process=a.client == "inprocess")
+        servers = [_steps_since(h.step_log(d.name), st, geo.spec["layers"]) for d, st in zip(decodes, starts)]
+        steps = [s for srv in servers for s in srv]
+        metrics = scrape_metrics(router.url)
+        routes = router_routes(metrics)
     finally:
         h.stop([router])
     tp, itl, failed = request_tpots(res, drop=conc)
     return {"tpot": tp, "itl": itl, "failed": failed + (a.num_prompts - int(res.get("completed", 0))),
             "output_throughput": float(res["output_throughput"]),
             "distinct": _mean_distinct(steps), "batch": float(np.mean([s.tokens for s in steps])) if steps else 0.0,
-            "by_batch": _by_batch(steps), "purity": domain_purity(res.get("generated_texts", []), geo), "routes": routes}
+            "by_batch": _by_batch(servers), "purity": domain_purity(res.get("generated_texts", []), geo), "routes": routes,
+            "router_vs_client": router_vs_client(metrics, res),
+            "speed": _real_cpu_sim().speed_factor(steps, _calibrated(a.calibration, model)) if a.calibration else None}
+
+
+_MODELS: dict = {}
+
+
+def _calibrated(calibration, model_dir):
+    key = (str(calibration), str(model_dir))
+    if key not in _MODELS:
+        _MODELS[key] = _real_cpu_sim().calibrated_model(calibration, model_dir)
+    return _MODELS[key]
 
 
 def _short_routes(routes: dict) -> str:
@@ -358,11 +448,34 @@ def _short_routes(routes: dict) -> str:
 ROUTE_METRICS = ("eldr_router_decode_routes_total", "eldr_router_fallbacks_total")
 
 
-def router_routes(url: str) -> dict:
+def scrape_metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def _metric_total(text: str, name: str) -> float:
+    """Sum of one Prometheus series over all its label sets."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def router_vs_client(text: str, res: dict) -> dict:
+    """The router's own TTFT/TPOT means (its histograms' sum/count over the run: a fresh router
+    per run) beside the client's (sglang.benchmark.serving), both over every request of the run."""
+    out = {"client_mean_ttft_ms": res.get("mean_ttft_ms"), "client_mean_tpot_ms": res.get("mean_tpot_ms")}
+    for m in ("ttft", "tpot"):
+        n = _metric_total(text, f"eldr_router_{m}_seconds_count")
+        out[f"router_mean_{m}_ms"] = _metric_total(text, f"eldr_router_{m}_seconds_sum") / n * 1e3 if n else None
+        out[f"router_{m}_count"] = n
+    return out
+
+
+def router_routes(text: str) -> dict:
     """The router's decode-route and fallback counters ({'name{labels}': count}): shows that a
     locality policy really routed by signature (reason band/locality) rather than fell back."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
     out = {}
     for line in text.splitlines():
         if line.startswith(ROUTE_METRICS) and not line.startswith("#"):
@@ -413,34 +526,69 @@ def table(result: dict) -> list[str]:
                          + f", concurrency {conc}; best balancer: {cell['best_balancer']}")
             lines.append("| policy | TPOT p50 ms | TPOT p99 ms | p50 vs best bal. | p99 vs best bal. | simulated p50 vs best bal. | "
                          "ITL mean ms | ITL p99 ms | out tok/s | distinct experts / layer / step (simulated) | "
-                         "distinct vs round_robin at equal batch | batch | requests | failed |")
-            lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                         "distinct vs round_robin at equal batch | MoE ms vs round_robin at equal batch | "
+                         "step ms vs round_robin at equal batch | batch | requests | failed |")
+            lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for pol, r in cell["policies"].items():
                 sim = f"{r['sim_p50_vs_best_balancer']:+.1%}" if "sim_p50_vs_best_balancer" in r else "-"
                 sim_d = f" ({r['sim_distinct_per_layer_step']:.2f})" if "sim_distinct_per_layer_step" in r else ""
                 lines.append(f"| {pol} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {r['p50_vs_best_balancer']:+.1%} | "
                              f"{r['p99_vs_best_balancer']:+.1%} | {sim} | {r['itl_mean_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
                              f"{r['output_tok_s']:.1f} | {r['distinct_per_layer_step']:.2f}{sim_d} | "
-                             f"{r.get('distinct_vs_round_robin_equal_batch', float('nan')):+.1%} | {r['batch_per_step']:.1f} | "
+                             f"{r.get('distinct_vs_round_robin_equal_batch', float('nan')):+.1%} | "
+                             f"{r.get('moe_ms_vs_round_robin_equal_batch', float('nan')):+.1%} | "
+                             f"{r.get('step_ms_vs_round_robin_equal_batch', float('nan')):+.1%} | {r['batch_per_step']:.1f} | "
                              f"{r['requests']} | {r['failed']} |")
+            gaps = [(pol, r.get("router_vs_client_tpot"), r.get("router_vs_client_ttft"))
+                    for pol, r in cell["policies"].items() if r.get("router_vs_client_tpot") is not None]
+            if gaps:
+                lines.append("\nthe router's own mean TPOT / TTFT (its histograms) against the client's, per policy: "
+                             + "; ".join(f"{p} {t:+.1%} / {f:+.1%}" for p, t, f in gaps))
             d = cell.get("default_vs_best_balancer_p50")
             if d:
                 lines.append(f"\n{DEFAULT_LABEL} vs {cell['best_balancer']}: TPOT p50 {d['value']:+.1%} "
                              f"(95% bootstrap CI {d['ci_low']:+.1%} .. {d['ci_high']:+.1%})")
+            d = cell.get("default_vs_best_balancer_p50_speed_normalized")
+            if d:
+                lines.append(f"\nspeed-normalized (each run's TPOT over its machine pace): best balancer "
+                             f"{cell['best_balancer_speed_normalized']}; per policy TPOT p50 ms (change; pace of each run): "
+                             + "; ".join(f"{p} {r['tpot_p50_speed_normalized_ms']:.1f} ({r['p50_speed_normalized_vs_best_balancer']:+.1%}; "
+                                         + ", ".join(f"{x:.2f}" for x in r["speed_factors"]) + ")"
+                                         for p, r in cell["policies"].items()))
+                lines.append(f"\n{DEFAULT_LABEL} vs {cell['best_balancer_speed_normalized']}, speed-normalized: TPOT p50 "
+                             f"{d['value']:+.1%} (95% bootstrap CI {d['ci_low']:+.1%} .. {d['ci_high']:+.1%})")
     return lines
 
 
 # ------------------------------------------------------------------ rebuilding from a kept run
-RUN_GAP_S = 30.0  # decode servers idle this long between two runs (router restart + client start-up)
+def _split_runs(logs: list, per_run: int) -> list:
+    """The decode servers' steps cut into runs: runs are made one after another, each of exactly
+    `per_run` decode tokens over all servers, so in the servers' merged timeline run k ends where
+    the running token count reaches (k + 1) * per_run. Returns, per run, each server's steps;
+    None if the count steps over a boundary (the logs do not hold whole runs of that size)."""
+    ev = sorted(((st.t0, i, st) for i, steps in enumerate(logs) for st in steps), key=lambda e: e[0])
+    runs, cur, total = [], [[] for _ in logs], 0
+    for _, i, st in ev:
+        cur[i].append(st)
+        total += st.tokens
+        if total % per_run == 0:
+            runs.append(cur)
+            cur = [[] for _ in logs]
+        elif total // per_run > len(runs):
+            return None
+    if any(cur):
+        runs.append(cur)  # a run stopped mid-way
+    return runs
 
 
 def rebuild_setting(work: Path, locality: float, a, policies: list[str]) -> dict:
     """A setting's results from a work directory kept with --keep (the run files, the decode
     step logs, the engine checks logged to stderr are not kept: pass them separately), for a run
-    stopped before it wrote its JSON. The decode steps are split into runs at the idle gaps
-    (> RUN_GAP_S) that the router restart and the client start-up leave between runs; the split
-    must give at least one segment per run file, in the order the runs were made, or nothing is
-    rebuilt (a run stopped mid-way leaves one segment more, which is dropped)."""
+    stopped before it wrote its JSON, or to recompute a finished one. Each decode server's steps
+    are split into runs at its longest idle gaps (the router restart and the client start-up
+    between runs), in the order the runs were made; every run must then hold exactly its known
+    number of decode tokens, or nothing is rebuilt (a run stopped mid-way leaves one segment
+    more, which is dropped). --run-json: the router's own figures of the same runs are kept."""
     from eldr_sglang.testing.sglang_cpu.step_log import read_steps
 
     model = work / "models" / f"locality-{locality:g}-{a.seed}-"
@@ -459,26 +607,42 @@ def rebuild_setting(work: Path, locality: float, a, policies: list[str]) -> dict
     order = order[:len(done)]
     drop = getattr(a, "drop_runs", 0)
     warm = 1 if list(sdir.glob("run-warmup-*.jsonl")) else 0  # the script's discarded warm-up run comes first
-    segments = []
-    for i in range(2):
-        steps = read_steps(work / "logs" / f"l{locality:g}-decode{i}.steps", L)
-        cuts = [j + 1 for j in range(len(steps) - 1) if steps[j + 1].t0 - steps[j].t0 > RUN_GAP_S]
-        segs = [steps[b:e] for b, e in zip([0, *cuts], [*cuts, len(steps)])]
-        if len(segs) < warm + len(order):
-            raise SystemExit(f"decode{i}: {len(segs)} step segments for {warm + len(order)} runs; cannot attribute steps to runs")
-        segments.append(segs[warm:warm + len(order)])  # a last, unfinished run leaves one more segment
+    # Each run's decode tokens over both servers: every request and the client's one warm-up
+    # request log output_len tokens in the decode step logs (measured: the runs of
+    # 2026-12-03 split into exactly this many each)
+    per_run = (a.num_prompts + 1) * a.output_len
+    runs = warm + len(order)
+    logs = [read_steps(work / "logs" / f"l{locality:g}-decode{i}.steps", L) for i in range(2)]
+    split = _split_runs(logs, per_run)
+    if split is None or len(split) < runs or any(sum(st.tokens for srv in split[k] for st in srv) != per_run
+                                                 for k in range(runs)):
+        raise SystemExit(f"{work}: the decode step logs do not split into {runs} runs of {per_run} decode tokens each; "
+                         "cannot attribute steps to runs")
+    split = split[warm:runs]  # a last, unfinished run leaves one more, which is dropped
+    em = _calibrated(a.calibration, model) if getattr(a, "calibration", None) else None
+    raw = {}
+    if getattr(a, "run_json", None):  # the run's own records (router figures) of the same runs, in order
+        for st in json.loads(Path(a.run_json).read_text())["settings"]:
+            if f"{st['locality']:g}" == f"{locality:g}":
+                raw = st.get("raw", {})
     cells: dict = {}
     for k, ((rep, conc, pol), f) in enumerate(zip(order, done)):
         if k < drop:
             continue
         res = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()][-1]
-        steps = segments[0][k] + segments[1][k]
+        steps = split[k][0] + split[k][1]
         tp, itl, failed = request_tpots(res, drop=conc)
+        nth = sum(1 for r2, c2, p2 in order[:k] if (c2, p2) == (conc, pol))
+        own = raw.get(str(conc), {}).get(pol, [])
         cells.setdefault(str(conc), {}).setdefault(pol, []).append({
             "tpot": tp, "itl": itl, "failed": failed + (a.num_prompts - int(res.get("completed", 0))),
             "output_throughput": float(res["output_throughput"]), "distinct": _mean_distinct(steps),
-            "batch": float(np.mean([st.tokens for st in steps])) if steps else 0.0, "by_batch": _by_batch(steps),
-            "purity": domain_purity(res.get("generated_texts", []), geo), "routes": {}})
+            "batch": float(np.mean([st.tokens for st in steps])) if steps else 0.0,
+            "by_batch": _by_batch(split[k]),
+            "purity": domain_purity(res.get("generated_texts", []), geo),
+            "routes": own[nth]["routes"] if nth < len(own) else {},
+            "router_vs_client": own[nth].get("router_vs_client") if nth < len(own) else None,
+            "speed": _real_cpu_sim().speed_factor(steps, em) if em is not None else None})
     summary = {c: summarize(cell, np.random.default_rng(a.seed + 1)) for c, cell in cells.items()}
     return {"locality": locality, "engine_layers": L, "geometry": {"beta": geo.beta, "own_share_target": geo.own_share_target},
             "cells": summary, "runs": len(order), "trace": str(sdir / "trace.npz"), "centroids": str(sdir / "centroids.eldr"),
@@ -487,20 +651,26 @@ def rebuild_setting(work: Path, locality: float, a, policies: list[str]) -> dict
 
 
 # ------------------------------------------------------------------ the simulator beside it
+def _real_cpu_sim():
+    """The sibling benchmark script benchmarks/real_cpu_sim.py, loaded by path (once)."""
+    if "real_cpu_sim" not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("real_cpu_sim", Path(__file__).with_name("real_cpu_sim.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["real_cpu_sim"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["real_cpu_sim"]
+
+
 def add_simulation(result: dict, calibration: Path, log) -> None:
     """Put the simulator's prediction (benchmarks/real_cpu_sim.py: the same trace, centroids,
     workers, concurrencies and output length, timed by this machine's CPU calibration) beside
     each measured cell, with the per-term check of the cost model against the logged steps."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("real_cpu_sim", Path(__file__).with_name("real_cpu_sim.py"))
-    real_cpu_sim = importlib.util.module_from_spec(spec)  # the sibling benchmark script, loaded by path
-    sys.modules["real_cpu_sim"] = real_cpu_sim
-    spec.loader.exec_module(real_cpu_sim)
-
+    real_cpu_sim = _real_cpu_sim()
     from eldr_sglang.testing.sglang_cpu.step_log import read_steps
 
-    cfg, worst = result["config"], 0.0
+    cfg, worst, worst_norm = result["config"], 0.0, None
     for s in result["settings"]:
         work = Path(s["trace"]).parent.parent  # runs written before these fields: the --keep layout
         s.setdefault("model_dir", str(work / "models" / f"locality-{s['locality']:g}-{cfg['seed']}-"))
@@ -517,12 +687,17 @@ def add_simulation(result: dict, calibration: Path, log) -> None:
                     row["sim_tpot_p50_ms"] = sim[pol]["tpot_p50_ms"]
                     row["sim_distinct_per_layer_step"] = sim[pol]["distinct_per_layer_step"]
                     worst = max(worst, abs(row["sim_p50_vs_best_balancer"] - row["p50_vs_best_balancer"]) * 100)
+                    if "p50_speed_normalized_vs_best_balancer" in row:
+                        worst_norm = max(worst_norm or 0.0, abs(row["sim_p50_vs_best_balancer"]
+                                                                - row["p50_speed_normalized_vs_best_balancer"]) * 100)
         s["cost_model_terms"] = {  # per decode server: its steps in order, so the gaps between them are real
             Path(path).stem: {str(b): v for b, v in real_cpu_sim.step_terms(
                 read_steps(Path(path), s["engine_layers"]), calibration, s["model_dir"]).items()}
             for path in s["decode_step_logs"] if Path(path).exists()}
         log(f"   simulated locality {s['locality']:g}")
     result["sim_abs_error_points"] = round(worst, 2)
+    if worst_norm is not None:
+        result["sim_abs_error_points_speed_normalized"] = round(worst_norm, 2)
     result["calibration"] = str(calibration)
 
 
@@ -533,12 +708,13 @@ def headline(result: dict) -> dict:
     strong = max(settings, key=lambda s: s["locality"])
     control = min(settings, key=lambda s: s["locality"])
     hi = str(max(int(c) for c in strong["cells"]))
-    for k in ("default_vs_best_balancer_p50", "control_default_vs_best_balancer_p50"):
-        result.pop(k, None)
-    if "default_vs_best_balancer_p50" in strong["cells"].get(hi, {}):
-        result["default_vs_best_balancer_p50"] = strong["cells"][hi]["default_vs_best_balancer_p50"]
-    if control is not strong and "default_vs_best_balancer_p50" in control["cells"].get(hi, {}):
-        result["control_default_vs_best_balancer_p50"] = control["cells"][hi]["default_vs_best_balancer_p50"]["value"]
+    for key in ("default_vs_best_balancer_p50", "default_vs_best_balancer_p50_speed_normalized"):
+        result.pop(key, None)
+        result.pop("control_" + key, None)
+        if key in strong["cells"].get(hi, {}):
+            result[key] = strong["cells"][hi][key]
+        if control is not strong and key in control["cells"].get(hi, {}):
+            result["control_" + key] = control["cells"][hi][key]["value"]
     result["repeats"] = {f"{s['locality']:g}": s.get("repeats", result["config"]["repeats"]) for s in settings}
     return result
 
@@ -554,6 +730,12 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=24, help="output tokens (fixed, EOS ignored)")
     ap.add_argument("--calibration-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-nice", type=int, default=10, metavar="N",
+                    help="lower the prefill server's CPU priority by N (default 10): on 2 cores it shares the decodes' "
+                         "cores, and in a real PD cluster prefill never takes decode compute; 0 = equal priority")
+    ap.add_argument("--client", choices=("inprocess", "subprocess"), default="inprocess",
+                    help="run sglang.benchmark.serving's entry point in this process (default: its import is paid "
+                         "once) or as `python -m sglang.benchmark.serving` per run")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (also after each locality setting)")
     ap.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     ap.add_argument("--keep", metavar="DIR", help="work directory to keep (default: a temporary one)")
@@ -607,15 +789,16 @@ def main() -> int:
         settings = [rebuild_setting(Path(a.rebuild), loc, a, policies) for loc in a.localities]
         for st, ck in zip(settings, checks):
             st["engine_checks"] = ck
-        peak = float("nan")
+        peak, seconds = float("nan"), 0
         if a.run_json:  # the run's own JSON (it finished): keep what only the live run could record
             own = {f"{x['locality']:g}": x for x in json.loads(Path(a.run_json).read_text())["settings"]}
             peak = json.loads(Path(a.run_json).read_text()).get("peak_rss_gib", peak)
+            seconds = json.loads(Path(a.run_json).read_text()).get("seconds", 0)
             for st in settings:
                 for k in ("engine_checks", "startup_s"):
                     if k in own.get(f"{st['locality']:g}", {}):
                         st[k] = own[f"{st['locality']:g}"][k]
-        return report(headline(dict(base, settings=settings, peak_rss_gib=peak, seconds=0)), a)
+        return report(headline(dict(base, settings=settings, peak_rss_gib=peak, seconds=seconds)), a)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -99,8 +99,9 @@ class Server:
     """One subprocess in its own process group, with its log file."""
 
     def __init__(self, name: str, args: list[str], url: str, log: Path, env: dict, cwd: Path | None = None,
-                 cpus: set[int] | None = None):
-        """cpus: pin the process (and every child it spawns) to these cores."""
+                 cpus: set[int] | None = None, nice: int = 0):
+        """cpus: pin the process (and every child it spawns) to these cores; nice: lower its
+        priority by this much (inherited by its children too)."""
         self.name, self.url, self.log, self.cpus = name, url, Path(log), cpus
         self.started = time.monotonic()
         self.ready_s: float | None = None
@@ -110,6 +111,8 @@ class Server:
             _die_with_parent()
             if cpus:
                 os.sched_setaffinity(0, cpus)
+            if nice:
+                os.nice(nice)
 
         self.proc = subprocess.Popen([sys.executable, *args], stdout=self._fh, stderr=subprocess.STDOUT,
                                      env=env, cwd=cwd, start_new_session=True, preexec_fn=setup)
@@ -254,12 +257,12 @@ class MemorySampler:
 
 
 def start_sglang(name: str, model: Path, log_dir: Path, env: dict, extra: list[str] = (),
-                 port: int | None = None, cpus: set[int] | None = None) -> Server:
+                 port: int | None = None, cpus: set[int] | None = None, nice: int = 0) -> Server:
     """Start `python -m sglang.launch_server` on 127.0.0.1 (returns at once; see wait_ready)."""
     port = port or free_port_block()
     args = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
             "--port", str(port), *CPU_SERVER_ARGS, *extra]
-    return Server(name, args, f"http://127.0.0.1:{port}", Path(log_dir) / f"{name}.log", env, cpus=cpus)
+    return Server(name, args, f"http://127.0.0.1:{port}", Path(log_dir) / f"{name}.log", env, cpus=cpus, nice=nice)
 
 
 def wait_ready(servers: list[Server], timeout: float) -> None:

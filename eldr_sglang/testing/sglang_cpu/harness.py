@@ -47,9 +47,10 @@ class Harness:
         return self._models[key]
 
     def start(self, name: str, model: Path, extra: list[str], env: dict | None = None,
-              cpus: set[int] | None = None) -> cluster.Server:
-        """env: variables added to the harness's environment for this server; cpus: pin it."""
-        s = cluster.start_sglang(name, model, self.logs, {**self.env, **(env or {})}, extra, cpus=cpus)
+              cpus: set[int] | None = None, nice: int = 0) -> cluster.Server:
+        """env: variables added to the harness's environment for this server; cpus: pin it;
+        nice: lower its CPU priority."""
+        s = cluster.start_sglang(name, model, self.logs, {**self.env, **(env or {})}, extra, cpus=cpus, nice=nice)
         self.servers.append(self.memory.watch(s))
         return s
 
@@ -64,14 +65,17 @@ class Harness:
 
     def start_pd(self, model: Path, decodes: int = 2, prefill_extra: list[str] = (), decode_extra: list[str] = (),
                  prefix: str = "", decode_step_log: bool = False, prefill_cpus: set[int] | None = None,
-                 decode_cpus: list[set[int]] | None = None) -> tuple[cluster.Server, int, list[cluster.Server]]:
+                 decode_cpus: list[set[int]] | None = None,
+                 prefill_nice: int = 0) -> tuple[cluster.Server, int, list[cluster.Server]]:
         """One prefill (mooncake over TCP, its own bootstrap port) and `decodes` decode servers,
         started at once; returns (prefill, bootstrap port, decodes) without waiting.
         decode_step_log: each decode writes its MoE step log (see step_log); decode_cpus[i]
-        pins decode i."""
+        pins decode i; prefill_nice lowers the prefill's CPU priority (on a machine where it
+        shares the decodes' cores, so that it steals less of their time)."""
         boot = cluster.free_port_block()
         p = self.start(f"{prefix}prefill", model, ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                                                   str(boot), *PD_TRANSFER, *prefill_extra], cpus=prefill_cpus)
+                                                   str(boot), *PD_TRANSFER, *prefill_extra], cpus=prefill_cpus,
+                       nice=prefill_nice)
         ds = []
         for i in range(decodes):
             name = f"{prefix}decode{i}"
