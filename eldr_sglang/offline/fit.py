@@ -21,7 +21,8 @@ import scipy.sparse as sp
 
 from eldr_sglang.defaults import FIT_CHANGE_TOL, FIT_SAMPLE_GROWTH
 from eldr_sglang.offline import report as rpt
-from eldr_sglang.offline.balanced_kmeans import KMeansResult, balanced_sizes, spherical_kmeans
+from eldr_sglang.offline.balanced_assignment import balanced_sizes
+from eldr_sglang.offline.balanced_kmeans import KMeansResult, spherical_kmeans
 from eldr_sglang.offline.layers import parse_layers, select_layers_auto
 from eldr_sglang.offline.signatures import DEFAULT_CHUNK_TOKENS, compute_idf, make_spec
 from eldr_sglang.offline.sources import prefill_source
