@@ -33,11 +33,8 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
-from eldr_sglang.offline.balanced_kmeans import (
-    balanced_assign,
-    hungarian_balanced,
-    spherical_kmeans,
-)
+from eldr_sglang.offline.balanced_assignment import balanced_assign, hungarian_balanced
+from eldr_sglang.offline.balanced_kmeans import spherical_kmeans
 
 SHAPES = {
     # name: (moe layers, experts, top_k)

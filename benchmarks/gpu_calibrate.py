@@ -382,7 +382,7 @@ def measure_cpu(torch, s: CpuShape, batches, points, context, kernel, warmup, re
     return entries
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="calibration file to write (refuses to overwrite without --force)")
     ap.add_argument("--force", action="store_true", help="replace an existing --out file")
@@ -406,7 +406,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new batches after this long")
     ap.add_argument("--hardware", default="", help="label written into the file (default: the GPU's name)")
     ap.add_argument("--json", help="also write the entries here (same content)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     out = Path(args.out)
     if out.exists() and not args.force:
         raise SystemExit(f"{out} exists; pass --force to replace it")
@@ -414,6 +418,23 @@ def main(argv=None) -> int:
         return main_cpu(args, list(sys.argv[1:] if argv is None else argv))
     if args.model_dir or args.tiny or args.moe_kernel != "sglang":
         raise SystemExit("--model-dir, --tiny and --moe-kernel go with --device cpu")
+    return main_gpu(args, out)
+
+
+def _gpu_shapes(args) -> tuple:
+    """The shapes --models names (all when empty), tiny ones for --dry-run."""
+    shapes = TINY if args.dry_run else SHAPES
+    if args.models:
+        want = {m.strip() for m in args.models.split(",")}
+        unknown = want - {s.model for s in shapes}
+        if unknown:
+            raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {', '.join(s.model for s in shapes)}")
+        shapes = tuple(s for s in shapes if s.model in want)
+    return shapes
+
+
+def main_gpu(args, out: Path) -> int:
+    """--device cuda (or --dry-run on a CPU): SGLang's fused MoE kernel, or the torch fallback."""
     args.batches = args.batches or ",".join(map(str, BATCHES))
     try:
         import torch
@@ -422,13 +443,7 @@ def main(argv=None) -> int:
     batches = [int(x) for x in args.batches.split(",") if x.strip()]
     if not batches or min(batches) < 1:
         raise SystemExit("--batches must be positive integers")
-    shapes = TINY if args.dry_run else SHAPES
-    if args.models:
-        want = {m.strip() for m in args.models.split(",")}
-        unknown = want - {s.model for s in shapes}
-        if unknown:
-            raise SystemExit(f"unknown shapes {sorted(unknown)}; known: {', '.join(s.model for s in shapes)}")
-        shapes = tuple(s for s in shapes if s.model in want)
+    shapes = _gpu_shapes(args)
     if args.dry_run:
         torch.set_num_threads(1)  # a shared CPU: one core is enough for tiny shapes
         device, dtype, kernel, why = "cpu", torch.float32, None, "dry run"
@@ -439,33 +454,24 @@ def main(argv=None) -> int:
         device, dtype = "cuda", torch.bfloat16
         kernel, why = _sglang_kernel()
     hw = args.hardware or (torch.cuda.get_device_name(0) if device == "cuda" else "cpu")
-
-    def log(*a):
-        print(*a, file=sys.stderr, flush=True)
-
-    log(f"calibrating on {hw} ({device}); kernel: {'sglang fused_experts_impl' if kernel else 'torch grouped GEMM (' + str(why) + ')'}")
+    _log(f"calibrating on {hw} ({device}); kernel: {'sglang fused_experts_impl' if kernel else 'torch grouped GEMM (' + str(why) + ')'}")
     rng = np.random.default_rng(0)
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     entries = []
     for s in shapes:
-        entries += measure_shape(torch, s, batches, args.points, device, dtype, kernel, args.warmup, args.reps, rng, deadline, log)
+        entries += measure_shape(torch, s, batches, args.points, device, dtype, kernel, args.warmup, args.reps, rng, deadline, _log)
         for e in entries:
             e.setdefault("hardware", hw)
     doc = {"format": FORMAT, "hardware": hw, "device": device, "torch": torch.__version__,
            "sglang_kernel": kernel is not None, "fallback_reason": None if kernel else why,
            "dry_run": args.dry_run, "seconds": round(time.monotonic() - t0, 1), "entries": entries}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out)
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+    _write(out, doc, args.json)
     print("| model | B | a (us) | b (us/expert) | fit rel. RMS | kernel |")
     print("|---|---|---|---|---|---|")
     for e in entries:
         print(f"| {e['model']} | {e['batch']} | {e['a_s'] * 1e6:.2f} | {e['b_s'] * 1e6:.3f} | {e['fit_rel_rms']:.1%} | {e['kernel']} |")
-    log(f"wrote {out} ({len(entries)} entries, {doc['seconds']:.0f} s)")
+    _log(f"wrote {out} ({len(entries)} entries, {doc['seconds']:.0f} s)")
     return 0
 
 

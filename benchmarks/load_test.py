@@ -137,7 +137,7 @@ async def _drive(router: str, n: int, rate: float, seed: int, timeout_s: float, 
     }
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=1000.0, help="requests per second (open loop, Poisson)")
     ap.add_argument("--requests", type=int, default=20000)
@@ -150,11 +150,36 @@ def main(argv=None) -> int:
                     "the old client)")
     ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="an extra router flag, e.g. --router-arg=--max-concurrent-requests=64 (repeatable)")
+    return ap
+
+
+def main(argv=None) -> int:
+    import os
+
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests and --rate must be positive")
     if args.client_connections < 0:
         ap.error("--client-connections must be >= 0")
+    load_before, res = _run(args)
+    res["machine"] = {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "load_avg_before": list(load_before),
+                      "load_avg_after": list(os.getloadavg()),
+                      "note": "client, router and emulated workers share these CPUs (and this machine with other work)"}
+    res["router_args"] = args.router_arg
+    res["client_connections"] = args.client_connections
+    held = _print_report(args, res, load_before)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0 if (res["lost"] == 0 and res["duplicated_answers"] == 0 and held == 0) else 1
+
+
+def _run(args) -> tuple[tuple, dict]:
+    """Start the emulated cluster and the router on loopback, drive the load through them and
+    audit the router once idle. Returns (the load average before, the results)."""
+    import os
+    import resource
+
     from eldr_sglang.offline.fit import fit_trace
     from eldr_sglang.traces.synth import generate
     from eldr_sglang.traces import save_trace
@@ -167,12 +192,8 @@ def main(argv=None) -> int:
         cluster, urls = start_cluster(tmp / "t.npz", tmp, time_scale=args.time_scale)
         router, base = start_router(urls, tmp, ["--disagg-router", "eldr", "--eldr-centroids", str(tmp / "c.eldr"),
                                                 "--no-explain-headers", "--log-level", "warning", *args.router_arg])
-        import os
-
         load_before = os.getloadavg()
         try:
-            import resource
-
             c0, w0 = _cpu_s(router.p.pid), _cpu_s(cluster.p.pid)
             u0 = resource.getrusage(resource.RUSAGE_SELF)
             res = asyncio.run(_drive(base, args.requests, args.rate, args.seed, args.timeout, args.client_connections))
@@ -181,32 +202,42 @@ def main(argv=None) -> int:
             # where the CPU went: the client (this process) and the emulated workers share it
             res["cpu_s"] = {"router": cpu, "workers": _cpu_s(cluster.p.pid) - w0,
                             "client": (u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)}
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                st = get_json(base + "/eldr/status")
-                adm = st.get("admission") or {}
-                if not any(st["decode_inflight"]) and not any(st["prefill_inflight"]) and not adm.get("in_flight") \
-                        and not adm.get("waiting"):
-                    break
-                time.sleep(0.2)
-            import urllib.request
-
-            text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-            res["router_decision_time"] = _histogram_quantiles(text, "eldr_router_route_seconds")
-            res["router_cpu_ms_per_request"] = 1e3 * cpu / args.requests
-            res["slots_held_when_idle"] = {"decode": st["decode_inflight"], "prefill": st["prefill_inflight"],
-                                           "admission": adm.get("in_flight", 0), "admission_queue": adm.get("waiting", 0)}
-            res["admission"] = {k: adm.get(k) for k in ("limit", "queue_size", "queue_timeout_s")} if adm else None
-            res["router_failure_counters"] = _failure_counters(text)
-            res["routable_when_idle"] = {"decode": st["decode_healthy"], "prefill": st["prefill_healthy"]}
+            res.update(_idle_audit(base, cpu, args.requests))
         finally:
             router.stop()
             cluster.stop()
-    res["machine"] = {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "load_avg_before": list(load_before),
-                      "load_avg_after": list(os.getloadavg()),
-                      "note": "client, router and emulated workers share these CPUs (and this machine with other work)"}
-    res["router_args"] = args.router_arg
-    res["client_connections"] = args.client_connections
+    return load_before, res
+
+
+def _idle_audit(base: str, router_cpu_s: float, requests: int) -> dict:
+    """Once the router is idle (30 s at most): its decision times, CPU per request, the slots
+    still held, its admission settings and failure counters, and who is routable."""
+    import urllib.request
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = get_json(base + "/eldr/status")
+        adm = st.get("admission") or {}
+        if not any(st["decode_inflight"]) and not any(st["prefill_inflight"]) and not adm.get("in_flight") \
+                and not adm.get("waiting"):
+            break
+        time.sleep(0.2)
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    return {
+        "router_decision_time": _histogram_quantiles(text, "eldr_router_route_seconds"),
+        "router_cpu_ms_per_request": 1e3 * router_cpu_s / requests,
+        "slots_held_when_idle": {"decode": st["decode_inflight"], "prefill": st["prefill_inflight"],
+                                 "admission": adm.get("in_flight", 0), "admission_queue": adm.get("waiting", 0)},
+        "admission": {k: adm.get(k) for k in ("limit", "queue_size", "queue_timeout_s")} if adm else None,
+        "router_failure_counters": _failure_counters(text),
+        "routable_when_idle": {"decode": st["decode_healthy"], "prefill": st["prefill_healthy"]},
+    }
+
+
+def _print_report(args, res: dict, load_before) -> int:
+    """Print the results' table and notes; returns the slots held once idle (0 when clean)."""
+    import os
+
     lat = res["latency_ms"]
     print(f"load test: {res['sent']} requests at {args.rate:g}/s target ({res['achieved_send_rate_rps']:.0f}/s sent), "
           f"wall {res['wall_s']:.1f} s, {os.cpu_count()} CPUs shared by client, router and workers")
@@ -237,9 +268,7 @@ def main(argv=None) -> int:
           f"{' '.join(f'{x:.2f}' for x in res['machine']['load_avg_after'])}; routable when idle: {res['routable_when_idle']}")
     for name, value in res["router_failure_counters"].items():  # why the router failed requests
         print(f"  {name} {value:g}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    return 0 if (res["lost"] == 0 and res["duplicated_answers"] == 0 and held == 0) else 1
+    return held
 
 
 # The router's own account of failures: worker errors, retries, ejections and timeouts.

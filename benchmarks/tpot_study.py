@@ -124,8 +124,7 @@ def main(argv=None) -> int:
         return legacy_main(argv)
     if mode != "strict":
         raise SystemExit(f"--protocol must be strict or legacy, got {mode!r}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from tpot_protocol import strict_main
+    from tpot_protocol import strict_main  # the sibling script (its folder is on sys.path when run)
 
     return strict_main(argv)
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from eldr_sglang.offline.balanced_kmeans import (
+from eldr_sglang.offline.balanced_assignment import (
     balanced_assign,
     balanced_sizes,
     hungarian_balanced,
     is_balanced,
-    spherical_kmeans,
 )
+from eldr_sglang.offline.balanced_kmeans import spherical_kmeans
 
 
 def _unit_rows(rng, n, d, k_latent=4, sparse_pow=3.0):
@@ -176,7 +176,7 @@ def test_screened_solve_matches_hungarian(kind, hint):
     """The screened path (warm prices; only points near a boundary solved for, the rest
     checked against the sub-problem's prices) reaches the same optimum as the paper's step.
     hint=1e-9 leaves almost nothing free at first, so the freeing and re-solving is exercised."""
-    from eldr_sglang.offline.balanced_kmeans import certify_balanced
+    from eldr_sglang.offline.balanced_assignment import certify_balanced
 
     tries = screened = 0
     for seed in range(25):
@@ -199,7 +199,7 @@ def test_screened_solve_matches_hungarian(kind, hint):
 
 
 def test_certificate_rejects_what_is_not_optimal():
-    from eldr_sglang.offline.balanced_kmeans import certify_balanced
+    from eldr_sglang.offline.balanced_assignment import certify_balanced
 
     rng = np.random.default_rng(8)
     C = _cost(rng, "cosine", 301, 5)  # 301 = 5 * 60 + 1: one cluster holds 61
@@ -227,7 +227,7 @@ def test_certificate_rejects_what_is_not_optimal():
 def test_kmeans_with_screening_equals_the_whole_solve(monkeypatch):
     """At N >= SCREEN_MIN_N Lloyd's steps use the screened solve; the run (assignments,
     centroids, restart objectives) is bit-identical to the one that solves every step whole."""
-    from eldr_sglang.offline import balanced_kmeans as bk
+    from eldr_sglang.offline import balanced_assignment as bk
 
     rng = np.random.default_rng(6)
     X = _unit_rows(rng, 12_003, 24, k_latent=6, sparse_pow=2.0)

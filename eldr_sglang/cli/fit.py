@@ -98,7 +98,6 @@ def run(args) -> int:
     from eldr_sglang.offline.fit import fit_trace
     from eldr_sglang.offline.report import format_report
     from eldr_sglang.traces import open_trace
-    from eldr_sglang.traces.counts_file import CountsTrace
 
     from eldr_sglang import io_safe
 
@@ -117,10 +116,7 @@ def run(args) -> int:
         if len(names) != args.workers or any(not n for n in names):
             raise CliError(f"--worker-names needs {args.workers} non-empty names, got {args.worker_names!r}")
     _check_memory(args)
-    trace = open_trace(args.trace)  # v1 in memory, or v2 read chunk by chunk
-    with contextlib.ExitStack() as cleanup:
-        if isinstance(trace, CountsTrace):
-            cleanup.callback(trace.close)
+    with open_trace(args.trace) as trace:  # v1 in memory, or v2 read chunk by chunk
         res = fit_trace(
             trace,
             workers=args.workers,

@@ -27,23 +27,15 @@ def trace_signatures(centroids: str, trace_path: str, requests):
     """(centroid set, signatures [R, D], valid [R], trace request indices) of the requests' prompts
     under the centroid file's own spec (layer weights and IDF)."""
     from eldr_sglang import _core
-    from eldr_sglang.offline.sources import CountsSource
+    from eldr_sglang.offline.sources import prefill_source
     from eldr_sglang.traces import open_trace
-    from eldr_sglang.traces.counts_file import CountsTrace
 
     cs = _core.CentroidSet.open(str(centroids))
-    t = open_trace(trace_path)  # v1 in memory, or v2: its counts read chunk by chunk
-    try:
+    with open_trace(trace_path) as t:  # v1 in memory, or v2: its counts read chunk by chunk
         if t.num_layers != cs.num_layers or t.num_experts != cs.num_experts:
             raise ValueError(f"the trace has {t.num_layers} layers x {t.num_experts} experts, the centroid file "
                              f"{cs.num_layers} x {cs.num_experts}")
         req = request_range(requests, t.num_requests)
-        if isinstance(t, CountsTrace):  # the fit's own path: each chunk's signatures in one Rust call
-            S, valid = CountsSource(t).signatures(cs.spec(), req, progress=False, dense=True)
-            return cs, S, valid, req
-        sub = t.subset(req) if len(req) != t.num_requests else t
-        S, valid = cs.spec().batch_from_topk(sub.expert_ids, sub.req_offsets.astype(np.int64), sub.prefill_len.astype(np.int64))
-        return cs, np.asarray(S), np.asarray(valid), req
-    finally:
-        if isinstance(t, CountsTrace):
-            t.close()
+        # the fit's own path: signatures through the Rust normalizer, chunk by chunk
+        S, valid = prefill_source(t).signatures(cs.spec(), req, progress=False, dense=True)
+        return cs, S, valid, req

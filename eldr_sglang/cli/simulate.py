@@ -127,12 +127,8 @@ def run(args: argparse.Namespace) -> int:
     if args.protocol == "strict" and args.centroids:
         raise ValueError("--protocol strict fits its own centroids on held-out splits; drop --centroids")
     _check_memory(args)
-    source = open_trace(args.trace)  # v1 in memory, or v2: the requests that kept decode routing replay
-    try:
+    with open_trace(args.trace) as source:  # v1 in memory, or v2: the requests that kept decode routing replay
         return _simulate(args, source)
-    finally:
-        if hasattr(source, "close"):
-            source.close()
 
 
 def _simulate(args, source) -> int:

@@ -78,11 +78,13 @@ def run(args) -> int:
     from eldr_sglang import memory
     from eldr_sglang.io_safe import check_output
     from eldr_sglang.progress import progress
+    from eldr_sglang.traces.synth import SynthSpec
 
     check_output(args.out, what="--out", create_parent=True)  # before the generation, not after
     shape = model_shape(args.model)
-    gen = dict(model=args.model, requests=args.requests, domains=args.domains, uniform=args.uniform, seed=args.seed,
-               prompt_len=args.prompt_len, output_len=args.output_len, burstiness=args.burstiness, rate=args.rate)
+    spec = SynthSpec(model=args.model, requests=args.requests, domains=args.domains, uniform=args.uniform,
+                     seed=args.seed, prompt_len=args.prompt_len, output_len=args.output_len, burstiness=args.burstiness,
+                     rate=args.rate)
     t0 = time.time()
     show = not args.no_progress and args.requests >= 2000
     if args.format == "v2":
@@ -97,8 +99,8 @@ def run(args) -> int:
                     bars.append(stack.enter_context(progress(desc="synth", unit="tok", unit_scale=True)))
                 bars[0].update(n)
 
-            write_synth(args.out, keep_decode=args.keep_decode, progress=update if show else None,
-                        max_memory=args.max_memory, jobs=args.jobs, **gen)
+            write_synth(args.out, spec, keep_decode=args.keep_decode, progress=update if show else None,
+                        max_memory=args.max_memory, jobs=args.jobs)
         with open_counts_trace(args.out) as t:
             kept = t.meta["decode_requests"]
             print(f"wrote {args.out} (trace v2): {args.model} {'uniform' if args.uniform else f'{args.domains} domains'}, "
@@ -114,7 +116,7 @@ def run(args) -> int:
                                       shape["top_k"], shape["num_experts"]),
                    f"synth of {args.requests} requests", args.max_memory)
     with progress(desc="synth", unit="tok", unit_scale=True, enabled=show) as bar:
-        trace = generate(progress=bar.update, **gen)
+        trace = generate(spec, progress=bar.update)
     save_trace(trace, args.out)
     T = trace.expert_ids.shape[0]
     print(f"wrote {args.out} (trace v1): {args.model} {'uniform' if args.uniform else f'{args.domains} domains'}, "

@@ -21,13 +21,13 @@ import scipy.sparse as sp
 
 from eldr_sglang.defaults import FIT_CHANGE_TOL, FIT_SAMPLE_GROWTH
 from eldr_sglang.offline import report as rpt
-from eldr_sglang.offline.balanced_kmeans import KMeansResult, balanced_sizes, spherical_kmeans
+from eldr_sglang.offline.balanced_assignment import balanced_sizes
+from eldr_sglang.offline.balanced_kmeans import KMeansResult, spherical_kmeans
 from eldr_sglang.offline.layers import parse_layers, select_layers_auto
 from eldr_sglang.offline.signatures import DEFAULT_CHUNK_TOKENS, compute_idf, make_spec
 from eldr_sglang.offline.sources import prefill_source
 from eldr_sglang.progress import status_line
-from eldr_sglang.traces import Trace
-from eldr_sglang.traces.counts_file import CountsTrace
+from eldr_sglang.traces import TraceSource
 
 # Densify the signature matrix for K-means when it is at least this dense and fits in this
 # many bytes (dense BLAS beats sparse products there).
@@ -79,8 +79,8 @@ def trace_digest(trace) -> str:
     return prefill_source(trace).digest()
 
 
-def _check_inputs(trace: Trace, workers, tau, requests):
-    if not isinstance(trace, (Trace, CountsTrace)):
+def _check_inputs(trace: TraceSource, workers, tau, requests):
+    if not isinstance(trace, TraceSource):
         raise TypeError("fit_trace needs an eldr_sglang.traces.Trace (v1) or CountsTrace (v2)")
     trace.validate()  # TraceError (a ValueError) names layer/expert/top-k mismatch, out-of-range ids, empty trace
     try:
@@ -115,7 +115,7 @@ def _check_inputs(trace: Trace, workers, tau, requests):
 
 
 def fit_trace(
-    trace: Trace | CountsTrace,
+    trace: TraceSource,
     workers: int,
     tau: float = 0.1,
     layers="middle",
@@ -362,9 +362,5 @@ def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:
     """Fit a trace file of either version (a v2 file is read chunk by chunk)."""
     from eldr_sglang.traces import open_trace
 
-    trace = open_trace(path)  # TraceError names what is wrong with the file
-    try:
+    with open_trace(path) as trace:  # TraceError names what is wrong with the file
         return fit_trace(trace, source_path=str(path), **kw)
-    finally:
-        if isinstance(trace, CountsTrace):
-            trace.close()

@@ -28,6 +28,7 @@ from eldr_sglang.offline.signatures import (
 from eldr_sglang.progress import progress as progress_bar
 from eldr_sglang.traces.counts_file import CountsTrace
 from eldr_sglang.traces.format import Trace
+from eldr_sglang.traces.source import TraceSource
 
 
 # np.bincount converts its input to intp first; in slices that temporary stays in cache
@@ -252,9 +253,8 @@ class CountsSource:
         return self.digest() if os.path.samefile(path, self.trace.path) else file_sha256(path)
 
 
-def prefill_source(trace, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
-    if isinstance(trace, CountsTrace):
-        return CountsSource(trace)
-    if isinstance(trace, Trace):
-        return TokenSource(trace, chunk_tokens)
-    raise TypeError("fit_trace needs an eldr_sglang.traces.Trace (v1) or CountsTrace (v2)")
+def prefill_source(trace: TraceSource, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> "TokenSource | CountsSource":
+    """The reader of a trace of either version: by its prompt counts (v2) or its tokens (v1)."""
+    if not isinstance(trace, TraceSource):
+        raise TypeError("fit_trace needs an eldr_sglang.traces.Trace (v1) or CountsTrace (v2)")
+    return CountsSource(trace) if trace.counts_only else TokenSource(trace, chunk_tokens)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from eldr_sglang.sglang_ext.payload import DEFAULT_MAX_BYTES, META_KEY, PAYLOAD_VERSION, encode_counts
@@ -134,52 +135,28 @@ def _attn_tp_gather(buf, tp: int, gather_into: Callable[[Any, Any], Any]) -> Cal
 
 
 # --------------------------------------------------------------------------- install
+class _Off(Exception):
+    """Why the signature stays off on this server (the reason `_off` logs)."""
+
+
 def install(model_runner: Any) -> None:
     """Create this process's accumulator when the server is an ELDR prefill worker whose
     layout can be attributed; otherwise set STATUS to "off (reason)" and say so once."""
-    global ACCUMULATOR, MAX_BYTES, _GATHER, _DP_SLICE
+    global ACCUMULATOR, MAX_BYTES, STATUS
     if getattr(model_runner, "is_draft_worker", False):
         return
-    try:
-        asked = bool(_flag("enable_eldr_signature"))
-    except Exception:  # not a server process of the patched series
-        asked = False
-    if not asked:  # the common case on every other server: nothing more is read, nothing logged
+    if not _asked():  # the common case on every other server: nothing more is read, nothing logged
         _off("--enable-eldr-signature not set", False)
         return
     try:
-        from sglang.srt.runtime_context import get_parallel, get_schedule, get_server_args
+        get_parallel, get_schedule = _runtime_context()
+        from eldr_sglang.sglang_ext.accumulator import CountsAccumulator  # torch, on a server that asked
 
-        reason = layout_refusal(get_server_args().resolved_dict())
-    except Exception as exc:  # a layout this module does not know: stay off, loudly
-        _off(f"cannot read the server's layout: {exc}", True)
-        return
-    if reason is not None:
-        _off(reason, True)
-        return
-    import torch
-
-    from eldr_sglang.sglang_ext.accumulator import CountsAccumulator
-
-    hf = model_runner.model_config.hf_text_config
-    try:
-        moe_layers, num_experts = moe_layer_ids(hf), num_routed_experts(hf)
-    except (ValueError, AttributeError, TypeError) as exc:  # not an MoE model, or an unknown config
-        _off(f"--enable-eldr-signature on a model without routed experts: {exc}", True)
-        return
-    try:
-        from sglang.srt.layers.dp_attention import (
-            attn_tp_all_gather_into_tensor,
-            get_dp_local_slice_cpu,
-            is_dp_attention_enabled,
-        )
-        from sglang.srt.state_capturer.routed_experts import _is_scattered_a2a_backend
-
-        parallel = get_parallel()
-        scattered, dp_attention = bool(_is_scattered_a2a_backend()), bool(is_dp_attention_enabled())
-        attn_tp, dp_ranks = int(parallel.attn_tp_size), int(parallel.num_dp_ranks)
-    except Exception as exc:
-        _off(f"cannot read the parallel layout: {exc}", True)
+        hf = model_runner.model_config.hf_text_config
+        moe_layers, num_experts = _routed_experts(hf)
+        par = _parallel_layout(get_parallel)
+    except _Off as why:
+        _off(str(why), True)
         return
     sched = get_schedule()
     max_tokens = max(
@@ -188,21 +165,7 @@ def install(model_runner: Any) -> None:
         8192,
     )
     top_k = int(getattr(hf, "num_experts_per_tok", 8))
-    # SGLang pads each DP rank's rows to a multiple of the attention-TP size
-    rows_per_rank = max_tokens + attn_tp
-    _GATHER = _DP_SLICE = None
-    if scattered:
-        shared = int(getattr(getattr(model_runner.model, "shared_experts_config", None), "num_fused_shared_experts", 0) or 0)
-        buf = torch.empty(rows_per_rank * (top_k + shared), dtype=torch.int32, device=model_runner.device)
-        _GATHER = _attn_tp_gather(buf, attn_tp, attn_tp_all_gather_into_tensor)
-        max_rows = rows_per_rank
-    elif dp_attention:
-        # the eager forward's layout (can_run_graph False): a graph replay never calls back
-        # into Python, and the accumulator refuses such a forward
-        _DP_SLICE = lambda fb: get_dp_local_slice_cpu(fb, False, None)[0]  # noqa: E731
-        max_rows = rows_per_rank * max(dp_ranks, 1)
-    else:
-        max_rows = rows_per_rank
+    max_rows = _capture_rows(model_runner, par, max_tokens, top_k)
     pool = model_runner.req_to_token_pool
     MAX_BYTES = int(_flag("eldr_signature_max_bytes", DEFAULT_MAX_BYTES))
     ACCUMULATOR = CountsAccumulator(
@@ -215,14 +178,93 @@ def install(model_runner: Any) -> None:
         max_rows=max_rows,
         device=model_runner.device,
     )
-    global STATUS
     STATUS = "on"
-    layout = "DeepEP rows gathered over attention TP" if scattered else (
-        f"DP attention, {dp_ranks} DP ranks" if dp_attention else "all rows local")
+    layout = "DeepEP rows gathered over attention TP" if par.scattered else (
+        f"DP attention, {par.dp_ranks} DP ranks" if par.dp_attention else "all rows local")
     logger.info(
         "ELDR signature on: %d MoE layers x %d experts, %d slots, %d tokens per forward, payload <= %d bytes, %s",
         len(ACCUMULATOR.moe_layers), ACCUMULATOR.num_experts, ACCUMULATOR.max_slots, max_tokens, MAX_BYTES, layout,
     )
+
+
+def _asked() -> bool:
+    """Whether this server was started with --enable-eldr-signature."""
+    try:
+        return bool(_flag("enable_eldr_signature"))
+    except Exception:  # not a server process of the patched series
+        return False
+
+
+def _runtime_context():
+    """(get_parallel, get_schedule) of SGLang's runtime context, once the server's layout is
+    one the signature can attribute; raises _Off otherwise."""
+    try:
+        from sglang.srt.runtime_context import get_parallel, get_schedule, get_server_args
+
+        reason = layout_refusal(get_server_args().resolved_dict())
+    except Exception as exc:  # a layout this module does not know: stay off, loudly
+        raise _Off(f"cannot read the server's layout: {exc}") from None
+    if reason is not None:
+        raise _Off(reason)
+    return get_parallel, get_schedule
+
+
+def _routed_experts(hf) -> tuple[list[int], int]:
+    """(MoE layer ids, routed experts per layer) of the model's config; raises _Off."""
+    try:
+        return moe_layer_ids(hf), num_routed_experts(hf)
+    except (ValueError, AttributeError, TypeError) as exc:  # not an MoE model, or an unknown config
+        raise _Off(f"--enable-eldr-signature on a model without routed experts: {exc}") from None
+
+
+@dataclass(frozen=True)
+class _Parallel:
+    scattered: bool  # DeepEP: a rank's capture site sees only its share of the group's rows
+    dp_attention: bool
+    attn_tp: int
+    dp_ranks: int
+    gather_into: Callable[[Any, Any], Any]  # SGLang's attention-TP all-gather
+    dp_local_slice: Callable[..., Any]
+
+
+def _parallel_layout(get_parallel) -> _Parallel:
+    """How the server spreads a forward's rows over its ranks; raises _Off."""
+    try:
+        from sglang.srt.layers.dp_attention import (
+            attn_tp_all_gather_into_tensor,
+            get_dp_local_slice_cpu,
+            is_dp_attention_enabled,
+        )
+        from sglang.srt.state_capturer.routed_experts import _is_scattered_a2a_backend
+
+        parallel = get_parallel()
+        return _Parallel(bool(_is_scattered_a2a_backend()), bool(is_dp_attention_enabled()), int(parallel.attn_tp_size),
+                         int(parallel.num_dp_ranks), attn_tp_all_gather_into_tensor, get_dp_local_slice_cpu)
+    except Exception as exc:
+        raise _Off(f"cannot read the parallel layout: {exc}") from None
+
+
+def _capture_rows(model_runner: Any, par: _Parallel, max_tokens: int, top_k: int) -> int:
+    """Set how a forward's rows reach this rank's accumulator (_GATHER, _DP_SLICE) and return
+    the most rows one forward can bring."""
+    import torch
+
+    global _GATHER, _DP_SLICE
+    # SGLang pads each DP rank's rows to a multiple of the attention-TP size
+    rows_per_rank = max_tokens + par.attn_tp
+    _GATHER = _DP_SLICE = None
+    if par.scattered:
+        shared = int(getattr(getattr(model_runner.model, "shared_experts_config", None), "num_fused_shared_experts", 0) or 0)
+        buf = torch.empty(rows_per_rank * (top_k + shared), dtype=torch.int32, device=model_runner.device)
+        _GATHER = _attn_tp_gather(buf, par.attn_tp, par.gather_into)
+        return rows_per_rank
+    if par.dp_attention:
+        # the eager forward's layout (can_run_graph False): a graph replay never calls back
+        # into Python, and the accumulator refuses such a forward
+        dp_slice = par.dp_local_slice
+        _DP_SLICE = lambda fb: dp_slice(fb, False, None)[0]  # noqa: E731
+        return rows_per_rank * max(par.dp_ranks, 1)
+    return rows_per_rank
 
 
 # --------------------------------------------------------------------------- forward

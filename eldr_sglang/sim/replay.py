@@ -72,7 +72,7 @@ class TraceReplay:
     def __init__(self, trace: Trace | CountsTrace):
         self.source = trace
         self._counts = None  # CSR [R, L*E] prompt counts, made on first use for v1
-        if isinstance(trace, CountsTrace):
+        if trace.counts_only:
             dec = trace.decode_trace()  # the kept decode routing: a v1 trace with no prompt rows
             req = trace.decode_requests()
             keep = trace.decode_len()[req] > 0  # a v2 trace has no prompt rows to replay instead
@@ -114,7 +114,7 @@ class TraceReplay:
     @property
     def is_counts(self) -> bool:
         """Whether the prompts are known by their counts only (a v2 trace)."""
-        return isinstance(self.source, CountsTrace)
+        return self.source.counts_only
 
     def prefill_ids(self, r: int) -> np.ndarray:
         """[prompt_len, L, k] top-k ids of request r's prompt (v1 traces only)."""

@@ -3,6 +3,7 @@
 - `format`: the ELDR trace format v1 (`.npz` of per-token top-k ids), `Trace`, load/save.
 - `counts_file`: the trace format v2 (per-request prefill counts first, decode routing
   optional), streamed to and from disk in chunks, and `open_trace` for either version.
+- `source`: `TraceSource`, what a trace of either version offers its readers.
 - `sglang_responses`: SGLang responses (`routed_experts`) -> traces.
 - `collect`: `eldr collect`, a prompt dataset sent to a running SGLang server.
 - `synth`: synthetic, domain-skewed traces for named model shapes.
@@ -23,3 +24,4 @@ from .format import (  # noqa: F401
     save_trace,
 )
 from .counts_file import open_trace  # noqa: F401
+from .source import TraceSource  # noqa: F401

@@ -373,10 +373,38 @@ def collect(
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     reqs = [build_request(p, cfg) for p in prompts]
     keys = [request_key(ep, body) for ep, body in reqs]
+    parse = _parser(keys, cfg, fmt, keep_decode)
     # parse what the checkpoint holds (checked against the model before sending anything)
     parsed: dict[str, RequestRouting | RequestCounts] = {}
     wanted = set(keys)
-    first_of = {}
+
+    def take(rec: dict) -> None:
+        if rec["key"] in wanted:
+            parsed[rec["key"]] = parse(rec["response"], rec["key"], f"{ckpt.name} (prompt {rec.get('index')})")
+
+    todo, reused = _resume(ckpt, keys, take, parsed)
+    bar, tick = _progress(progress, len(prompts), reused)
+    try:
+        sent, failed, fatal = _send_all(prompts, reqs, keys, todo, cfg, ckpt, parse, parsed, tick)
+    finally:
+        if bar is not None:
+            bar.close()
+    if fatal:
+        raise ValueError(f"collection stopped: {fatal[0]} (answers so far are kept in {ckpt})")
+    if failed and not allow_failures:
+        i, msg = failed[0]
+        raise ValueError(f"{len(failed)} of {len(prompts)} requests failed (first: prompt {i}: {msg}); "
+                         f"answers so far are kept in {ckpt}; re-run to retry them")
+    trace, n_req, n_tok = _write_collected(prompts, keys, parsed, cfg, out, fmt)
+    if not keep_checkpoint:
+        ckpt.unlink(missing_ok=True)
+    return CollectResult(trace, n_req, n_tok, len(prompts), reused, sent, failed, ckpt)
+
+
+def _parser(keys: list[str], cfg: CollectConfig, fmt: str, keep_decode: int | None):
+    """parse(response, key, where): a response as the trace keeps it (v1: every token's
+    routing; v2: prompt counts, and decode routing for the first `keep_decode` prompts)."""
+    first_of: dict[str, int] = {}
     for i, k in enumerate(keys):
         first_of.setdefault(k, i)
 
@@ -386,19 +414,25 @@ def collect(
         keep = keep_decode is None or first_of[key] < keep_decode
         return response_counts(resp, cfg.spec, keep_decode=keep, where=where)  # only what the trace keeps
 
-    def take(rec: dict) -> None:
-        if rec["key"] in wanted:
-            parsed[rec["key"]] = parse(rec["response"], rec["key"], f"{ckpt.name} (prompt {rec.get('index')})")
+    return parse
 
-    todo, reused = _resume(ckpt, keys, take, parsed)
-    from eldr_sglang.progress import progress as progress_bar
 
-    bar, tick = None, None
+def _progress(progress: bool | Callable[[int], None], total: int, initial: int):
+    """(a bar to close or None, tick(n) or None): the caller's callback, or a bar when `progress`."""
     if callable(progress):
-        tick = progress
-    elif progress:
-        bar = progress_bar(len(prompts), initial=reused, unit="req", desc="collect")
-        tick = bar.update
+        return None, progress
+    if progress:
+        from eldr_sglang.progress import progress as progress_bar
+
+        bar = progress_bar(total, initial=initial, unit="req", desc="collect")
+        return bar, bar.update
+    return None, None
+
+
+def _send_all(prompts, reqs, keys, todo, cfg: CollectConfig, ckpt: Path, parse, parsed: dict, tick):
+    """Send the prompts of `todo`, each answer appended to the checkpoint and parsed into
+    `parsed`. Returns (sent, failed [(prompt, why)], fatal [why]): an unreachable server or a
+    response without routing stops the feeding (the in-flight ones still land)."""
     failed: list[tuple[int, str]] = []
     fatal: list[str] = []
     sent = 0
@@ -428,18 +462,7 @@ def collect(
         raise
     finally:
         feeder.close()
-        if bar is not None:
-            bar.close()
-    if fatal:
-        raise ValueError(f"collection stopped: {fatal[0]} (answers so far are kept in {ckpt})")
-    if failed and not allow_failures:
-        i, msg = failed[0]
-        raise ValueError(f"{len(failed)} of {len(prompts)} requests failed (first: prompt {i}: {msg}); "
-                         f"answers so far are kept in {ckpt}; re-run to retry them")
-    trace, n_req, n_tok = _write_collected(prompts, keys, parsed, cfg, out, fmt)
-    if not keep_checkpoint:
-        ckpt.unlink(missing_ok=True)
-    return CollectResult(trace, n_req, n_tok, len(prompts), reused, sent, failed, ckpt)
+    return sent, failed, fatal
 
 
 def _resume(ckpt: Path, keys: list[str], take: Callable[[dict], None], done: dict) -> tuple[list[int], int]:

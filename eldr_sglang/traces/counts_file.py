@@ -35,12 +35,13 @@ import zlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import numpy as np
 import scipy.sparse as sp
 
 from .format import TRACE_FORMAT, Trace, TraceError, check_meta, load_trace, read_member
+from .source import TraceSource
 
 COUNTS_VERSION = 2
 DEFAULT_CHUNK_REQUESTS = 4096
@@ -209,6 +210,8 @@ class CountsTrace:
     _fh: object = None  # the file, for reading stored members straight into arrays
     _verified: set = dataclasses.field(default_factory=set)  # members whose CRC was checked
     _stat: tuple = ()  # (size, mtime) of the file when they were
+
+    counts_only: ClassVar[bool] = True  # a TraceSource: prompts by their counts alone
 
     @property
     def num_requests(self) -> int:
@@ -510,8 +513,8 @@ def write_v1_as_counts(trace: Trace, path: str | os.PathLike, *, keep_decode: in
     return Path(path)
 
 
-def open_trace(path: str | os.PathLike):
+def open_trace(path: str | os.PathLike) -> TraceSource:
     """A trace of either version: a v1 `Trace` (in memory) or a v2 `CountsTrace` (chunks
-    read on demand; close it when done). Raises TraceError. It lives here, not in `format`,
+    read on demand; close it when done, or open it in a `with` block). Raises TraceError. It lives here, not in `format`,
     so that v2 builds on v1 and never the other way round."""
     return open_counts_trace(path) if is_counts_trace(path) else load_trace(path)

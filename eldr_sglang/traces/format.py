@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -90,6 +91,8 @@ class Trace:
     domain: np.ndarray | None = None
     subdomain: np.ndarray | None = None
     arrival_s: np.ndarray | None = None
+
+    counts_only: ClassVar[bool] = False  # a TraceSource: every token's routing is here
 
     @property
     def num_requests(self) -> int:
@@ -190,6 +193,15 @@ class Trace:
                 raise TraceError(f"{name} has shape {a.shape}, expected ({self.num_requests},)")
         if self.arrival_s is not None and not np.all(np.isfinite(self.arrival_s)):
             raise TraceError("arrival_s holds NaN or infinite values")
+
+    def close(self) -> None:
+        """Nothing to release (a TraceSource: a v2 trace closes its file)."""
+
+    def __enter__(self) -> "Trace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:

@@ -1,7 +1,9 @@
 """Synthetic, domain-skewed MoE routing traces for named model shapes.
 
-    from eldr_sglang.traces.synth import generate, MODEL_SHAPES
+    from eldr_sglang.traces.synth import SynthSpec, generate, write_synth
     trace = generate(model="deepseek-v3", requests=2000, domains=8, seed=0)
+    spec = SynthSpec(model="deepseek-v3", requests=2000)   # the same draws, as one value
+    write_synth("trace.npz", spec, keep_decode=100)          # streamed to a v2 file
 
 The generative model (a hierarchical "topic" model of routing):
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -251,6 +253,42 @@ def token_concepts(wl: Workload, params: SynthParams, rng: np.random.Generator,
     return _draw_concepts(np.concatenate([w_req, w_dec]), row, rng)
 
 
+@dataclass(frozen=True)
+class SynthSpec:
+    """What a synthetic trace is drawn from: the model shape, the workload and the routing
+    parameters. generate(), iter_generate() and write_synth() take one (or its fields by
+    name); the same spec, the same requests and routing.
+
+    prompt_len: a number (the mean of a gamma(4) length distribution), a (lo, hi) pair
+    (uniform, inclusive) or one integer per request. output_len: a number (every request
+    decodes exactly that many tokens), a (lo, hi) pair or one integer per request. The
+    regime and burst fields are described in the module doc."""
+
+    model: str = "gpt-oss-20b"
+    requests: int = 1000
+    domains: int = 8
+    uniform: bool = False
+    seed: int = 0
+    prompt_len: Any = (128, 512)
+    output_len: Any = 256
+    burstiness: float = 0.7
+    rate: float = 4.0
+    regime_len: float = 64.0
+    burst_prob: float = 0.3
+    burst_rate: float = 3.0
+    domain_weights: Sequence[float] | None = None
+    params: SynthParams | None = None
+
+    @classmethod
+    def of(cls, spec: "SynthSpec | str | None" = None, **fields) -> "SynthSpec":
+        """`spec` (a SynthSpec, a model name, or None for the defaults) with `fields` replaced."""
+        if spec is None:
+            spec = cls()
+        elif isinstance(spec, str):
+            spec = cls(model=spec)
+        return dataclasses.replace(spec, **fields) if fields else spec
+
+
 # Requests drawn together from one random stream: generate(), iter_generate() and
 # write_synth() all draw block by block, so a request's routing depends on the seed and its
 # block only, not on how the output is chunked or how many requests keep decode routing.
@@ -275,42 +313,41 @@ class _Setup:
         return -(-len(self.wl.domain) // RNG_BLOCK)
 
 
-def _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
-           regime_len, burst_prob, burst_rate, domain_weights, params, check: Callable | None = None) -> _Setup:
+def _setup(spec: SynthSpec, check: Callable | None = None) -> _Setup:
     """The workload, the routing model and its pools; `check(workload, shape)` runs between
     the two (the memory check, before the expensive part)."""
-    shape = model_shape(model)
-    params = params or SynthParams()
+    shape = model_shape(spec.model)
+    params = spec.params or SynthParams()
     params.validate()
     L, E, k = shape["num_layers"], shape["num_experts"], shape["top_k"]
-    ss = np.random.SeedSequence(int(seed))
+    ss = np.random.SeedSequence(int(spec.seed))
     rng_work, rng_model, rng_concept, rng_pool, _ = (np.random.default_rng(s) for s in ss.spawn(5))
-    wl = synthetic_workload(requests, domains, rng_work, prompt_len, output_len, burstiness, rate,
-                       regime_len, burst_prob, burst_rate, domain_weights)
+    wl = synthetic_workload(spec.requests, spec.domains, rng_work, spec.prompt_len, spec.output_len, spec.burstiness,
+                            spec.rate, spec.regime_len, spec.burst_prob, spec.burst_rate, spec.domain_weights)
     if check is not None:
         check(wl, shape)
     dtype = np.uint8 if E <= 256 else np.int16
-    rm = RoutingModel.uniform(L, E) if uniform else RoutingModel.sample(L, E, params, rng_model)
+    rm = RoutingModel.uniform(L, E) if spec.uniform else RoutingModel.sample(L, E, params, rng_model)
     P = params.pool_size
     pools = [_row_view(rm.pools(l, k, P, rng_pool).astype(dtype)) for l in range(L)]
-    w_dom = None if uniform else domain_mixtures(len(wl.domain_weights), params, rng_concept)
+    w_dom = None if spec.uniform else domain_mixtures(len(wl.domain_weights), params, rng_concept)
     meta = {
         "model": shape["hf_id"],
         "num_layers": L,
         "num_experts": E,
         "top_k": k,
         "source": "eldr synth",
-        "note": ("synthetic uniform (no-locality) control" if uniform else
+        "note": ("synthetic uniform (no-locality) control" if spec.uniform else
                  "synthetic domain-skewed routing; domain labels are for evaluation only"),
         "synth": {
-            "model": model, "requests": int(requests), "domains": int(domains), "uniform": bool(uniform),
-            "seed": int(seed), "burstiness": float(burstiness), "rate": float(rate),
-            "regime_len": float(regime_len), "burst_prob": float(burst_prob), "burst_rate": float(burst_rate),
-            "params": dataclasses.asdict(params), "rng_block": RNG_BLOCK,
+            "model": spec.model, "requests": int(spec.requests), "domains": int(spec.domains),
+            "uniform": bool(spec.uniform), "seed": int(spec.seed), "burstiness": float(spec.burstiness),
+            "rate": float(spec.rate), "regime_len": float(spec.regime_len), "burst_prob": float(spec.burst_prob),
+            "burst_rate": float(spec.burst_rate), "params": dataclasses.asdict(params), "rng_block": RNG_BLOCK,
         },
     }
-    names = np.array([f"domain{d}" for d in range(domains)])
-    return _Setup(shape, params, wl, rm, pools, dtype, meta, names, w_dom, int(seed))
+    names = np.array([f"domain{d}" for d in range(spec.domains)])
+    return _Setup(shape, params, wl, rm, pools, dtype, meta, names, w_dom, int(spec.seed))
 
 
 def _fill(st: _Setup, tok_c: np.ndarray, rng_tok: np.random.Generator, progress=None,
@@ -389,35 +426,16 @@ def _concat(traces: list[Trace], meta: dict) -> Trace:
                  arrival_s=np.concatenate([t.arrival_s for t in traces]))
 
 
-def generate(
-    model: str = "gpt-oss-20b",
-    requests: int = 1000,
-    domains: int = 8,
-    uniform: bool = False,
-    seed: int = 0,
-    prompt_len=(128, 512),
-    output_len=256,
-    burstiness: float = 0.7,
-    rate: float = 4.0,
-    *,
-    regime_len: float = 64.0,
-    burst_prob: float = 0.3,
-    burst_rate: float = 3.0,
-    domain_weights: Sequence[float] | None = None,
-    params: SynthParams | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> Trace:
-    """A synthetic trace (ELDR v1, in memory) with domain labels and arrival times.
+def generate(spec: SynthSpec | str | None = None, /, *, progress: Callable[[int], None] | None = None,
+             **fields) -> Trace:
+    """A synthetic trace (ELDR v1, in memory) with domain labels and arrival times, drawn from
+    `spec` (a SynthSpec, or a model name) with `fields` (SynthSpec's, by name) replaced.
 
-    prompt_len: a number (the mean of a gamma(4) length distribution), a (lo, hi) pair
-    (uniform, inclusive) or one integer per request. output_len: a number (every request
-    decodes exactly that many tokens), a (lo, hi) pair or one integer per request.
     `progress(n)` is called with the number of token rows just finished. For request counts
     whose tokens do not fit in memory, write_synth() streams the same draws to a v2 file
     (the draws go by blocks of RNG_BLOCK requests).
     """
-    st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
-                regime_len, burst_prob, burst_rate, domain_weights, params)
+    st = _setup(SynthSpec.of(spec, **fields))
     wl = st.wl
     off = wl.req_offsets
     ids = np.empty((int(off[-1]), st.shape["num_layers"], st.shape["top_k"]), dtype=st.dtype)
@@ -435,31 +453,14 @@ def generate(
     )
 
 
-def iter_generate(
-    model: str = "gpt-oss-20b",
-    requests: int = 1000,
-    domains: int = 8,
-    uniform: bool = False,
-    seed: int = 0,
-    prompt_len=(128, 512),
-    output_len=256,
-    burstiness: float = 0.7,
-    rate: float = 4.0,
-    *,
-    chunk_requests: int = 10000,
-    regime_len: float = 64.0,
-    burst_prob: float = 0.3,
-    burst_rate: float = 3.0,
-    domain_weights: Sequence[float] | None = None,
-    params: SynthParams | None = None,
-) -> Iterator[Trace]:
-    """generate()'s trace (same arguments and seed: the same requests and routing) as a stream
-    of v1 traces of at most `chunk_requests` requests each. Memory: one chunk plus one block
-    of RNG_BLOCK requests."""
+def iter_generate(spec: SynthSpec | str | None = None, /, *, chunk_requests: int = 10000,
+                  **fields) -> Iterator[Trace]:
+    """generate()'s trace (same spec and seed: the same requests and routing) as a stream of
+    v1 traces of at most `chunk_requests` requests each. Memory: one chunk plus one block of
+    RNG_BLOCK requests."""
     if chunk_requests < 1:
         raise ValueError(f"chunk_requests must be >= 1, got {chunk_requests}")
-    st = _setup(model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
-                regime_len, burst_prob, burst_rate, domain_weights, params)
+    st = _setup(SynthSpec.of(spec, **fields))
     R = len(st.wl.domain)
     pending: list[Trace] = []
     have = 0
@@ -509,15 +510,15 @@ def _block_record(st: _Setup, i: int, keep: int):
 MIN_BLOCKS_PER_JOB = 4  # fewer blocks than this per worker: not worth starting processes (about 1 s each)
 
 # A worker process of write_synth(jobs > 1): it rebuilds the same setup from the same
-# arguments (everything in it is drawn from the seed) and computes whole blocks.
+# spec (everything in it is drawn from the seed) and computes whole blocks.
 _WORKER: dict = {}
 
 
-def _worker_init(setup_args: tuple, keep: int) -> None:
+def _worker_init(spec: SynthSpec, keep: int) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _WORKER["st"], _WORKER["keep"] = _setup(*setup_args), keep
+    _WORKER["st"], _WORKER["keep"] = _setup(spec), keep
 
 
 def _worker_block(i: int):
@@ -538,7 +539,7 @@ def synth_jobs(jobs: int | None) -> int:
     return int(jobs)
 
 
-def _records(st: _Setup, setup_args: tuple, keep: int, jobs: int):
+def _records(st: _Setup, spec: SynthSpec, keep: int, jobs: int):
     """Every block's record, in block order: computed here (jobs = 1) or by `jobs` worker
     processes, at most 2 blocks per worker in flight (bounded memory). Block i's draws come
     from its own seeded streams, so the records, and the file, are the same either way."""
@@ -555,7 +556,7 @@ def _records(st: _Setup, setup_args: tuple, keep: int, jobs: int):
 
     # spawn, not fork: the parent may hold threads (a progress bar's, BLAS's)
     pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                               initargs=(setup_args, keep))
+                               initargs=(spec, keep))
     try:
         pending: deque = deque()
         nxt = 0
@@ -574,33 +575,23 @@ def _records(st: _Setup, setup_args: tuple, keep: int, jobs: int):
 
 def write_synth(
     path,
-    model: str = "gpt-oss-20b",
-    requests: int = 1000,
-    domains: int = 8,
-    uniform: bool = False,
-    seed: int = 0,
-    prompt_len=(128, 512),
-    output_len=256,
-    burstiness: float = 0.7,
-    rate: float = 4.0,
+    spec: SynthSpec | str | None = None,
+    /,
     *,
     keep_decode: int | None = 0,
-    regime_len: float = 64.0,
-    burst_prob: float = 0.3,
-    burst_rate: float = 3.0,
-    domain_weights: Sequence[float] | None = None,
-    params: SynthParams | None = None,
     progress: Callable[[int], None] | None = None,
     max_memory: int | None = None,
     jobs: int | None = 1,
+    **fields,
 ):
-    """Stream generate()'s trace (same arguments, same seed, same routing) to a v2 file at
-    `path`: each request's prompt counts, and the decode routing of the first `keep_decode`
-    requests (None: all). Memory: the per-request arrays plus one block of RNG_BLOCK requests
-    per job (two in flight); checked up front (eldr_sglang.memory), so a run too large is
-    refused before it starts. `jobs` worker processes (None: one per CPU) draw the blocks
-    in parallel; the file is byte-for-byte the same for any `jobs`. `progress(n)` gets the
-    token rows of each block written. Returns the path."""
+    """Stream generate()'s trace (same spec, same seed, same routing) to a v2 file at `path`:
+    each request's prompt counts, and the decode routing of the first `keep_decode` requests
+    (None: all). `spec` and `fields` as for generate(). Memory: the per-request arrays plus
+    one block of RNG_BLOCK requests per job (two in flight); checked up front
+    (eldr_sglang.memory), so a run too large is refused before it starts. `jobs` worker
+    processes (None: one per CPU) draw the blocks in parallel; the file is byte-for-byte the
+    same for any `jobs`. `progress(n)` gets the token rows of each block written. Returns the
+    path."""
     from eldr_sglang import memory
 
     from .counts_file import CountsTraceWriter
@@ -616,9 +607,8 @@ def write_synth(
                                                     jobs=min(jobs, len(per_block) // MIN_BLOCKS_PER_JOB)),
                        f"synth of {R} requests", max_memory)
 
-    setup_args = (model, requests, domains, uniform, seed, prompt_len, output_len, burstiness, rate,
-                  regime_len, burst_prob, burst_rate, domain_weights, params)
-    st = _setup(*setup_args, check)
+    spec = SynthSpec.of(spec, **fields)
+    st = _setup(spec, check)
     wl = st.wl
     R = len(wl.domain)
     keep = R if keep_decode is None else max(0, min(int(keep_decode), R))
@@ -626,7 +616,7 @@ def write_synth(
     meta = {k_: v for k_, v in st.meta.items() if k_ not in ("num_layers", "num_experts", "top_k")}
     meta["synth"] = {**meta["synth"], "keep_decode": keep}
     with CountsTraceWriter(path, num_layers=L, num_experts=E, top_k=k, meta=meta) as w:
-        for i, (counts, decode, rows) in enumerate(_records(st, setup_args, keep, jobs)):
+        for i, (counts, decode, rows) in enumerate(_records(st, spec, keep, jobs)):
             a, b = _block_span(st, i)
             w.write_chunk(counts, wl.prefill_len[a:b], wl.decode_len[a:b], domain=st.names[wl.domain[a:b]],
                           arrival_s=wl.arrival_s[a:b], decode=decode)
@@ -636,9 +626,10 @@ def write_synth(
 
 
 def workload_like(trace: Trace) -> dict:
-    """generate() keyword arguments that copy a trace's workload (request count, prompt and
-    decode lengths, number of domains and their request shares), not its routing. Used to
-    compare a synthetic trace with a real one under the same lengths and domain mix."""
+    """generate() keyword arguments (SynthSpec fields) that copy a trace's workload (request
+    count, prompt and decode lengths, number of domains and their request shares), not its
+    routing. Used to compare a synthetic trace with a real one under the same lengths and
+    domain mix."""
     if trace.domain is None:
         raise ValueError("the trace has no domain labels")
     names, inv = np.unique(trace.domain, return_inverse=True)
