@@ -33,7 +33,7 @@ test-python:
 
 # fails (not skips) when a prerequisite is missing
 test-sglang-cpu: setup-test
-	ELDR_REQUIRE_SGLANG=1 $(PYTHON) -m pytest -q -s tests/test_sglang_cpu_harness.py tests/test_sglang_cpu_e2e.py tests/test_sglang_cpu_deepseek.py tests/test_sglang_cpu_locality.py
+	ELDR_REQUIRE_SGLANG=1 $(PYTHON) -m pytest -q -s tests/test_sglang_cpu_harness.py tests/test_sglang_cpu_e2e.py tests/test_sglang_cpu_deepseek.py tests/test_sglang_cpu_locality.py tests/test_sglang_cpu_layouts.py
 
 bench:
 	cargo bench -p eldr-core --bench route

@@ -1,12 +1,16 @@
-"""Real SGLang 0.5.23 on this CPU with DP attention on the prefill: `--tp 2 --dp 2
---enable-dp-attention` (two attention-DP ranks, each pinned to one of the two cores), one decode,
-the project's router binding late.
+"""Real SGLang 0.5.23 on this CPU with a multi-rank prefill, each rank's threads bound to one of
+the two cores, one decode, the project's router binding late. The layouts SGLang's CPU engine
+runs (the test ids name them, so `pytest -k dp_attention` selects DP attention):
 
-Under DP attention the MoE layers see the gathered rows of every DP rank; the ELDR prefill keeps
-its own rank's slice (the rank's start from SGLang's `get_dp_local_slice_cpu`), and the rank that
-ran a request's forward streams its signature. The invariant, end to end: the counts the prefill
-streams (seen by a tap between prefill and router) equal the counts from
-`return_routed_experts` of the same prefill forward, whichever DP rank served the request.
+- `dp_attention`: `--tp 2 --dp 2 --enable-dp-attention`. The MoE layers see the gathered rows of
+  both DP ranks; the ELDR prefill keeps its own rank's slice (the rank's start from SGLang's
+  `get_dp_local_slice_cpu`), and the rank that ran a request's forward streams its signature.
+- `tp2`: `--tp 2`. Both TP ranks see every row; rank 0 streams.
+
+The invariant, end to end: the counts the prefill streams (seen by a tap between prefill and
+router) equal the counts from `return_routed_experts` of the same prefill forward. DeepEP does
+not run on a CPU; tests/test_capture_layouts.py checks its attribution against SGLang's own
+capturer on constructed forward batches.
 
 The CPU shim (eldr_sglang/testing/sglang_cpu/cpu_shim/0001) makes the two-rank prefill start on a
 machine without CUDA: no PyNccl communicator, the torch-native backend's DP padding value.
@@ -34,7 +38,7 @@ from _sim_helpers import make_trace  # noqa: E402
 from eldr_sglang.testing.pd_cluster import get_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-DP_ATTENTION = ["--tp", "2", "--dp", "2", "--enable-dp-attention"]
+LAYOUTS = {"dp_attention": ["--tp", "2", "--dp", "2", "--enable-dp-attention"], "tp2": ["--tp", "2"]}
 # Prompts of different lengths, so that the rows of one DP rank's slice start past the other's
 # in the gathered batch.
 PROMPTS = [
@@ -47,14 +51,15 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def cluster(request, tmp_path_factory):
     from eldr_sglang.testing.sglang_cpu.cluster import free_port_block, wait_ready
     from eldr_sglang.testing.sglang_cpu.harness import PD_TRANSFER
     from eldr_sglang.testing.sglang_cpu.tap import Tap
     from eldr_sglang.traces import save_trace
 
-    h = harness_or_skip(tmp_path_factory.mktemp("sglang_cpu_dp"))
+    layout = request.param
+    h = harness_or_skip(tmp_path_factory.mktemp(f"sglang_cpu_{layout}"))
     servers, taps = [], []
     try:
         # The router needs a centroid file of the model's shape to bind late; which worker a
@@ -74,7 +79,7 @@ def cluster(tmp_path_factory):
         prefill = h.start("dp-prefill", model, [
             "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot), *PD_TRANSFER,
             "--enable-eldr-signature", "--enable-eldr-late-binding", "--enable-return-routed-experts",
-            "--random-seed", "0", *DP_ATTENTION], env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
+            "--random-seed", "0", *LAYOUTS[layout]], env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
         decode = h.start("dp-decode", model, ["--disaggregation-mode", "decode", *PD_TRANSFER, "--random-seed", "0"])
         servers += [prefill, decode]
         wait_ready(servers, STARTUP_TIMEOUT)
@@ -86,7 +91,7 @@ def cluster(tmp_path_factory):
             "--load-monitor-interval", "3", "--health-check-interval-secs", "5", "--log-level", "info"])
         servers.append(router)
         wait_ready([router], 120)
-        yield {"h": h, "prefill": prefill, "router": router, "ptap": ptap}
+        yield {"layout": layout, "prefill": prefill, "router": router, "ptap": ptap}
     finally:
         h.stop(servers)
         for t in taps:
@@ -103,7 +108,7 @@ def _wait_for(pred, timeout: float, what: str):
     return found
 
 
-def test_dp_attention_prefill_reports_its_signature_on(cluster):
+def test_multi_rank_prefill_reports_its_signature_on(cluster):
     info = get_json(cluster["prefill"].url + "/server_info")
     assert info.get("eldr_signature") == "on", info.get("eldr_signature")
     st = _wait_for(lambda: (s := get_json(cluster["router"].url + "/eldr/status"))["prefill_signatures"] == [True] and s,
@@ -117,11 +122,12 @@ def _ranks_that_prefilled(log: str) -> set[str]:
     return set(re.findall(r"DP(\d) TP\d\] Prefill batch, #new-seq: \d+, #new-token: (?!1,)", log))
 
 
-def test_dp_attention_streamed_counts_equal_return_routed_experts(cluster):
-    """Exact counts, prompt by prompt, on both DP ranks: the streamed signature equals the counts
-    of return_routed_experts of the same prefill forward. SGLang picks a request's prefill DP rank
-    from its bootstrap room, so prompts are sent until both ranks have served some (at most 16:
-    a 2^-15 chance of one rank taking them all)."""
+def test_multi_rank_streamed_counts_equal_return_routed_experts(cluster):
+    """Exact counts, prompt by prompt: the streamed signature equals the counts of
+    return_routed_experts of the same prefill forward. Under DP attention SGLang picks a
+    request's prefill DP rank from its bootstrap room, so prompts are sent until both DP ranks
+    have served some (at most 16: a 2^-15 chance of one rank taking them all)."""
+    dp = cluster["layout"] == "dp_attention"
     ptap, url = cluster["ptap"], cluster["router"].url
     compared, ranks, sent = 0, set(), 0
     for i in range(16):
@@ -143,9 +149,10 @@ def test_dp_attention_streamed_counts_equal_return_routed_experts(cluster):
         assert dec.num_tokens == len(rows) - cached
         assert np.array_equal(counts, truth), (text, counts, truth)
         compared += int(truth.sum())
-        ranks = _ranks_that_prefilled(cluster["prefill"].log.read_text(errors="replace"))
-        if sent >= len(PROMPTS) and ranks == {"0", "1"}:
+        ranks = _ranks_that_prefilled(cluster["prefill"].log.read_text(errors="replace")) if dp else set()
+        if sent >= len(PROMPTS) and (not dp or ranks == {"0", "1"}):
             break
-    assert ranks == {"0", "1"}, f"only DP ranks {ranks} prefilled {sent} prompts"
-    print(f"\n[sglang-cpu dp-attention] exact counts: {sent} prompts, {compared} (token, layer, expert) "
-          f"choices compared, prefill DP ranks {sorted(ranks)}")
+    if dp:
+        assert ranks == {"0", "1"}, f"only DP ranks {ranks} prefilled {sent} prompts"
+    print(f"\n[sglang-cpu {cluster['layout']}] exact counts: {sent} prompts, {compared} (token, layer, expert) "
+          f"choices compared" + (f", prefill DP ranks {sorted(ranks)}" if dp else ""))
