@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use crate::arrays::View;
 use crate::errors::py_err;
 
-pub(crate) fn count_t<T: Element + ExpertId>(v: View<'_, T>, py: Python<'_>, num_experts: usize, distinct: bool) -> PyResult<Py<PyAny>> {
+fn count_t<T: Element + ExpertId>(v: View<'_, T>, py: Python<'_>, num_experts: usize, distinct: bool) -> PyResult<Py<PyAny>> {
     let sh = v.shape().to_vec();
     if sh.len() != 3 {
         return Err(PyValueError::new_err(format!("ids must be [T, L, k], got shape {sh:?}")));

@@ -165,17 +165,17 @@ impl PyRouter {
     }
 }
 
-pub(crate) fn route_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
+fn route_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
     let c = v.slice();
     let routed = py.detach(|| r.inner.route(|set| distance::from_counts::<u32, T>(set, Counts::Dense(c)), explain));
     r.finish(py, routed, explain)
 }
 
-pub(crate) fn route_sparse_i<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
+fn route_sparse_i<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
     dispatch!(counts, "counts", route_sparse_it, [f32, u32, u16, i64, i32, f64], &idx, r, py, explain)
 }
 
-pub(crate) fn route_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
+fn route_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, r: &PyRouter, py: Python<'_>, explain: bool) -> PyResult<Py<PyAny>> {
     let (i, c) = (idx.slice(), c.slice());
     let routed = py.detach(|| r.inner.route(|set| distance::from_counts(set, Counts::Sparse(i, c)), explain));
     r.finish(py, routed, explain)
@@ -183,7 +183,7 @@ pub(crate) fn route_sparse_it<T: Element + CountValue>(c: View<'_, T>, idx: &Vie
 
 // ---- locality balancer: profiles from raw prefill counts (one block) ----
 
-pub(crate) fn profile_out(r: Option<Result<ExpertProfile, NoSignature>>) -> PyResult<PyExpertProfile> {
+fn profile_out(r: Option<Result<ExpertProfile, NoSignature>>) -> PyResult<PyExpertProfile> {
     match r {
         None => Err(PyValueError::new_err("this router has no centroid file, whose layer selection a profile needs; build one with ExpertProfile(...) instead")),
         Some(Err(why)) => Err(why.to_py()),
@@ -191,7 +191,7 @@ pub(crate) fn profile_out(r: Option<Result<ExpertProfile, NoSignature>>) -> PyRe
     }
 }
 
-pub(crate) fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
+fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Python<'_>, tokens: u64) -> PyResult<PyExpertProfile> {
     let c = v.slice();
     let p = py.detach(|| r.inner.profile::<u32, T>(Counts::Dense(c), tokens));
     profile_out(p)

@@ -10,14 +10,14 @@ use pyo3::prelude::*;
 use crate::arrays::View;
 use crate::errors::{py_err, NoSignatureError};
 
-pub(crate) fn dense_sig<T: Element + CountValue>(v: View<'_, T>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn dense_sig<T: Element + CountValue>(v: View<'_, T>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     if v.shape().len() != 2 && v.shape().len() != 1 {
         return Ok(Err(NoSignature::Shape));
     }
     Ok(spec.from_dense(v.slice()))
 }
 
-pub(crate) fn topk_sig<T: Element + ExpertId>(v: View<'_, T>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn topk_sig<T: Element + ExpertId>(v: View<'_, T>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     let sh = v.shape();
     if sh.len() != 3 || sh[1] != spec.num_layers() {
         return Ok(Err(NoSignature::Shape));
@@ -25,23 +25,23 @@ pub(crate) fn topk_sig<T: Element + ExpertId>(v: View<'_, T>, spec: &SignatureSp
     Ok(spec.from_topk(v.slice(), sh[2]))
 }
 
-pub(crate) fn sparse_vals<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn sparse_vals<I: Element + SparseIndex>(idx: View<'_, I>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     dispatch!(counts, "counts", sparse_sig, [f32, u32, u16, i64, i32, f64], &idx, spec)
 }
 
-pub(crate) fn sparse_sig<T: Element + CountValue>(counts: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn sparse_sig<T: Element + CountValue>(counts: View<'_, T>, idx: &View<'_, impl Element + SparseIndex>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     Ok(spec.from_sparse(idx.slice(), counts.slice()))
 }
 
-pub(crate) fn sparse_sig_any(index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn sparse_sig_any(index: &Bound<'_, PyAny>, counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     dispatch!(index, "index", sparse_vals, [i64, i32, u32, u16], counts, spec)
 }
 
-pub(crate) fn dense_sig_any(counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn dense_sig_any(counts: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     dispatch!(counts, "counts", dense_sig, [u16, u32, f32, i64, i32, f64, u8], spec)
 }
 
-pub(crate) fn topk_sig_any(ids: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
+fn topk_sig_any(ids: &Bound<'_, PyAny>, spec: &SignatureSpec) -> PyResult<Result<SparseSignature, NoSignature>> {
     dispatch!(ids, "ids", topk_sig, [u8, i16, i32, i64, u16, u32], spec)
 }
 
@@ -128,7 +128,7 @@ impl PySignatureSpec {
     }
 }
 
-pub(crate) fn batch_topk<'py, T: Element + ExpertId>(
+fn batch_topk<'py, T: Element + ExpertId>(
     v: View<'_, T>,
     py: Python<'py>,
     spec: &SignatureSpec,
@@ -186,9 +186,9 @@ pub(crate) fn batch_topk<'py, T: Element + ExpertId>(
 // (scale branch, issue 13: `eldr fit` from a trace v2 chunk in one call.) Each row goes through
 // eldr-core's `SignatureSpec::fill_sparse_batch`, i.e. the single-request `fill_sparse`.
 
-pub(crate) type SigBatch<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>);
+type SigBatch<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>);
 
-pub(crate) fn sparse_batch<'py>(
+fn sparse_batch<'py>(
     py: Python<'py>,
     spec: &SignatureSpec,
     indptr: PyReadonlyArrayDyn<'py, i64>,
@@ -203,7 +203,7 @@ pub(crate) fn sparse_batch<'py>(
     dispatch!(index, "index", sparse_batch_index, [u16, u32, i32, i64], py, spec, indptr.slice(), counts, out)
 }
 
-pub(crate) fn sparse_batch_index<'py, I: Element + SparseIndex>(
+fn sparse_batch_index<'py, I: Element + SparseIndex>(
     index: View<'_, I>,
     py: Python<'py>,
     spec: &SignatureSpec,
@@ -214,7 +214,7 @@ pub(crate) fn sparse_batch_index<'py, I: Element + SparseIndex>(
     dispatch!(counts, "counts", sparse_batch_rows, [u16, u32, f32, i64, i32, f64], &index, py, spec, indptr, out)
 }
 
-pub(crate) fn sparse_batch_rows<'py, T: Element + CountValue>(
+fn sparse_batch_rows<'py, T: Element + CountValue>(
     counts: View<'_, T>,
     index: &View<'_, impl Element + SparseIndex>,
     py: Python<'py>,

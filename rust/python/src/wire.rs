@@ -63,7 +63,7 @@ impl PyDecodedCounts {
     }
 }
 
-pub(crate) fn text_bytes<'a>(data: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
+fn text_bytes<'a>(data: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     if let Ok(b) = data.cast::<pyo3::types::PyBytes>() {
         return Ok(b.as_bytes());
     }
@@ -73,7 +73,7 @@ pub(crate) fn text_bytes<'a>(data: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     Err(PyTypeError::new_err(format!("expected bytes or str, got {}", data.get_type())))
 }
 
-pub(crate) fn limits_of(max_bytes: usize, layout: Option<(usize, usize)>) -> DecodeLimits {
+fn limits_of(max_bytes: usize, layout: Option<(usize, usize)>) -> DecodeLimits {
     DecodeLimits { max_bytes, layout }
 }
 
