@@ -91,82 +91,104 @@ fn event(counts: &[u32], rows: usize, e: usize, log_bits: Option<u32>) -> Vec<u8
     format!(r#"{{"text":"","meta_info":{{"id":"r0","eldr_signature":[{payload}]}}}}"#).into_bytes()
 }
 
-fn bench(c: &mut Criterion<ThreadTime>) {
-    let (l, e, k, topk, tokens) = (58usize, 256usize, 8usize, 8usize, 2048usize);
-    let mut s = 42u64;
-    let (lo, hi) = ((0.2 * l as f64) as usize, (0.8 * l as f64) as usize);
-    let weights: Vec<f32> = (0..l).map(|i| if (lo..hi).contains(&i) { 1.0 } else { 0.0 }).collect();
-    let idf: Vec<f32> = (0..l * e).map(|_| 0.2 + (lcg(&mut s) % 1000) as f32 / 500.0).collect();
-    let d = (hi - lo) * e;
-    let cents: Vec<f32> = (0..k * d).map(|_| (lcg(&mut s) % 1000) as f32 / 1000.0).collect();
-    let dir = std::env::temp_dir().join(format!("eldr-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// DeepSeek-V3's shape: MoE layers, experts per layer, top-k per token; K decode workers and
+/// the prompt's tokens.
+const L: usize = 58;
+const E: usize = 256;
+const TOPK: usize = 8;
+const K: usize = 8;
+const TOKENS: usize = 2048;
+
+/// A router on a centroid file written under `dir`: the middle 60% of layers selected, random
+/// IDF and centroids drawn from `s`.
+fn centroid_router(dir: &std::path::Path, s: &mut u64) -> Router {
+    let (lo, hi) = ((0.2 * L as f64) as usize, (0.8 * L as f64) as usize);
+    let weights: Vec<f32> = (0..L).map(|i| if (lo..hi).contains(&i) { 1.0 } else { 0.0 }).collect();
+    let idf: Vec<f32> = (0..L * E).map(|_| 0.2 + (lcg(s) % 1000) as f32 / 500.0).collect();
+    let d = (hi - lo) * E;
+    let cents: Vec<f32> = (0..K * d).map(|_| (lcg(s) % 1000) as f32 / 1000.0).collect();
     let path = dir.join("bench.eldr");
-    CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| format!("d{i}")).collect(), provenance: "{}" }
+    CentroidWriter { centroids: &cents, k: K, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..K).map(|i| format!("d{i}")).collect(), provenance: "{}" }
         .write(&path)
         .unwrap();
-    let router = Router::new("eldr", None, Some(&path), None, 0, 250, 2000).unwrap();
-    // Counts of a 2k-token prompt: top-k distinct experts per token and layer, skewed
-    // (domain-like) per layer, so most experts of a layer are used, a few heavily.
-    let mut counts = vec![0u32; l * e];
-    for layer in 0..l {
-        for _ in 0..tokens {
+    Router::new("eldr", None, Some(&path), None, 0, 250, 2000).unwrap()
+}
+
+/// Counts `[L, E]` of a 2k-token prompt: top-k distinct experts per token and layer, skewed
+/// (domain-like) per layer, so most experts of a layer are used, a few heavily.
+fn prompt_counts(s: &mut u64) -> Vec<u32> {
+    let mut counts = vec![0u32; L * E];
+    for layer in 0..L {
+        for _ in 0..TOKENS {
             let mut picked = [usize::MAX; 8];
             let mut n = 0;
-            while n < topk {
-                let x = lcg(&mut s) % 1000;
-                let ex = ((x * x) / 4000 + layer as u64 * 37) as usize % e;
+            while n < TOPK {
+                let x = lcg(s) % 1000;
+                let ex = ((x * x) / 4000 + layer as u64 * 37) as usize % E;
                 if !picked[..n].contains(&ex) {
                     picked[n] = ex;
                     n += 1;
-                    counts[layer * e + ex] += 1;
+                    counts[layer * E + ex] += 1;
                 }
             }
         }
     }
+    counts
+}
+
+/// The wire path and its parts for `counts` sent in one encoding (`bits`: the `log` encoding's,
+/// None: exact `dense`).
+fn bench_wire(c: &mut Criterion<ThreadTime>, router: &Router, counts: &[u32], name: &str, bits: Option<u32>) {
+    let limits = DecodeLimits { layout: Some((L, E)), ..Default::default() };
+    let ev = event(counts, L, E, bits);
+    let Ok(Some(Payload::Counts(wire))) = decode_event(&ev, &limits) else { panic!("the bench's payload does not decode") };
+    let dense = wire.to_layout(L, E).unwrap();
+    c.bench_function(&format!("wire_{name}_decode_event"), |b| b.iter(|| black_box(decode_event(black_box(&ev), &limits).unwrap())));
+    let spec = router.store().unwrap().set().spec().clone();
+    let mut sig = SparseSignature::default();
+    c.bench_function(&format!("wire_{name}_fill_signature"), |b| {
+        b.iter(|| {
+            wire.fill_signature(&spec, &mut sig).unwrap();
+            black_box(sig.norm)
+        })
+    });
+    c.bench_function(&format!("wire_{name}_fill_dense_same_counts"), |b| {
+        b.iter(|| {
+            spec.fill_dense(&dense, &mut sig).unwrap();
+            black_box(sig.norm)
+        })
+    });
+    let set = router.store().unwrap().snapshot().set.clone();
+    c.bench_function(&format!("wire_{name}_fill_and_distances"), |b| {
+        b.iter(|| black_box(from_fill(&set, None, |spec, out| wire.fill_signature(spec, out)).unwrap()))
+    });
+    c.bench_function(&format!("wire_{name}_distances_fused"), |b| b.iter(|| black_box(wire.distances(&set, None).unwrap())));
+    c.bench_function(&format!("wire_{name}_route_counts"), |b| b.iter(|| black_box(router.route_counts(&wire, false, false).unwrap().decision.worker)));
+    c.bench_function(&format!("wire_{name}_route_counts_keep"), |b| b.iter(|| black_box(router.route_counts(&wire, true, false).unwrap().signature)));
+    c.bench_function(&format!("wire_{name}_route_dense_same_counts"), |b| {
+        b.iter(|| black_box(router.route(|set| from_counts::<u32, f32>(set, Counts::Dense(&dense)), false).unwrap().decision.worker))
+    });
+    c.bench_function(&format!("wire_{name}_event_to_decision"), |b| {
+        b.iter(|| {
+            let Ok(Some(Payload::Counts(w))) = decode_event(black_box(&ev), &limits) else { unreachable!() };
+            black_box(router.route_counts(&w, false, false).unwrap().decision.worker)
+        })
+    });
+}
+
+fn bench(c: &mut Criterion<ThreadTime>) {
+    let mut s = 42u64;
+    let dir = std::env::temp_dir().join(format!("eldr-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let router = centroid_router(&dir, &mut s);
+    let counts = prompt_counts(&mut s);
     let (idx, val): (Vec<u32>, Vec<u32>) = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| (i as u32, c)).unzip();
     c.bench_function("route_sparse_dsv3_k8_2k_tokens", |b| {
         b.iter(|| black_box(router.route(|set| from_counts(set, Counts::Sparse(&idx, &val)), false).unwrap().decision.worker))
     });
-
-    let limits = DecodeLimits { layout: Some((l, e)), ..Default::default() };
     for (name, bits) in [("log6", Some(6)), ("dense_exact", None)] {
-        let ev = event(&counts, l, e, bits);
-        let Ok(Some(Payload::Counts(wire))) = decode_event(&ev, &limits) else { panic!("the bench's payload does not decode") };
-        let dense = wire.to_layout(l, e).unwrap();
-        c.bench_function(&format!("wire_{name}_decode_event"), |b| b.iter(|| black_box(decode_event(black_box(&ev), &limits).unwrap())));
-        let spec = router.store().unwrap().set().spec().clone();
-        let mut sig = SparseSignature::default();
-        c.bench_function(&format!("wire_{name}_fill_signature"), |b| {
-            b.iter(|| {
-                wire.fill_signature(&spec, &mut sig).unwrap();
-                black_box(sig.norm)
-            })
-        });
-        c.bench_function(&format!("wire_{name}_fill_dense_same_counts"), |b| {
-            b.iter(|| {
-                spec.fill_dense(&dense, &mut sig).unwrap();
-                black_box(sig.norm)
-            })
-        });
-        let set = router.store().unwrap().snapshot().set.clone();
-        c.bench_function(&format!("wire_{name}_fill_and_distances"), |b| {
-            b.iter(|| black_box(from_fill(&set, None, |spec, out| wire.fill_signature(spec, out)).unwrap()))
-        });
-        c.bench_function(&format!("wire_{name}_distances_fused"), |b| b.iter(|| black_box(wire.distances(&set, None).unwrap())));
-        c.bench_function(&format!("wire_{name}_route_counts"), |b| b.iter(|| black_box(router.route_counts(&wire, false, false).unwrap().decision.worker)));
-        c.bench_function(&format!("wire_{name}_route_counts_keep"), |b| b.iter(|| black_box(router.route_counts(&wire, true, false).unwrap().signature)));
-        c.bench_function(&format!("wire_{name}_route_dense_same_counts"), |b| {
-            b.iter(|| black_box(router.route(|set| from_counts::<u32, f32>(set, Counts::Dense(&dense)), false).unwrap().decision.worker))
-        });
-        c.bench_function(&format!("wire_{name}_event_to_decision"), |b| {
-            b.iter(|| {
-                let Ok(Some(Payload::Counts(w))) = decode_event(black_box(&ev), &limits) else { unreachable!() };
-                black_box(router.route_counts(&w, false, false).unwrap().decision.worker)
-            })
-        });
+        bench_wire(c, &router, &counts, name, bits);
     }
-
     let tracker = Arc::new(QueueTracker::new(8, 2000));
     c.bench_function("queue_acquire_release", |b| {
         b.iter(|| {

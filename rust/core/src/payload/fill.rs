@@ -66,25 +66,8 @@ impl DecodedCounts {
         let spec = set.spec();
         let map = self.row_map(spec.num_layers(), spec.num_experts()).map_err(|_| NoSignature::Shape)?;
         let (e_n, bits) = (self.experts, self.bits);
-        // the payload row of each layer, so rows are read in signature order (ascending positions)
-        let mut row_of = Vec::new();
-        if let RowMap::ById = map {
-            row_of = vec![usize::MAX; spec.num_layers()];
-            for (row, &l) in self.layers.iter().enumerate() {
-                row_of[l as usize] = row;
-            }
-        }
         let mut none = SparseSignature::default();
-        let (out, keeping) = match keep {
-            Some(out) => {
-                out.index.clear();
-                out.value.clear();
-                out.index.reserve(spec.dim() + 8); // the SIMD stores write up to 8 past the last kept value
-                out.value.reserve(spec.dim() + 8);
-                (out, true)
-            }
-            None => (&mut none, false),
-        };
+        let (out, keeping) = keep_out(keep, &mut none, spec.dim());
         let m = set.centroid_blocks().as_ptr();
         let (scales, table) = (spec.scales(), spec.table());
         let mut st = crate::distance::avx2::Blocks::<K>::new();
@@ -94,24 +77,9 @@ impl DecodedCounts {
         let up = Unpack::new(bits, 0);
         let mut buf = vec![crate::centroid_file::Block8::default(); e_n / 8];
         let mut len = 0;
-        // the payload rows of the selected layers, in signature order (a selected layer the
-        // payload does not hold is zeros: skipped)
-        let rows: Vec<(usize, usize)> = spec
-            .selected_layers()
-            .iter()
-            .map(|&l| (l, match map {
-                RowMap::Identity => l,
-                RowMap::ById => row_of[l],
-            }))
-            .filter(|&(_, row)| row != usize::MAX)
-            .collect();
-        // small log tables (the default 6-bit codes) of every row at once, before the rows
+        let rows = self.selected_rows(spec, map);
         let mut tables = Vec::new();
-        if let Encoding::Log { q } = &self.encoding {
-            if LogRow::tabled(bits, e_n) && (1usize << bits) <= 64 {
-                LogRow::prepare_small(rows.iter().map(|&(_, row)| q[row]), bits, &mut tables);
-            }
-        }
+        self.small_tables(&rows, &mut tables);
         for (at, &(l, row)) in rows.iter().enumerate() {
             let row_scales = &scales[l * e_n..(l + 1) * e_n];
             let base = table[l * e_n].0;
@@ -140,14 +108,43 @@ impl DecodedCounts {
             };
         }
         st.flush::<true>(&mut dots, &mut n2);
-        let norm = crate::signature::norm_from_squares(n2)?;
-        if keeping {
-            out.index.set_len(len);
-            out.value.set_len(len);
-            out.norm = norm;
+        // SAFETY: the rows wrote `len` kept values when keeping.
+        finish(dots, n2, keeping.then_some((out, len)))
+    }
+
+    /// The payload rows of `spec`'s selected layers as (layer, row), in signature order
+    /// (ascending positions); a selected layer the payload does not hold is zeros: left out.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn selected_rows(&self, spec: &SignatureSpec, map: RowMap) -> Vec<(usize, usize)> {
+        // the payload row of each layer
+        let mut row_of = Vec::new();
+        if let RowMap::ById = map {
+            row_of = vec![usize::MAX; spec.num_layers()];
+            for (row, &l) in self.layers.iter().enumerate() {
+                row_of[l as usize] = row;
+            }
         }
-        let inv = 1.0 / norm;
-        Ok(dots.into_iter().map(|v| 1.0 - v * inv).collect())
+        spec.selected_layers()
+            .iter()
+            .map(|&l| (l, match map {
+                RowMap::Identity => l,
+                RowMap::ById => row_of[l],
+            }))
+            .filter(|&(_, row)| row != usize::MAX)
+            .collect()
+    }
+
+    /// Small log tables (the default 6-bit codes) of every row at once, before the rows, into
+    /// `tables`; left empty unless the payload is log-coded with at most 64 codes.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn small_tables(&self, rows: &[(usize, usize)], tables: &mut Vec<crate::centroid_file::Block8>) {
+        if let Encoding::Log { q } = &self.encoding {
+            if LogRow::tabled(self.bits, self.experts) && (1usize << self.bits) <= 64 {
+                LogRow::prepare_small(rows.iter().map(|&(_, row)| q[row]), self.bits, tables);
+            }
+        }
     }
 
     pub(super) fn fill_signature_with(&self, spec: &SignatureSpec, out: &mut SparseSignature, kernel: RowKernel) -> Result<(), NoSignature> {
@@ -219,4 +216,39 @@ impl DecodedCounts {
         out.norm = norm_of(&out.index, &out.value)?;
         Ok(())
     }
+}
+
+/// Where the fused route writes the signature: `keep`, cleared and with room for the SIMD
+/// stores, or else `none` (never written); and whether it is kept.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn keep_out<'a>(keep: Option<&'a mut SparseSignature>, none: &'a mut SparseSignature, dim: usize) -> (&'a mut SparseSignature, bool) {
+    match keep {
+        Some(out) => {
+            out.index.clear();
+            out.value.clear();
+            out.index.reserve(dim + 8); // the SIMD stores write up to 8 past the last kept value
+            out.value.reserve(dim + 8);
+            (out, true)
+        }
+        None => (none, false),
+    }
+}
+
+/// The distances `1 - dot / norm` from the dots and the squared norm; with `kept`, the kept
+/// signature's length and norm are set.
+///
+/// # Safety
+/// `kept`'s signature holds `len` written values in its reserved capacity.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn finish(dots: Vec<f64>, n2: f64, kept: Option<(&mut SparseSignature, usize)>) -> Result<Vec<f64>, NoSignature> {
+    let norm = crate::signature::norm_from_squares(n2)?;
+    if let Some((out, len)) = kept {
+        out.index.set_len(len);
+        out.value.set_len(len);
+        out.norm = norm;
+    }
+    let inv = 1.0 / norm;
+    Ok(dots.into_iter().map(|v| 1.0 - v * inv).collect())
 }
