@@ -719,7 +719,7 @@ def headline(result: dict) -> dict:
     return result
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--localities", default="0.9,0", help="model locality knob settings (0 = uniform control)")
     ap.add_argument("--concurrencies", default="8,16", help="client concurrencies (total over the 2 decodes)")
@@ -752,6 +752,11 @@ def main() -> int:
                     "engine checks, start-up times and peak memory are kept)")
     ap.add_argument("--drop-runs", type=int, default=0, metavar="N", help="--rebuild: leave out the first N runs (a "
                     "run made before the script warmed its cluster up pays the one-off start costs)")
+    return ap
+
+
+def main() -> int:
+    ap = _parser()
     a = ap.parse_args()
     for out in (a.json, a.md):
         if out and Path(out).exists():
