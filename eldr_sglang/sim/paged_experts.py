@@ -65,24 +65,19 @@ class PagedExperts:
 
     def access(self, touched: np.ndarray, selections: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """touched [L, E] bool -> (page-ins per layer, waves per layer); updates the LRU."""
-        E = self.E
-        hit = touched & self.resident
-        miss = touched & ~self.resident
+        E, res = self.E, self.resident
+        miss = touched & ~res
         loads = miss.sum(axis=1)
         d = touched.sum(axis=1)
         # order inside the step: resident hits (ascending id), then the page-ins (ascending id)
-        base = self.clock * 2 * E
-        self.stamp[hit] = (base + self._ids)[np.nonzero(hit)[1]]
-        self.stamp[miss] = (base + E + self._ids)[np.nonzero(miss)[1]]
+        np.copyto(self.stamp, self.clock * 2 * E + self._ids + E * miss, where=touched)
         self.clock += 1
-        over = np.nonzero(loads > 0)[0]
-        if over.size:
-            cand = self.resident[over] | touched[over]
-            score = np.where(cand, self.stamp[over], np.iinfo(np.int64).min)
-            keep = np.argpartition(score, E - self.C, axis=1)[:, E - self.C:]  # the C most recent
-            new = np.zeros((over.size, E), dtype=bool)
-            np.put_along_axis(new, keep, True, axis=1)
-            self.resident[over] = new
+        res |= touched
+        over = np.flatnonzero(loads)
+        if over.size:  # keep the C most recent of the residents and the touched
+            score = np.where(res[over], self.stamp[over], np.iinfo(np.int64).min)
+            kth = np.partition(score, E - self.C, axis=1)[:, E - self.C : E - self.C + 1]
+            res[over] = score >= kth
         self.steps += 1
         self.touched += int(d.sum())
         self.page_ins += int(loads.sum())
