@@ -128,6 +128,7 @@ def plan(full: bool) -> list[dict]:
 
 def run_workload(w: dict, requests: int, seed: int) -> dict:
     t0 = time.perf_counter()
+    code = describe(code_state())  # before the run: later edits to the tree must not be credited to it
     trace = w["make"]()
     replay = TraceReplay(trace)
     model, hw = get_model(trace.model), get_hardware(w["hardware"])
@@ -171,7 +172,7 @@ def run_workload(w: dict, requests: int, seed: int) -> dict:
             "num_experts": E, "top_k": k, "expert_bytes": model.expert_bytes(), "Cs": list(w["Cs"]), "band_C": w["band_C"],
             "cells": {C: [c.label() for c in w["cells"](C)] for C in w["Cs"]}, "not_fitting": not_fitting, "models": models,
             "trace_requests": replay.num_requests, "records": records, "runtime_s": round(time.perf_counter() - t0, 1),
-            "code": describe(code_state())}
+            "code": code}
 
 
 # ---------------- summary ----------------
