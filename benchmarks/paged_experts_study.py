@@ -18,9 +18,12 @@ Models a user would page, K = 4 decode workers, each one GPU:
   141 GB H200: the synthetic generator (eldr_sglang.traces.synth);
 - a uniform control (Qwen3-30B-A3B shape, experts drawn uniformly): no locality to find.
 C sweeps from top_k up to E, or to the largest C whose resident experts leave room for the KV
-cache (larger C are listed as not fitting). The default grid is cut to run in about 15-20
-minutes on one idle core (much longer on a loaded one: the report gives each workload's
-runtime); `--full` runs the whole grid (what it adds is printed in the report). Workloads can
+cache (larger C are listed as not fitting). The default grid was cut for a loaded 2-core
+machine: most of its cells took 7-50 s there when the machine was quiet, the two low-load cells
+5-7 minutes (2 clients per worker means 4x the decode steps), about 20-25 minutes in all on one
+core; the committed run took 2358 s of process time because it shared the cores (the report
+gives each workload's runtime). `--full` runs the whole grid (what it adds is printed in the
+report). Workloads can
 run as separate processes (`--workloads a,b`, saved to `--parts`), merged with `--render`.
 """
 
