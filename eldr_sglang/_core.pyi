@@ -252,11 +252,16 @@ class Router:
         reload_interval_ms: int = 250,
         load_report_ttl_ms: int = 2000,
         load_factor: float | None = None,
+        paged_experts: int | None = None,
     ) -> Self:
         """num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
-        is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule."""
+        is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule. paged_experts: C, the
+        decode workers run SGLang's paged experts with C resident per MoE layer, and the locality policy routes by
+        expected page-ins (ValueError for another policy or C = 0)."""
     @property
     def policy(self) -> str: ...
+    @property
+    def paged_experts(self) -> int | None: ...
     @property
     def num_workers(self) -> int: ...
     @property

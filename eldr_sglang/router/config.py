@@ -69,6 +69,9 @@ class RouterConfig:
     centroids: str | None = None
     tau: float | None = None
     load_factor: float | None = None
+    # decode workers run SGLang's paged experts with C resident per MoE layer: locality routes
+    # by expected page-ins (rust/core/src/policies/paged.rs); None = HBM-resident experts
+    paged_experts: int | None = None
     bind: str = "auto"  # 'late' | 'early' | 'auto' (late for eldr, early for the baselines)
     signature_timeout_s: float = 30.0
     seed: int = 0
@@ -177,6 +180,13 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         "which piles single-domain bursts onto one worker: see benchmarks/results/tpot_study*.md)",
     )
     pol.add_argument(
+        "--eldr-paged-experts", type=int, default=None, metavar="C",
+        help="the decode workers run SGLang's paged experts (--enable-paged-experts --paged-experts-num-resident C): "
+        "the locality policy then routes each request where it is expected to cause the fewest expert page-ins, "
+        "under the same load cap (docs/serving.md, 'Paged experts'). An experiment: in the simulated study "
+        "(benchmarks/results/paged_experts_study.md) it was slower than the plain locality cost on p50 in 19 of 23 runs",
+    )
+    pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",
         help="pick the decode worker after prefill (late) or with the prefill (early); auto: late for eldr and locality",
     )
@@ -283,6 +293,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     if a.policy == "locality" and not a.eldr_centroids:
         raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
                           "the balancer tracks experts on the layers it selected)")
+    if a.eldr_paged_experts is not None and a.policy != "locality":
+        raise ConfigError(f"--eldr-paged-experts is a cost of the locality policy, not of --disagg-router {a.policy}")
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -293,6 +305,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         centroids=a.eldr_centroids,
         tau=a.eldr_tau,
         load_factor=a.eldr_load_factor,
+        paged_experts=a.eldr_paged_experts,
         bind=a.eldr_bind,
         signature_timeout_s=a.eldr_signature_timeout_secs,
         seed=a.seed,
@@ -333,6 +346,7 @@ _NUMERIC_FLAGS = {
     "--port": ("port", 1, 65535, True, False),
     "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
     "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
+    "--eldr-paged-experts": ("paged_experts", 1, 2**20, True, False),
     "--eldr-signature-timeout-secs": ("signature_timeout_s", 1e-3, DAY_S, False, False),
     "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
     "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),

@@ -48,6 +48,8 @@ class ControlPlane:
             kw["tau"] = cfg.tau
         if cfg.load_factor is not None:
             kw["load_factor"] = cfg.load_factor
+        if cfg.paged_experts is not None:
+            kw["paged_experts"] = cfg.paged_experts
         try:
             self.router = _core.Router(**kw)
         except _core.CentroidFileError as exc:
@@ -119,6 +121,7 @@ class ControlPlane:
             "centroid_file": {"path": self.cfg.centroids, "ok": reload_error is None} if self.cfg.centroids else None,
             "tau": float(self.router.tau),
             "load_factor": self.router.load_factor,
+            "paged_experts": self.router.paged_experts,
             "decode_expert_distinct": self.router.expert_distinct(),  # locality only, else None
         }
 

@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
-use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext, UnknownPolicy};
+use crate::policies::{make_policy, Decision, ExpertProfile, Policy, PolicyConfig, Reason, RouteContext, UnknownPolicy};
 pub use crate::policies::DEFAULT_TAU;
 use crate::queue::QueueTracker;
 use crate::distance::Counts;
@@ -144,6 +144,21 @@ impl Router {
         }
         self.load_factor_bits.store(factor.unwrap_or(f64::NAN).to_bits(), Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Decode workers running SGLang's paged experts with `resident` experts per MoE layer: the
+    /// locality policy routes by expected page-ins (policies/paged.rs). Set once, before the
+    /// router is shared; None keeps the policy as built. Errors for any other policy and C = 0.
+    pub fn set_paged_experts(&mut self, resident: Option<u32>) -> Result<(), crate::PagedExpertsError> {
+        let Some(c) = resident else { return Ok(()) };
+        let base = PolicyConfig::parse(self.policy.name(), 0).map_err(|_| crate::PagedExpertsError::NotLocality { policy: self.policy.name() })?;
+        self.policy = base.with_paged_experts(Some(c))?.build();
+        Ok(())
+    }
+
+    /// The resident experts per layer the policy assumes (None: not a paged-experts cost).
+    pub fn paged_experts(&self) -> Option<usize> {
+        self.policy.paged_experts()
     }
 
     pub fn reload(&self) -> Result<bool, CentroidFileError> {
