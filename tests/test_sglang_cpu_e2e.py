@@ -433,6 +433,75 @@ def test_endpoints_streamed_and_not(pd, path, stream):
         assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
 
 
+def _latency(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of the router's eldr-policy /generate histogram `name`."""
+    return (metric(text, name + "_sum", policy="eldr", endpoint="generate"),
+            metric(text, name + "_count", policy="eldr", endpoint="generate"))
+
+
+async def _round_trips(url: str, n: int) -> list[float]:
+    """Round trips of requests the data plane answers itself (a body that is not JSON: 400),
+    from an aiohttp client as sglang.benchmark.serving's: what the network and a client add to
+    a request's time beyond the router's, in this run's conditions."""
+    import aiohttp
+
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with s.post(url + "/generate", data=b"not json", headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                assert r.status == 400
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def test_router_ttft_and_tpot_agree_with_sglang_benchmark_serving(cpu, pd, tmp_path):
+    """SGLang's own client, `python -m sglang.benchmark.serving`, through the router: the
+    router's TTFT and TPOT histograms (their sums over counts, this run's requests only) against
+    the client's mean TTFT and TPOT.
+
+    The router's clock runs from a request's arrival to its chunks leaving; the client's from
+    sending to reading them. So per request the client's TTFT exceeds the router's by the
+    request's and its first chunk's trips through the loopback and the client's parsing, and its
+    TPOT differs from the router's by the difference of the first and last chunks' trips (and
+    the [DONE] event, which the client's last stamp includes), over tokens - 1. One round trip
+    through the data plane, measured here by the same kind of client, bounds each trip; the
+    tolerance is the largest of 20 (plus 1 ms of clock granularity), not a tuned figure."""
+    import asyncio
+    import urllib.request
+
+    n, tokens = 8, 16
+    model = cpu.model("qwen3_moe")
+    pd.settle()
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        before = r.read().decode()
+    out = tmp_path / "bench.jsonl"
+    p = subprocess.run([sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", pd.url,
+                        "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random-ids",
+                        "--num-prompts", str(n), "--random-input-len", "32", "--random-output-len", str(tokens),
+                        "--random-range-ratio", "1.0", "--max-concurrency", "2", "--warmup-requests", "0",
+                        "--ready-check-timeout-sec", "0", "--seed", "0", "--disable-tqdm", "--output-file", str(out),
+                        "--output-details"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert p.returncode == 0 and out.exists(), (p.stdout[-3000:], p.stderr[-3000:])
+    rtt = max(asyncio.run(_round_trips(pd.url, 20)))
+    pd.settle()
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        after = r.read().decode()
+    res = json.loads(out.read_text().splitlines()[-1])
+    assert res["completed"] == n and res["total_output_tokens"] == n * tokens, res
+    (ttft_s0, ttft_n0), (tpot_s0, tpot_n0) = _latency(before, "eldr_router_ttft_seconds"), _latency(before, "eldr_router_tpot_seconds")
+    (ttft_s1, ttft_n1), (tpot_s1, tpot_n1) = _latency(after, "eldr_router_ttft_seconds"), _latency(after, "eldr_router_tpot_seconds")
+    assert (ttft_n1 - ttft_n0, tpot_n1 - tpot_n0) == (n, n)  # the benchmark's requests, each once
+    r_ttft, r_tpot = (ttft_s1 - ttft_s0) / n, (tpot_s1 - tpot_s0) / n
+    c_ttft, c_tpot = res["mean_ttft_ms"] / 1e3, res["mean_tpot_ms"] / 1e3
+    tol = rtt + 0.001
+    print(f"\n[sglang-cpu] benchmark.serving vs router: TTFT {c_ttft * 1e3:.1f} vs {r_ttft * 1e3:.1f} ms, TPOT "
+          f"{c_tpot * 1e3:.2f} vs {r_tpot * 1e3:.2f} ms; largest data-plane round trip {rtt * 1e3:.2f} ms")
+    assert -0.001 <= c_ttft - r_ttft <= tol, (c_ttft, r_ttft, tol)
+    assert abs(c_tpot - r_tpot) <= tol / (tokens - 1), (c_tpot, r_tpot, tol / (tokens - 1))
+
+
 def test_no_leaks_in_flight_back_to_zero_and_loads_polled_cleanly(pd):
     from concurrent.futures import ThreadPoolExecutor
 
