@@ -17,8 +17,8 @@ warm-up flag the router put in its headers, as a cross-check of the router's fig
         --out benchmarks/results/switchback_emulated
 
 writes OUT.json ({"locality": {...}, "uniform": {...}}, each with diff_p50, ci_low, ci_high as
-fractions of arm 1 vs arm 2, and blocks), OUT.md, and the clients' per-request records
-OUT_<trace>.jsonl. Existing outputs are never overwritten.
+fractions of arm 1 vs arm 2, and blocks) and OUT.md; with --records, the clients' per-request
+records OUT_<trace>.jsonl too (megabytes). Existing outputs are never overwritten.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def run_trace(kind: str, args, workdir: Path) -> tuple[list[dict], dict]:
     try:
         router, base = start_router(urls, workdir, [
             "--experiment", args.arms, "--switch-every", f"{args.block_s:g}s", "--experiment-seed", str(args.seed),
-            "--eldr-centroids", str(cpath)])
+            "--eldr-centroids", str(cpath), "--eldr-bind", args.bind])
         try:
             t0 = time.monotonic()
             records = asyncio.run(_drive(base, planned, args.concurrency,
@@ -154,12 +154,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "switchback_emulated"))
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--bind", choices=["auto", "late"], default="auto",
+                    help="the router's --eldr-bind: auto (each arm as it binds alone: late for locality, early for the "
+                         "baselines) or late (every arm waits for the signature: the arms then differ only in policy)")
+    ap.add_argument("--records", action="store_true", help="also write the clients' per-request records")
     args = ap.parse_args()
     import tempfile
 
     out = Path(args.out)
     kinds = args.traces.split(",")
-    for p in [Path(f"{out}.json"), Path(f"{out}.md")] + [Path(f"{out}_{k}.jsonl") for k in kinds]:
+    for p in [Path(f"{out}.json"), Path(f"{out}.md")] + [Path(f"{out}_{k}.jsonl") for k in kinds if args.records]:
         if p.exists():
             ap.error(f"{p} exists; move it away first (nothing is overwritten)")
     results = {"simulated": "emulated workers: step times from the simulator's cost model, not hardware",
@@ -170,7 +174,8 @@ def main() -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         for kind in kinds:
             records, res = run_trace(kind, args, workdir)
-            io_safe.write_text(f"{out}_{kind}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            if args.records:
+                io_safe.write_text(f"{out}_{kind}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
             results[kind] = {k: res[k] for k in ("diff_p50", "ci_low", "ci_high", "blocks", "p50", "mean", "blocks_needed",
                                                   "per_block", "blocks_left_out", "client", "requests", "order", "wall_s")}
     io_safe.write_text(f"{out}.json", json.dumps(results, indent=2) + "\n")
@@ -179,7 +184,8 @@ def main() -> int:
              f"One router per trace running `--experiment {args.arms} --switch-every {args.block_s:g}s "
              f"--experiment-seed {args.seed}`: {args.blocks_per_arm} blocks per arm in the router's balanced random "
              f"order, {args.concurrency} closed-loop streaming clients, {args.prefill} prefill + {args.decode} decode "
-             f"emulated workers (time scale {args.time_scale:g}), {args.output_len} output tokens. Each block's "
+             f"emulated workers (time scale {args.time_scale:g}), {args.output_len} output tokens, --eldr-bind "
+             f"{args.bind}. Each block's "
              "warm-up (requests that started while the previous arm's were in flight) left out by the router; "
              "change = (arm 1 / arm 2) - 1 of the blocks' geometric means, 95% Welch t interval over blocks.", "",
              "| trace | blocks | TPOT p50 change | 95% CI | TPOT mean change | 95% CI | clients' p50 change | requests (warm-up) |",

@@ -495,7 +495,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    fn the_clock_switches_every_block_and_restarts_after_an_admin_switch() {
+    async fn the_clock_switches_every_block_and_restarts_after_an_admin_switch() {
         let x = exp(10.0);
         tokio::spawn(run(Arc::clone(&x)));
         tokio::time::sleep(Duration::from_millis(10)).await;
