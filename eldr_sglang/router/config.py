@@ -332,7 +332,7 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
                     help="reading a request body may take this long, else 408 (default 30)")
     cl.add_argument(
         "--admin-token", default=None,
-        help=f"token for POST /eldr/refit and /flush_cache (header 'Authorization: Bearer TOKEN'); "
+        help=f"token for POST /eldr/refit, /flush_cache and /eldr/experiment/switch (header 'Authorization: Bearer TOKEN'); "
         f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
     adm = ap.add_argument_group("Admission control (the Rust data plane)")
