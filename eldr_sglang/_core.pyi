@@ -347,6 +347,11 @@ class DataPlane:
         """(per_bucket, span) the data plane draws the reservoir's decisions for; None: drift feed off."""
     @property
     def drift_dropped(self) -> int: ...  # decisions dropped because the queue was not drained in time
+    def experiment(self, blocks: bool) -> str | None:
+        """The switchback experiment as JSON (None: none): with blocks, every block's statistics
+        (GET /eldr/experiment); without, the current arm and block (/eldr/status)."""
+    def experiment_switch(self, arm: str | None) -> tuple[int, str]:
+        """End the block now and start the next, on arm (a label) or the schedule's: (block, arm)."""
 
 @final
 class ReservoirSampler:
