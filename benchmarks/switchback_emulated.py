@@ -1,20 +1,24 @@
 """A switchback experiment where the answer is known: emulated PD workers (decode step times
-from the simulator's cost model on the trace's real decode routing), two arms alternating in
-seeded random order, analysed by `eldr experiment report` (eldr_sglang.experiment).
+from the simulator's cost model on the trace's real decode routing) behind ONE router that
+runs the experiment itself (`--experiment ARM1,ARM2 --switch-every S`): it alternates its
+decode policy over blocks in a seeded, balanced random order, flags each block's requests that
+start while the previous arm's are still in flight as warm-up, and keeps every block's TPOT p50
+and mean over the others. The result is `eldr experiment report` on the router's own blocks
+(GET /eldr/experiment). SIMULATED hardware: the workers are emulated, their step times come
+from the simulator's cost model, not a GPU.
 
-For each trace (a strong-locality one and the uniform control) one emulated cluster serves
-every block; each block starts a router on its arm (so the previous arm's requests have all
-drained: the warm-up dropped is the queue filling again), drives closed-loop streaming
-clients for --block-s seconds, and records every request's client-measured TPOT with its
-block, arm and start time. Requests take trace requests in the trace's order, so both arms
-see the same domain mix.
+For each trace (a strong-locality one and the uniform control) one emulated cluster and one
+router serve the whole run: closed-loop streaming clients send the trace's requests in order
+(so every arm sees the same domain mix) until the router has run the planned blocks. Each
+client also records what it measured (TPOT from its own chunk stamps) with the block, arm and
+warm-up flag the router put in its headers, as a cross-check of the router's figures.
 
-    python benchmarks/switchback_emulated.py --blocks-per-arm 6 --block-s 30 \\
+    python benchmarks/switchback_emulated.py --blocks-per-arm 6 --block-s 20 \\
         --out benchmarks/results/switchback_emulated
 
-writes OUT.json ({"locality": {...}, "uniform": {...}}, each with diff_p50, ci_low, ci_high
-as fractions of arm 1 vs arm 2, and blocks), OUT.md, and the per-request records
-OUT_<trace>.jsonl.
+writes OUT.json ({"locality": {...}, "uniform": {...}}, each with diff_p50, ci_low, ci_high as
+fractions of arm 1 vs arm 2, and blocks) and OUT.md; with --records, the clients' per-request
+records OUT_<trace>.jsonl too (megabytes). Existing outputs are never overwritten.
 """
 
 from __future__ import annotations
@@ -22,23 +26,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-async def _drive(base: str, seconds: float, concurrency: int, next_request, output_len: int) -> list[dict]:
+def _status(base: str) -> dict:
+    with urllib.request.urlopen(base + "/eldr/status", timeout=10) as r:
+        return json.loads(r.read())["experiment"]
+
+
+async def _drive(base: str, last_block: int, concurrency: int, next_request, output_len: int) -> list[dict]:
+    """Closed-loop streaming clients until the router's block `last_block` has begun: then
+    blocks 0 .. last_block - 1 are over (their last requests end with the clients)."""
     import aiohttp
 
-    t_block = time.perf_counter()
     out: list[dict] = []
+    done = asyncio.Event()
+
+    async def watch():
+        loop = asyncio.get_running_loop()
+        while (await loop.run_in_executor(None, _status, base))["block"] < last_block:
+            await asyncio.sleep(0.5)
+        done.set()
 
     async def client(s):
-        while time.perf_counter() - t_block < seconds:
+        while not done.is_set():
             r = next_request()
             body = {"text": f"request {r}", "stream": True, "sampling_params": {"max_new_tokens": output_len},
                     "emulator": {"trace_request": r}}
@@ -46,27 +63,32 @@ async def _drive(base: str, seconds: float, concurrency: int, next_request, outp
             stamps = []
             try:
                 async with s.post(base + "/generate", json=body) as resp:
+                    h = resp.headers
                     if resp.status != 200:
                         await resp.read()
+                        out.append({"status": resp.status})
                         continue
                     async for line in resp.content:
                         if line.startswith(b"data:") and b"[DONE]" not in line:
                             stamps.append(time.perf_counter())
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                out.append({"status": 0, "error": type(exc).__name__})
                 continue
-            if len(stamps) >= 2:
-                out.append({"t_s": t0 - t_block, "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
-                            "ttft_s": stamps[0] - t0})
+            rec = {"status": 200, "block": int(h["x-eldr-experiment-block"]), "arm": h["x-eldr-experiment-arm"],
+                   "warmup": h["x-eldr-experiment-warmup"] == "1", "tokens": len(stamps),
+                   "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) >= 2 else None,
+                   "ttft_s": stamps[0] - t0 if stamps else None}
+            out.append(rec)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=seconds + 120)) as s:
-        await asyncio.gather(*(client(s) for _ in range(concurrency)))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await asyncio.gather(watch(), *(client(s) for _ in range(concurrency)))
     return out
 
 
 def run_trace(kind: str, args, workdir: Path) -> tuple[list[dict], dict]:
     from eldr_sglang import experiment as X
     from eldr_sglang.offline.fit import fit_trace
-    from eldr_sglang.testing.pd_cluster import start_cluster, start_router
+    from eldr_sglang.testing.pd_cluster import get_json, start_cluster, start_router
     from eldr_sglang.traces import save_trace
     from eldr_sglang.traces.synth import generate
 
@@ -76,41 +98,52 @@ def run_trace(kind: str, args, workdir: Path) -> tuple[list[dict], dict]:
     save_trace(trace, tpath)
     fit_trace(trace, workers=args.decode, tau=0.1, seed=0).write(cpath)
     arms = args.arms.split(",")
-    order = arms * args.blocks_per_arm
-    random.Random(args.seed).shuffle(order)
+    planned = len(arms) * args.blocks_per_arm
     cluster, urls = start_cluster(tpath, workdir, prefill=args.prefill, decode=args.decode, time_scale=args.time_scale)
     counter = iter(range(10**9))
-    records: list[dict] = []
     try:
-        for b, arm in enumerate(order):
-            policy = arm.split("/")[0]
-            extra = ["--eldr-centroids", str(cpath)] if policy in ("eldr", "locality") else []
-            if "/" in arm:
-                extra += ["--eldr-load-factor", arm.split("/")[1]]
-            router, base = start_router(urls, workdir, ["--disagg-router", policy, "--no-eldr-drift", *extra])
-            try:
-                got = asyncio.run(_drive(base, args.block_s, args.concurrency,
+        router, base = start_router(urls, workdir, [
+            "--experiment", args.arms, "--switch-every", f"{args.block_s:g}s", "--experiment-seed", str(args.seed),
+            "--eldr-centroids", str(cpath), "--eldr-bind", args.bind])
+        try:
+            t0 = time.monotonic()
+            records = asyncio.run(_drive(base, planned, args.concurrency,
                                          lambda: next(counter) % trace.num_requests, args.output_len))
-            finally:
-                router.stop()
-            for r in got:
-                records.append({"block": b, "arm": arm, **r})
-            print(f"{kind} block {b} {arm}: {len(got)} requests", flush=True)
+            time.sleep(1.0)  # the last blocks' requests have ended with the clients
+            snap = get_json(base + "/eldr/experiment")
+            wall = time.monotonic() - t0
+        finally:
+            router.stop()
     finally:
         cluster.stop()
-    blocks, short = X.blocks_from_requests(records, args.warmup_s, min_requests=5)
+    failed = [r for r in records if r["status"] != 200]
+    ok = [r for r in records if r["status"] == 200]
+    # the router's own blocks (what `eldr experiment report --url` reads), the planned ones
+    brecs = [b for b in snap["blocks"] if b["block"] < planned]
+    blocks, short = X.blocks_from_records(brecs, min_requests=5)
     res = X.report(blocks, (arms[0], arms[1]))
     res["blocks_left_out"] = short
+    # the clients' view of the same blocks, as a cross-check
+    creq = [{"block": r["block"], "arm": r["arm"], "tpot_s": r["tpot_s"], "warmup": r["warmup"]} for r in ok
+            if r["block"] < planned]
+    cblocks, _ = X.blocks_from_requests(creq, 0.0, min_requests=5)
+    cres = X.report(cblocks, (arms[0], arms[1]))
+    res["client"] = {k: cres[k] for k in ("diff_p50", "ci_low", "ci_high", "blocks")}
+    res["requests"] = {"ok": len(ok), "failed": len(failed), "warmup": sum(r["warmup"] for r in ok)}
+    res["order"] = [b["arm"] for b in brecs]
+    res["wall_s"] = wall
+    print(f"{kind}: {len(ok)} requests ({len(failed)} failed), order {' '.join(res['order'])}, {wall:.0f} s", flush=True)
     return records, res
 
 
 def main() -> int:
+    from eldr_sglang import io_safe
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", default="locality/0.05,round_robin", help="arm 1,arm 2 (default locality/0.05,round_robin)")
     ap.add_argument("--traces", default="locality,uniform", help="which traces: locality, uniform or both")
     ap.add_argument("--blocks-per-arm", type=int, default=6)
-    ap.add_argument("--block-s", type=float, default=30.0)
-    ap.add_argument("--warmup-s", type=float, default=5.0)
+    ap.add_argument("--block-s", type=float, default=20.0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--domains", type=int, default=4)
@@ -121,30 +154,49 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "switchback_emulated"))
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--bind", choices=["auto", "late"], default="auto",
+                    help="the router's --eldr-bind: auto (each arm as it binds alone: late for locality, early for the "
+                         "baselines) or late (every arm waits for the signature: the arms then differ only in policy)")
+    ap.add_argument("--records", action="store_true", help="also write the clients' per-request records")
     args = ap.parse_args()
     import tempfile
 
     out = Path(args.out)
-    results = {"arms": args.arms.split(","), "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")}}
+    kinds = args.traces.split(",")
+    for p in [Path(f"{out}.json"), Path(f"{out}.md")] + [Path(f"{out}_{k}.jsonl") for k in kinds if args.records]:
+        if p.exists():
+            ap.error(f"{p} exists; move it away first (nothing is overwritten)")
+    results = {"simulated": "emulated workers: step times from the simulator's cost model, not hardware",
+               "arms": args.arms.split(","),
+               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")}}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        for kind in args.traces.split(","):
+        for kind in kinds:
             records, res = run_trace(kind, args, workdir)
-            Path(f"{out}_{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            if args.records:
+                io_safe.write_text(f"{out}_{kind}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
             results[kind] = {k: res[k] for k in ("diff_p50", "ci_low", "ci_high", "blocks", "p50", "mean", "blocks_needed",
-                                                  "per_block", "blocks_left_out")}
-    Path(f"{out}.json").write_text(json.dumps(results, indent=2) + "\n")
-    lines = [f"# Switchback on emulated workers: {args.arms.replace(',', ' vs ')}", "",
-             f"{args.blocks_per_arm} blocks per arm of {args.block_s:g} s, first {args.warmup_s:g} s of each dropped, "
-             f"{args.concurrency} closed-loop streaming clients, {args.prefill} prefill + {args.decode} decode emulated "
-             f"workers (time scale {args.time_scale:g}).", "",
-             "| trace | blocks | TPOT p50 change | 95% CI | TPOT mean change | 95% CI |", "|---|---|---|---|---|---|"]
-    for kind in args.traces.split(","):
+                                                  "per_block", "blocks_left_out", "client", "requests", "order", "wall_s")}
+    io_safe.write_text(f"{out}.json", json.dumps(results, indent=2) + "\n")
+    a1, a2 = results["arms"][:2]
+    lines = [f"# Switchback on emulated workers (SIMULATED step times): {a1} vs {a2}", "",
+             f"One router per trace running `--experiment {args.arms} --switch-every {args.block_s:g}s "
+             f"--experiment-seed {args.seed}`: {args.blocks_per_arm} blocks per arm in the router's balanced random "
+             f"order, {args.concurrency} closed-loop streaming clients, {args.prefill} prefill + {args.decode} decode "
+             f"emulated workers (time scale {args.time_scale:g}), {args.output_len} output tokens, --eldr-bind "
+             f"{args.bind}. Each block's "
+             "warm-up (requests that started while the previous arm's were in flight) left out by the router; "
+             "change = (arm 1 / arm 2) - 1 of the blocks' geometric means, 95% Welch t interval over blocks.", "",
+             "| trace | blocks | TPOT p50 change | 95% CI | TPOT mean change | 95% CI | clients' p50 change | requests (warm-up) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in kinds:
         r = results[kind]
         lines.append(f"| {kind} | {r['blocks']} | {r['diff_p50']:+.2%} | {r['ci_low']:+.2%} .. {r['ci_high']:+.2%} | "
-                     f"{r['mean']['diff']:+.2%} | {r['mean']['ci_low']:+.2%} .. {r['mean']['ci_high']:+.2%} |")
-    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
+                     f"{r['mean']['diff']:+.2%} | {r['mean']['ci_low']:+.2%} .. {r['mean']['ci_high']:+.2%} | "
+                     f"{r['client']['diff_p50']:+.2%} ({r['client']['ci_low']:+.2%} .. {r['client']['ci_high']:+.2%}) | "
+                     f"{r['requests']['ok']} ({r['requests']['warmup']}), {r['requests']['failed']} failed |")
+    io_safe.write_text(f"{out}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

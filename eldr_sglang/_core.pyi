@@ -252,11 +252,16 @@ class Router:
         reload_interval_ms: int = 250,
         load_report_ttl_ms: int = 2000,
         load_factor: float | None = None,
+        paged_experts: int | None = None,
     ) -> Self:
         """num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
-        is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule."""
+        is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule. paged_experts: C, the
+        decode workers run SGLang's paged experts with C resident per MoE layer, and the locality policy routes by
+        expected page-ins (ValueError for another policy or C = 0)."""
     @property
     def policy(self) -> str: ...
+    @property
+    def paged_experts(self) -> int | None: ...
     @property
     def num_workers(self) -> int: ...
     @property
@@ -342,6 +347,11 @@ class DataPlane:
         """(per_bucket, span) the data plane draws the reservoir's decisions for; None: drift feed off."""
     @property
     def drift_dropped(self) -> int: ...  # decisions dropped because the queue was not drained in time
+    def experiment(self, blocks: bool) -> str | None:
+        """The switchback experiment as JSON (None: none): with blocks, every block's statistics
+        (GET /eldr/experiment); without, the current arm and block (/eldr/status)."""
+    def experiment_switch(self, arm: str | None) -> tuple[int, str]:
+        """End the block now and start the next, on arm (a label) or the schedule's: (block, arm)."""
 
 @final
 class ReservoirSampler:

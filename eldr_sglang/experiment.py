@@ -18,10 +18,13 @@ detecting a relative change d with a two-sided test at level alpha and power 1 -
 about n = 2 (z_{1-alpha/2} + z_{1-beta})^2 s^2 / log(1 + d)^2 blocks per arm
 (`blocks_needed`).
 
-Input (`load_records`): JSON Lines, or one JSON object with a "requests" or "blocks" list.
+Input (`load_records`): JSON Lines, or one JSON object with a "requests" or "blocks" list
+(the router's GET /eldr/experiment is such an object: `fetch_records` reads it).
 A request record: {"block": int, "arm": str, "tpot_s": seconds or null, "t_s": seconds since
 its block started (optional), "warmup": bool (optional)}. A block record: {"block": int,
-"arm": str, "tpot_p50_s": s, "tpot_mean_s": s, "n": requests (optional)}.
+"arm": str, "tpot_p50_s": s or null, "tpot_mean_s": s or null, "n": requests (optional),
+"warmup_n": warm-up requests left out (optional; "dropped" is read too), "complete": false
+while the block or one of its requests is still running (optional)}.
 """
 
 from __future__ import annotations
@@ -76,6 +79,35 @@ def load_records(path: str | Path) -> tuple[str, list[dict]]:
         raise ValueError(f"{path}: no such file") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file") from None
+    return parse_records(text, str(path))
+
+
+# GET /eldr/experiment answers at once; a router that does not is down or not this router.
+FETCH_TIMEOUT_S = 10.0
+
+
+def fetch_records(url: str, timeout: float = FETCH_TIMEOUT_S) -> tuple[str, list[dict]]:
+    """The block records of a running router's experiment (GET URL/eldr/experiment)."""
+    import urllib.error
+    import urllib.request
+
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise ValueError(f"--url {url!r}: expected the router's base URL, like http://127.0.0.1:30000")
+    where = f"{base}/eldr/experiment"
+    try:
+        with urllib.request.urlopen(where, timeout=timeout) as r:
+            text = r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        hint = " (is the router running with --experiment?)" if exc.code == 404 else ""
+        raise ValueError(f"{where}: HTTP {exc.code}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ValueError(f"{where}: {getattr(exc, 'reason', exc)}") from None
+    return parse_records(text, where)
+
+
+def parse_records(text: str, path: str) -> tuple[str, list[dict]]:
+    """`load_records` on text read from `path` (a file name or URL, for messages)."""
     records: list = []
     stripped = text.lstrip()
     whole = None
@@ -108,8 +140,9 @@ def load_records(path: str | Path) -> tuple[str, list[dict]]:
     for i, r in enumerate(records):
         _block_key(r, where(i))
         if kind == "blocks":
-            _num(r, "tpot_p50_s", where(i))
-            _num(r, "tpot_mean_s", where(i))
+            # null: a block without a TPOT yet (left out by blocks_from_records)
+            _num(r, "tpot_p50_s", where(i), required=False)
+            _num(r, "tpot_mean_s", where(i), required=False)
         else:
             _num(r, "tpot_s", where(i), required=False)
             _num(r, "t_s", where(i), positive=False, required=False)
@@ -142,15 +175,24 @@ def blocks_from_requests(records: list[dict], warmup_s: float = 0.0, min_request
     return blocks, short
 
 
-def blocks_from_records(records: list[dict]) -> list[Block]:
+def blocks_from_records(records: list[dict], min_requests: int = 1) -> tuple[list[Block], list[int]]:
+    """Blocks from block records. Returns (blocks, blocks left out): those still running
+    (`"complete": false`: a block's figures are final only once it and its last request have
+    ended), without a TPOT, or with fewer than `min_requests` requests (when `n` is given)."""
     seen: dict[int, Block] = {}
+    short: list[int] = []
     for r in records:
-        b = Block(r["block"], r["arm"], int(r.get("n") or 0), float(r["tpot_p50_s"]), float(r["tpot_mean_s"]),
-                  int(r.get("dropped") or 0))
-        if b.block in seen:
-            raise ValueError(f"block {b.block} is listed twice")
-        seen[b.block] = b
-    return [seen[k] for k in sorted(seen)]
+        if r["block"] in seen or r["block"] in short:
+            raise ValueError(f"block {r['block']} is listed twice")
+        n = r.get("n")
+        if (r.get("complete") is False or r.get("tpot_p50_s") is None or r.get("tpot_mean_s") is None
+                or (n is not None and int(n) < max(1, min_requests))):
+            short.append(r["block"])
+            continue
+        warm = r.get("warmup_n", r.get("dropped"))
+        seen[r["block"]] = Block(r["block"], r["arm"], int(n or 0), float(r["tpot_p50_s"]), float(r["tpot_mean_s"]),
+                                 int(warm or 0))
+    return [seen[k] for k in sorted(seen)], sorted(short)
 
 
 def _t_ppf(q: float, df: float) -> float:

@@ -238,6 +238,35 @@ MODEL_PROFILES: dict[str, ModelProfile] = {
         published_active_params=3.3e9,
         aliases=("qwen/qwen3-30b-a3b", "qwen3-30b", "qwen3_moe"),
     ),
+    "qwen3-235b-a22b": ModelProfile(
+        name="qwen3-235b-a22b",
+        hf_id="Qwen/Qwen3-235B-A22B-FP8",
+        # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (hidden 4096, 94 layers, all
+        # MoE: mlp_only_layers [], decoder_sparse_step 1; 128 experts, top-8, moe_intermediate
+        # 1536; 64 query / 4 KV heads of 128; vocab 151936, untied); model card: 235B total,
+        # 22B activated. Weights of Qwen/Qwen3-235B-A22B-FP8 (fine-grained FP8, block 128), the
+        # checkpoint that can page on one 141 GB GPU (bf16 is 470 GB).
+        source="HF Qwen/Qwen3-235B-A22B config.json and model card; the -FP8 checkpoint",
+        hidden_size=4096,
+        num_layers=94,
+        num_dense_layers=0,
+        num_experts=128,
+        top_k=8,
+        num_shared_experts=0,
+        moe_intermediate_size=1536,
+        dense_intermediate_size=0,
+        vocab_size=151936,
+        tied_embeddings=False,
+        attention="gqa",
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        expert_bytes_per_param=FP8,
+        other_bytes_per_param=FP8,
+        published_total_params=235e9,
+        published_active_params=22e9,
+        aliases=("qwen/qwen3-235b-a22b", "qwen/qwen3-235b-a22b-fp8", "qwen3-235b"),
+    ),
     "mixtral-8x7b": ModelProfile(
         name="mixtral-8x7b",
         hf_id="mistralai/Mixtral-8x7B-v0.1",

@@ -3,7 +3,9 @@
 
 The trace is built here from a seeded numpy generator (not by synth), so the recording does
 not move when the synthetic generator does. Each scenario uses the earliest-free prefill
-placement the simulator had then."""
+placement the simulator had then. `closed_offload` was re-recorded alone when the offload mode
+became SGLang's paged experts (sim/paged_experts.py: warm start, its LRU order, waves); every
+other scenario still reproduces the first recording."""
 
 from __future__ import annotations
 

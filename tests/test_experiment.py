@@ -104,8 +104,72 @@ def test_block_records_and_a_json_object_are_read_too(tmp_path):
     p.write_text(json.dumps({"blocks": recs}))
     kind, got = X.load_records(p)
     assert kind == "blocks" and len(got) == 20
-    res = X.report(X.blocks_from_records(got), ("a", "b"))
+    blocks, left_out = X.blocks_from_records(got)
+    assert left_out == []
+    res = X.report(blocks, ("a", "b"))
     assert res["ci_low"] < 0.2 < res["ci_high"] and res["ci_low"] > 0
+
+
+def _router_json(blocks):
+    """GET /eldr/experiment's body for these blocks (rust/dataplane/src/experiment.rs), with a
+    block that has no TPOT yet and the current block, still running."""
+    recs = [{"block": k.block, "arm": k.arm, "start_unix_s": 1e9 + k.block, "end_unix_s": 1e9 + k.block + 1,
+             "complete": True, "requests": k.n + 3, "warmup_n": 3, "inflight": 0, "n": k.n,
+             "tpot_p50_s": k.p50, "tpot_mean_s": k.mean} for k in blocks]
+    nb = len(blocks)
+    recs.append({"block": nb, "arm": "a", "complete": True, "requests": 0, "warmup_n": 0, "n": 0,
+                 "tpot_p50_s": None, "tpot_mean_s": None})
+    recs.append({"block": nb + 1, "arm": "b", "complete": False, "requests": 9, "warmup_n": 0, "n": 9,
+                 "tpot_p50_s": 0.5, "tpot_mean_s": 0.5})
+    return {"experiment": {"arms": ["a", "b"], "block": nb + 1, "arm": "b"}, "blocks": recs}
+
+
+def test_the_routers_experiment_json_is_read_from_a_file_and_a_url(tmp_path, capsys):
+    """The router's own per-block JSON: saved to a file or read live with --url. Blocks without
+    a TPOT or still running are left out, and each block's warm-up count is carried."""
+    import http.server
+    import threading
+
+    blocks = _blocks(np.random.default_rng(5), 1.2)
+    body = json.dumps(_router_json(blocks)).encode()
+    p = tmp_path / "experiment.json"
+    p.write_bytes(body)
+    kind, got = X.load_records(p)
+    kept, left_out = X.blocks_from_records(got, min_requests=5)
+    assert kind == "blocks" and len(kept) == 20 and left_out == [20, 21]
+    assert all(k.dropped == 3 for k in kept)
+    expect = X.report(kept, ("a", "b"))
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.path == "/eldr/experiment"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body if ok else b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        out = tmp_path / "r.json"
+        assert eldr(["experiment", "report", "--url", url, "--arms", "a,b", "--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["diff_p50"] == pytest.approx(expect["diff_p50"]) and res["blocks_left_out"] == [20, 21]
+        assert "2 blocks left out" in capsys.readouterr().out
+        assert eldr(["experiment", "report", str(p), "--arms", "a,b"]) == 0  # the saved copy, the same answer
+        assert f"{expect['diff_p50']:+.2%}" in capsys.readouterr().out
+    finally:
+        srv.shutdown()
+    # a router that is not there, a bad URL, and both or neither input: one-line errors
+    for argv, msg in ((["--url", url], "eldr/experiment: "), (["--url", "127.0.0.1:1"], "expected the router's base URL"),
+                      ([str(p), "--url", url], "not both"), ([], "not both")):
+        assert eldr(["experiment", "report", *argv]) == 1
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("text, msg", [

@@ -26,9 +26,11 @@ def _hf_config(p) -> dict:
                    qk_rope_head_dim=p.qk_rope_head_dim, v_head_dim=p.v_head_dim)
         if p.expert_bytes_per_param == models.FP8:
             cfg["quantization_config"] = {"quant_method": "fp8"}
-    elif p.name == "qwen3-30b-a3b":
+    elif p.name.startswith("qwen3"):
         cfg.update(num_experts=p.num_experts, moe_intermediate_size=p.moe_intermediate_size,
                    num_key_value_heads=p.num_kv_heads, head_dim=p.head_dim)
+        if p.expert_bytes_per_param == models.FP8:  # Qwen3-235B-A22B-FP8
+            cfg["quantization_config"] = {"quant_method": "fp8"}
     else:  # Mixtral, GPT-OSS
         cfg.update(num_local_experts=p.num_experts, intermediate_size=p.moe_intermediate_size,
                    num_key_value_heads=p.num_kv_heads, head_dim=p.head_dim)

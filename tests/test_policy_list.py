@@ -20,7 +20,9 @@ def test_config_cli_and_simulator_read_the_core_list():
     assert config.DECODE_POLICIES is _core.POLICIES and config.COUNTS_POLICIES is _core.COUNTS_POLICIES
     assert tuple(_choices(config.build_parser(), "policy")) == _core.POLICIES
     assert set(_core.COUNTS_POLICIES) < set(_core.POLICIES)
-    assert sim_policies.POLICY_NAMES == sim_policies.BASELINES + _core.COUNTS_POLICIES + ("oracle",)
+    # the simulator adds two labels of its own: paged (locality with the paged-experts cost,
+    # the router's --eldr-paged-experts) and the label oracle
+    assert sim_policies.POLICY_NAMES == sim_policies.BASELINES + _core.COUNTS_POLICIES + ("paged", "oracle")
     assert set(sim_policies.BASELINES) == set(_core.POLICIES) - set(_core.COUNTS_POLICIES)
     for name in _core.POLICIES:  # every listed name is a policy the Router builds
         assert _core.Router(policy=name, num_workers=2).policy == name

@@ -27,6 +27,7 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from eldr_sglang.testing.pd_cluster import free_port, get_json, metric, post, start_router  # noqa: E402
+from eldr_sglang import _core  # noqa: E402
 
 TIME_SCALE = 0.05
 N_TRACE = 120
@@ -59,15 +60,24 @@ def faults(cluster):
 
 
 def eldr_router(urls, trace_files, workdir, extra, policy: str = "eldr"):
-    """The router under `policy`: eldr (late binding) or a baseline (early binding)."""
+    """The router under `policy`: a counts policy (late binding), a baseline (early binding),
+    or EXPERIMENT: a switchback between both kinds, switching every second."""
+    from eldr_sglang._core import COUNTS_POLICIES
+
     _, _, cpath = trace_files
-    counts = ["--no-eldr-drift", "--eldr-centroids", str(cpath), "--eldr-signature-timeout-secs", "2"] if policy == "eldr" else []
-    return start_router(urls, workdir, ["--disagg-router", policy, *counts, "--load-monitor-interval", "0.2",
-                                        "--health-check-interval-secs", "0.3", *extra])
+    counts = ["--eldr-centroids", str(cpath), "--eldr-signature-timeout-secs", "2"]
+    if policy == EXPERIMENT:
+        choice = ["--experiment", "locality/0.05,round_robin", "--switch-every", "1s", *counts]
+    else:
+        choice = ["--disagg-router", policy, *(["--no-eldr-drift", *counts] if policy in COUNTS_POLICIES else [])]
+    return start_router(urls, workdir, [*choice, "--load-monitor-interval", "0.2", "--health-check-interval-secs", "0.3",
+                                        *extra])
 
 
-# every policy fails over: eldr binds late, the baselines early (re-sent on a fresh pair)
-POLICIES = ["eldr", "round_robin", "shortest_queue"]
+# every policy fails over: eldr and locality bind late, the baselines early (re-sent on a
+# fresh pair); and a switchback experiment alternating the two kinds every second
+EXPERIMENT = "experiment"
+POLICIES = [*_core.POLICIES, EXPERIMENT]
 
 
 async def _request(s, base: str, i: int, stream: bool, rng: random.Random, extra_ctl=None):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import subprocess
 import sys
 import time
@@ -431,6 +432,103 @@ def test_endpoints_streamed_and_not(pd, path, stream):
         pieces = [c["choices"][0].get("delta", c["choices"][0]).get(key) for c in chunks if c.get("choices")]
         assert "".join(p for p in pieces if p)
         assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
+
+
+def _latency(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of the router's eldr-policy /generate histogram `name`."""
+    return (metric(text, name + "_sum", policy="eldr", endpoint="generate"),
+            metric(text, name + "_count", policy="eldr", endpoint="generate"))
+
+
+async def _round_trips(url: str, n: int) -> list[float]:
+    """Round trips of requests the data plane answers itself (a body that is not JSON: 400),
+    from an aiohttp client as sglang.benchmark.serving's: what the network and a client add to
+    a request's time beyond the router's, in this run's conditions."""
+    import aiohttp
+
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with s.post(url + "/generate", data=b"not json", headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                assert r.status == 400
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def test_router_ttft_and_tpot_agree_with_sglang_benchmark_serving(cpu, pd, tmp_path):
+    """SGLang's own client, `python -m sglang.benchmark.serving`, through the router: the
+    router's TTFT, TPOT and end-to-end histograms (their sums over counts, this run's requests
+    only) against the client's means.
+
+    The router's clock runs from a request's arrival to its chunks leaving; the client's from
+    sending to reading them. So per request the client's end-to-end time exceeds the router's
+    by the request's and the last chunk's trips through the loopback, and its TTFT the router's
+    by the request's and the first chunk's trips. One round trip through the data plane,
+    measured here by the same kind of client, bounds those; the tolerance is the largest of 20
+    (plus 1 ms of clock granularity), not a tuned figure.
+
+    One difference is of definition, not of clocks: the client stamps its first token at the
+    first chunk whose text is not empty, and a byte-level tokenizer's first tokens can decode
+    to no text yet (a partial UTF-8 character). The client's details show how many tokens
+    request i had by its first text chunk (k_i = output tokens - its ITL entries); its TTFT is
+    then later than the router's by its k_i - 1 extra chunks, each at most the router's longest
+    inter-token gap of the run, and its TPOT spans that much less. TTFT + (tokens - 1) x TPOT
+    is the end-to-end time on both sides, whatever the definition."""
+    import asyncio
+    import urllib.request
+
+    n, tokens = 8, 16
+    model = cpu.model("qwen3_moe")
+    pd.settle()
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        before = r.read().decode()
+    out = tmp_path / "bench.jsonl"
+    p = subprocess.run([sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", pd.url,
+                        "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random-ids",
+                        "--num-prompts", str(n), "--random-input-len", "32", "--random-output-len", str(tokens),
+                        "--random-range-ratio", "1.0", "--max-concurrency", "2", "--warmup-requests", "0",
+                        "--ready-check-timeout-sec", "0", "--seed", "0", "--disable-tqdm", "--output-file", str(out),
+                        "--output-details"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert p.returncode == 0 and out.exists(), (p.stdout[-3000:], p.stderr[-3000:])
+    rtt = max(asyncio.run(_round_trips(pd.url, 20)))
+    pd.settle()
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        after = r.read().decode()
+    res = json.loads(out.read_text().splitlines()[-1])
+    assert res["completed"] == n and res["output_lens"] == [tokens] * n, res
+    delta = {}
+    for name in ("ttft", "tpot", "e2e"):
+        (s0, n0), (s1, n1) = _latency(before, f"eldr_router_{name}_seconds"), _latency(after, f"eldr_router_{name}_seconds")
+        assert n1 - n0 == n, name  # the benchmark's requests, each once
+        delta[name] = (s1 - s0) / n
+    # the router's longest inter-token gap of the run: the upper edge of its highest non-empty ITL bucket
+    def itl_buckets(text):
+        out = {}
+        for m in re.finditer(r'eldr_router_itl_seconds_bucket\{([^}]*)\} (\S+)', text):
+            if 'policy="eldr"' in m.group(1) and 'endpoint="generate"' in m.group(1):
+                le = float(re.search(r'le="([^"]+)"', m.group(1)).group(1))
+                out[le] = out.get(le, 0.0) + float(m.group(2))
+        return out
+    b0, b1 = itl_buckets(before), itl_buckets(after)
+    itl_max = min(le for le in b1 if b1[le] - b0.get(le, 0.0) == max(v - b0.get(k, 0.0) for k, v in b1.items()))
+    extra = [tokens - len(itl) - 1 for itl in res["itls"]]  # k_i - 1 chunks before the first text
+    assert all(k >= 0 for k in extra), extra
+    r_ttft, r_tpot, r_e2e = delta["ttft"], delta["tpot"], delta["e2e"]
+    c_ttft, c_tpot, c_e2e = res["mean_ttft_ms"] / 1e3, res["mean_tpot_ms"] / 1e3, res["mean_e2e_latency_ms"] / 1e3
+    tol = rtt + 0.001
+    late = sum(extra) / n * itl_max if any(extra) else 0.0  # at most this much of the client's TTFT is first-text
+    print(f"\n[sglang-cpu] benchmark.serving vs router: TTFT {c_ttft * 1e3:.1f} vs {r_ttft * 1e3:.1f} ms, TPOT "
+          f"{c_tpot * 1e3:.2f} vs {r_tpot * 1e3:.2f} ms, E2E {c_e2e * 1e3:.1f} vs {r_e2e * 1e3:.1f} ms; largest "
+          f"data-plane round trip {rtt * 1e3:.2f} ms; tokens before the first text chunk {extra} (+1), longest ITL "
+          f"<= {itl_max * 1e3:.0f} ms")
+    assert -0.001 <= c_e2e - r_e2e <= tol, (c_e2e, r_e2e, tol)
+    assert -0.001 <= c_ttft - r_ttft <= tol + late, (c_ttft, r_ttft, tol, late)
+    # TTFT + (tokens - 1) x TPOT: the last token's time on both sides
+    assert abs((c_ttft + (tokens - 1) * c_tpot) - (r_ttft + (tokens - 1) * r_tpot)) <= tol, (c_ttft, c_tpot, r_ttft, r_tpot)
+    if not any(extra):  # every first chunk had text: the definitions coincide
+        assert abs(c_tpot - r_tpot) <= tol / (tokens - 1), (c_tpot, r_tpot)
 
 
 def test_no_leaks_in_flight_back_to_zero_and_loads_polled_cleanly(pd):

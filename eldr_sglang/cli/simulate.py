@@ -64,7 +64,10 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=A.integer(0, A.MAX_TOKENS), default=0, help="output tokens per request (default: as recorded)")
     p.add_argument("--order", choices=["trace", "shuffle"], default="trace", help="request order (default: the trace's)")
     p.add_argument("--offload-experts", type=A.integer(0, A.MAX_EXPERTS), default=0, metavar="C",
-                   help="expert-offload mode: GPU cache of C experts per MoE layer (LRU), misses over PCIe")
+                   help="model SGLang's paged experts (--enable-paged-experts --paged-experts-num-resident C): "
+                        "each decode worker is one GPU keeping C experts per MoE layer resident (LRU, waves when a "
+                        "step touches more than C), the rest paged in from host memory over PCIe; reports hit rate, "
+                        "page-ins per step and reuse per worker (docs/simulator.md)")
     p.add_argument("--seed", type=A.seed, default=0)
     p.add_argument("--json", help="write the summary JSON here")
     p.add_argument("--plot", help="write a PNG here (TPOT vs load when sweeping)")

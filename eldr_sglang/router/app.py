@@ -51,9 +51,41 @@ def build_app(cfg: RouterConfig, pd: ControlPlane | None = None) -> web.Applicat
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/eldr/status", status)
+    if cfg.experiment is not None:
+        add_experiment_routes(app, pd, cfg.admin_token)
     WorkerPassthrough(pd).add_routes(app, cfg.admin_token)
     app.cleanup_ctx.append(lambda _app: _lifecycle(pd, cfg))
     return app
+
+
+def add_experiment_routes(app: web.Application, pd: ControlPlane, admin_token: str | None) -> None:
+    """GET /eldr/experiment: every block's statistics (read by `eldr experiment report
+    --url`); POST /eldr/experiment/switch: end the block now, optionally {"arm": LABEL}
+    (a control endpoint: the admin token guards it)."""
+    from eldr_sglang.router.admin import guarded
+
+    async def experiment(_):
+        return web.json_response(pd.experiment(blocks=True))
+
+    async def switch(request: web.Request):
+        arm = None
+        if request.can_read_body:
+            try:
+                body = await request.json()
+            except ValueError:
+                return web.json_response({"error": {"message": "the body must be JSON: {} or {\"arm\": LABEL}"}}, status=400)
+            if not isinstance(body, dict) or not isinstance(body.get("arm", ""), (str, type(None))):
+                return web.json_response({"error": {"message": "the body must be {} or {\"arm\": LABEL}"}}, status=400)
+            arm = body.get("arm")
+        try:
+            block, label = pd.dataplane.experiment_switch(arm)
+        except ValueError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        logger.info("experiment: switched to block %d, arm %s (admin call)", block, label)
+        return web.json_response({"block": block, "arm": label})
+
+    app.router.add_get("/eldr/experiment", experiment)
+    app.router.add_post("/eldr/experiment/switch", guarded(switch, admin_token))
 
 
 async def _lifecycle(pd: ControlPlane, cfg: RouterConfig):
@@ -114,8 +146,8 @@ async def running(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str
             prom = start_http_server(cfg.prometheus_port, cfg.prometheus_host or "127.0.0.1", registry=pd.metrics.registry)
         logger.info(
             "ELDR PD router on http://%s:%d (Rust data plane; control plane on 127.0.0.1:%d): %d prefill, %d decode, "
-            "policy %s, %s binding", cfg.host, port, control_port, len(cfg.prefill), len(cfg.decode), cfg.policy,
-            "late" if cfg.late_binding else "early",
+            "policy %s, %s binding", cfg.host, port, control_port, len(cfg.prefill), len(cfg.decode),
+            _policy_line(cfg), "late" if cfg.late_binding else "early",
         )
         yield app, f"http://{cfg.host}:{port}"
     finally:
@@ -125,6 +157,13 @@ async def running(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str
             await asyncio.get_running_loop().run_in_executor(None, pd.dataplane.stop)
         await runner.cleanup()
         sock.close()
+
+
+def _policy_line(cfg: RouterConfig) -> str:
+    x = cfg.experiment
+    if x is None:
+        return cfg.policy
+    return f"switchback experiment over {', '.join(a.label for a in x.arms)} every {x.switch_every_s:g} s (seed {x.seed})"
 
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:

@@ -60,6 +60,75 @@ class PrefillWorker:
     host: str  # what decode workers connect to (the URL's host)
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a switchback experiment: `label` as given (`locality/0.05`), its policy and
+    load factor (None: none, or not a bounded-load policy)."""
+    label: str
+    policy: str
+    load_factor: float | None
+
+
+@dataclass
+class Experiment:
+    """A switchback experiment (--experiment): the data plane runs one arm per block of
+    `switch_every_s` seconds, in an order drawn from `seed` (rust/dataplane/src/experiment.rs)."""
+    arms: list[Arm]
+    switch_every_s: float = 600.0
+    seed: int = 0
+
+
+# Blocks shorter than this cannot drain a decode batch; longer than a week is a typo.
+MIN_SWITCH_S, MAX_SWITCH_S = 0.1, 7 * 86400.0
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """'10m', '30s', '1.5h', '500ms' or plain seconds ('90') -> seconds, between
+    MIN_SWITCH_S and MAX_SWITCH_S. Raises ValueError saying what was expected."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|min|m|h)?\s*", text or "")
+    if m is None:
+        raise ValueError(f"expected a duration like 10m, 30s, 1h or 500ms, got {text!r}")
+    v = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    if not MIN_SWITCH_S <= v <= MAX_SWITCH_S:
+        raise ValueError(f"a block must last between {MIN_SWITCH_S:g} s and 7 days, got {text!r}")
+    return v
+
+
+def parse_arms(text: str, default_load_factor: float | None = None) -> list[Arm]:
+    """'locality/0.05,round_robin' -> arms: each a --disagg-router policy, optionally /F (the
+    bounded-load factor of eldr and locality; /none: the paper's rule); a plain eldr or
+    locality takes `default_load_factor` (--eldr-load-factor). Raises ValueError."""
+    arms: list[Arm] = []
+    for raw in (text or "").split(","):
+        label = raw.strip()
+        if not label:
+            raise ValueError(f"expected arms like locality/0.05,round_robin, got {text!r}")
+        name, slash, factor = label.partition("/")
+        if "@" in name:
+            raise ValueError(f"arm {label!r}: tau is the router's (--eldr-tau), the same for every arm")
+        if name not in DECODE_POLICIES:
+            raise ValueError(f"arm {label!r}: unknown policy {name!r}; choose from {', '.join(DECODE_POLICIES)}")
+        lf = default_load_factor if name in COUNTS_POLICIES else None
+        if slash:
+            if name not in COUNTS_POLICIES:
+                raise ValueError(f"arm {label!r}: /F (a load factor) applies to {' and '.join(COUNTS_POLICIES)} only")
+            try:
+                lf = _load_factor(factor)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"arm {label!r}: {exc}") from None
+            if lf is not None and not (math.isfinite(lf) and 0 <= lf <= 1e6):
+                raise ValueError(f"arm {label!r}: the load factor must be between 0 and 1e6")
+        if any(a.label == label for a in arms):
+            raise ValueError(f"arm {label!r} is given twice")
+        arms.append(Arm(label, name, lf))
+    if not 2 <= len(arms) <= 16:
+        raise ValueError(f"an experiment needs 2 to 16 arms, got {len(arms)}")
+    return arms
+
+
 @dataclass
 class RouterConfig:
     prefill: list[PrefillWorker]
@@ -69,6 +138,9 @@ class RouterConfig:
     centroids: str | None = None
     tau: float | None = None
     load_factor: float | None = None
+    # decode workers run SGLang's paged experts with C resident per MoE layer: locality routes
+    # by expected page-ins (rust/core/src/policies/paged.rs); None = HBM-resident experts
+    paged_experts: int | None = None
     bind: str = "auto"  # 'late' | 'early' | 'auto' (late for eldr, early for the baselines)
     signature_timeout_s: float = 30.0
     seed: int = 0
@@ -103,9 +175,18 @@ class RouterConfig:
     max_concurrent_requests: int | None = None
     queue_size: int | None = None
     queue_timeout_s: float = 60.0
+    # A switchback experiment over decode policies; `policy` and `load_factor` are then its
+    # first arm's.
+    experiment: Experiment | None = None
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike
+        if self.experiment is not None:
+            # the router the control plane holds is the first arm's; the centroid file stays
+            # fixed through the run (no drift refits), so every block routes on the same one
+            first = self.experiment.arms[0]
+            self.policy, self.load_factor = first.policy, first.load_factor
+            self.drift = {"enabled": False}
         for url in [w.url for w in self.prefill] + list(self.decode):
             if not url.startswith("http://"):  # the data plane speaks plain HTTP/1.1 to workers
                 raise ConfigError(f"worker URL {url!r}: the router speaks plain http:// to workers only "
@@ -121,9 +202,19 @@ class RouterConfig:
                                       "centroid file is fitted for)")
                 seen[key] = url
 
+    def binds_late(self, policy: str) -> bool:
+        return self.bind == "late" or (self.bind == "auto" and policy in COUNTS_POLICIES)
+
     @property
     def late_binding(self) -> bool:
-        return self.bind == "late" or (self.bind == "auto" and self.policy in COUNTS_POLICIES)
+        """Whether any request binds late (under an experiment: any arm)."""
+        policies = [a.policy for a in self.experiment.arms] if self.experiment else [self.policy]
+        return any(self.binds_late(p) for p in policies)
+
+    @property
+    def policies(self) -> list[str]:
+        """The decode policies requests are routed by: the policy, or every arm's."""
+        return [a.policy for a in self.experiment.arms] if self.experiment else [self.policy]
 
 
 def _worker_key(url: str) -> tuple:
@@ -162,7 +253,7 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL", help="decode worker URL; repeat per worker")
     pol = ap.add_argument_group("Routing")
     pol.add_argument(
-        "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default=DEFAULT_POLICY,
+        "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default=None,
         help=f"decode routing policy (default {DEFAULT_POLICY}: the locality-aware balancer, least marginal expected "
         "expert cost under the load cap; eldr: the paper's band rule; both need --eldr-centroids)",
     )
@@ -175,6 +266,13 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help="bounded loads for eldr and locality: a worker is a candidate only while its load is below "
         f"ceil((1+F)*(total+1)/workers) (default {DEFAULT_LOAD_FACTOR}; 'none' = the paper's rule, "
         "which piles single-domain bursts onto one worker: see benchmarks/results/tpot_study*.md)",
+    )
+    pol.add_argument(
+        "--eldr-paged-experts", type=int, default=None, metavar="C",
+        help="the decode workers run SGLang's paged experts (--enable-paged-experts --paged-experts-num-resident C): "
+        "the locality policy then routes each request where it is expected to cause the fewest expert page-ins, "
+        "under the same load cap (docs/serving.md, 'Paged experts'). An experiment: in the simulated study "
+        "(benchmarks/results/paged_experts_study.md) it was slower than the plain locality cost on p50 in 19 of 23 runs",
     )
     pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",
@@ -191,6 +289,18 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help="turn off drift monitoring and online refits of the centroid file (on by default for eldr and locality)",
     )
     pol.add_argument("--seed", type=int, default=0, help="seed of the random policies")
+    exp = ap.add_argument_group("Switchback experiment (docs/serving.md, 'Proving it on your cluster')")
+    exp.add_argument(
+        "--experiment", metavar="ARM1,ARM2[,...]", default=None,
+        help="alternate the decode policy over time blocks: arms are --disagg-router policies, eldr and locality "
+        "optionally with /F, their load factor (e.g. locality/0.05,round_robin). Blocks run in a seeded random order, "
+        "each arm once per round; a block's requests that start while another arm's are still in flight are flagged "
+        "warm-up. GET /eldr/experiment gives each block's TPOT p50 and mean (read by `eldr experiment report --url`); "
+        "replaces --disagg-router",
+    )
+    exp.add_argument("--switch-every", metavar="DURATION", default=None,
+                     help="block length with --experiment: 10m, 30s, 1h, 500ms or seconds (default 10m)")
+    exp.add_argument("--experiment-seed", type=int, default=0, metavar="N", help="seed of the blocks' order (default 0)")
     pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
     req = ap.add_argument_group("Requests and workers")
     req.add_argument("--request-timeout-secs", type=float, default=1800.0)
@@ -232,7 +342,7 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
                     help="reading a request body may take this long, else 408 (default 30)")
     cl.add_argument(
         "--admin-token", default=None,
-        help=f"token for POST /eldr/refit and /flush_cache (header 'Authorization: Bearer TOKEN'); "
+        help=f"token for POST /eldr/refit, /flush_cache and /eldr/experiment/switch (header 'Authorization: Bearer TOKEN'); "
         f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
     adm = ap.add_argument_group("Admission control (the Rust data plane)")
@@ -278,11 +388,21 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     decode = [_url(d[0], "--decode") for d in a.decode]
     if not prefill or not decode:
         raise ConfigError("at least one --prefill and one --decode worker are needed")
+    experiment = _experiment(a)
+    a.policy = a.policy or DEFAULT_POLICY
+    if experiment is not None:
+        a.policy, a.eldr_load_factor = experiment.arms[0].policy, experiment.arms[0].load_factor
+    for arm in experiment.arms if experiment else []:
+        if arm.policy in COUNTS_POLICIES and not a.eldr_centroids:
+            raise ConfigError(f"--experiment arm {arm.label} needs --eldr-centroids (a centroid file from `eldr fit`: eldr "
+                              "routes on its centroids, locality tracks experts on the layers it selected)")
     if a.policy == "eldr" and not a.eldr_centroids:
         raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
     if a.policy == "locality" and not a.eldr_centroids:
         raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
                           "the balancer tracks experts on the layers it selected)")
+    if a.eldr_paged_experts is not None and a.policy != "locality":
+        raise ConfigError(f"--eldr-paged-experts is a cost of the locality policy, not of --disagg-router {a.policy}")
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -293,6 +413,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         centroids=a.eldr_centroids,
         tau=a.eldr_tau,
         load_factor=a.eldr_load_factor,
+        paged_experts=a.eldr_paged_experts,
         bind=a.eldr_bind,
         signature_timeout_s=a.eldr_signature_timeout_secs,
         seed=a.seed,
@@ -325,7 +446,28 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         max_concurrent_requests=a.max_concurrent_requests,
         queue_size=a.queue_size,
         queue_timeout_s=a.queue_timeout_secs,
+        experiment=experiment,
     )
+
+
+def _experiment(a: argparse.Namespace) -> Experiment | None:
+    if a.experiment is None:
+        if a.switch_every is not None:
+            raise ConfigError("--switch-every needs --experiment (the arms to switch between)")
+        return None
+    if a.policy is not None:
+        raise ConfigError("--experiment replaces --disagg-router: give the policies as the experiment's arms")
+    try:
+        arms = parse_arms(a.experiment, a.eldr_load_factor)
+    except ValueError as exc:
+        raise ConfigError(f"--experiment: {exc}") from None
+    try:
+        every = parse_duration(a.switch_every) if a.switch_every is not None else 600.0
+    except ValueError as exc:
+        raise ConfigError(f"--switch-every: {exc}") from None
+    if not 0 <= a.experiment_seed < 2**64:
+        raise ConfigError(f"--experiment-seed must be between 0 and 2^64 - 1, got {a.experiment_seed}")
+    return Experiment(arms, every, a.experiment_seed)
 
 
 # flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0)
@@ -333,6 +475,7 @@ _NUMERIC_FLAGS = {
     "--port": ("port", 1, 65535, True, False),
     "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
     "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
+    "--eldr-paged-experts": ("paged_experts", 1, 2**20, True, False),
     "--eldr-signature-timeout-secs": ("signature_timeout_s", 1e-3, DAY_S, False, False),
     "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
     "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),

@@ -31,7 +31,7 @@ class ControlPlane:
         from eldr_sglang import _core
 
         self.cfg = cfg
-        if cfg.policy == "locality" and not cfg.centroids:
+        if "locality" in cfg.policies and not cfg.centroids:
             raise ValueError("policy locality needs a centroid file (its layer selection): give --eldr-centroids")
         # reload_interval_ms=0: the route path never touches the file (its own rate-limited
         # check would stat and read it on a data-plane thread); the control plane checks the
@@ -48,6 +48,8 @@ class ControlPlane:
             kw["tau"] = cfg.tau
         if cfg.load_factor is not None:
             kw["load_factor"] = cfg.load_factor
+        if cfg.paged_experts is not None:
+            kw["paged_experts"] = cfg.paged_experts
         try:
             self.router = _core.Router(**kw)
         except _core.CentroidFileError as exc:
@@ -94,13 +96,24 @@ class ControlPlane:
                 f"the centroid file has {cs.num_workers} workers, the router {len(self.cfg.decode)} decode workers"
             )
 
+    def experiment(self, blocks: bool = False) -> dict | None:
+        """The switchback experiment (None: none): the current arm and block; with `blocks`,
+        every block's statistics too (GET /eldr/experiment)."""
+        import json
+
+        text = self.dataplane.experiment(blocks)
+        return None if text is None else json.loads(text)
+
     def state(self) -> dict:
         dp = self.dataplane
         pre, dec = dp.workers("prefill"), dp.workers("decode")
         reload_error = self.router.last_reload_error
+        experiment = self.experiment()
         return {
             "data_plane": "rust",
-            "policy": self.cfg.policy,
+            # under an experiment, the arm new requests are routed by
+            "policy": experiment["arm"] if experiment else self.cfg.policy,
+            "experiment": experiment,
             "late_binding": self.cfg.late_binding,
             "decode_loads": list(self.router.loads()),
             "decode_inflight": list(self.router.inflight()),
@@ -119,6 +132,7 @@ class ControlPlane:
             "centroid_file": {"path": self.cfg.centroids, "ok": reload_error is None} if self.cfg.centroids else None,
             "tau": float(self.router.tau),
             "load_factor": self.router.load_factor,
+            "paged_experts": self.router.paged_experts,
             "decode_expert_distinct": self.router.expert_distinct(),  # locality only, else None
         }
 

@@ -75,7 +75,19 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "reservoir": reservoir_config(cfg),
         "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
         "queue_timeout_s": cfg.queue_timeout_s,
+        "experiment": experiment_config(cfg),
     })
+
+
+def experiment_config(cfg: RouterConfig) -> dict | None:
+    """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): each
+    arm with its binding (late for the counts policies under --eldr-bind auto)."""
+    x = cfg.experiment
+    if x is None:
+        return None
+    return {"arms": [{"label": a.label, "policy": a.policy, "load_factor": a.load_factor, "late_binding": cfg.binds_late(a.policy)}
+                     for a in x.arms],
+            "switch_every_s": x.switch_every_s, "seed": x.seed}
 
 
 class DriftView:

@@ -55,6 +55,16 @@ class _StateCollector:
             if reason is not None:
                 off.add_metric([str(i), reason], 1.0)
         yield from (q, own, rep, h, ej, gen, off)
+        x = s.get("experiment")
+        if x is not None:
+            # one series per arm (at most 16): 1 for the arm new requests are routed by
+            arm = GaugeMetricFamily("eldr_router_experiment_arm", "Switchback experiment: 1 for the arm now routing new "
+                                    "requests, 0 for the others", labels=["arm"])
+            for label in x["arms"]:
+                arm.add_metric([label], 1.0 if label == x["arm"] else 0.0)
+            block = GaugeMetricFamily("eldr_router_experiment_block", "Switchback experiment: the current block's number")
+            block.add_metric([], x["block"])
+            yield from (arm, block)
 
 
 # The request path's metrics: the Rust data plane keeps the counters (rust/dataplane/src/
@@ -106,6 +116,7 @@ REQUEST_HISTOGRAMS = (
 )
 # Latency on the request path, labelled by decode policy, decode worker and endpoint (the
 # prefill leg by policy and endpoint); measured in the data plane from the streamed bytes.
+# Under a switchback experiment the policy label is the arm's (`locality/0.05`): at most 16.
 LATENCY_HISTOGRAMS = {
     "eldr_router_ttft_seconds": "Time to first token: the client's request arriving to the decode's first chunk going "
                                 "back (streamed answers)",

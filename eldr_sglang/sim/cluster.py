@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr_sglang.sim.cost_model import ExecutionModel, ExpertCache
+from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.sim.decode import DecodeStep, Replica, Requests
+from eldr_sglang.sim.paged_experts import PagedExperts
 from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PrefillScheduler
 from eldr_sglang.sim.replay import TraceReplay
 from eldr_sglang.workload import Workload
@@ -160,7 +161,7 @@ class _Run:
         self.rq = Requests(workload.prompt_len, workload.output_len, replay.dec_start[t_idx], replay.dec_len[t_idx])
         cache = model.offload_cache_experts
         self.replicas = [Replica(self.rq, kv_cap, cfg.max_running,
-                                 ExpertCache(replay.num_layers, replay.num_experts, cache) if cache > 0 else None)
+                                 PagedExperts(replay.num_layers, replay.num_experts, cache) if cache > 0 else None)
                          for _ in range(K)]
         self.prefill = PrefillScheduler(int(cfg.num_prefill) or K, model.prefill_time, cfg.prefill_policy,
                                         cfg.prefill_seed)
@@ -320,5 +321,7 @@ def simulate(
         offload_misses=run.step.misses,
         wall_s=time.perf_counter() - t_wall,
         extra={"top_k": replay.top_k, "num_experts": replay.num_experts, "kv_capacity_tokens": kv_cap,
-               "peak_kv_reserved": [w.peak_reserved for w in run.replicas]},
+               "peak_kv_reserved": [w.peak_reserved for w in run.replicas],
+               # expert-offload mode: per decode worker, SGLang paged-experts counters
+               **({"paged": [w.cache.stats() for w in run.replicas]} if model.offload_cache_experts else {})},
     )

@@ -12,8 +12,19 @@ where BW = tp * hbm_bw * bw_efficiency and F = tp * peak FLOP/s * flops_efficien
 distinct experts that the batch's tokens select at MoE layer l in this step (from real
 routing), and overhead = step_overhead_s + per-layer TP all-reduce latency.
 
-Optional expert offload: each MoE layer keeps a GPU cache of C experts (LRU); experts touched
-this step but not cached are copied over the host link (PCIe) before use.
+Optional expert offload, modelled on SGLang's paged experts (`--enable-paged-experts
+--paged-experts-num-resident C`; sim/paged_experts.py has the rules and their sources): one
+GPU per decode worker; each MoE layer keeps C experts resident (LRU) and a step that touches
+more than C runs in ceil(d_l / C) waves. The step then adds
+
+      + sum over MoE layers l of page_ins_l * expert_bytes / host_link_bw   (PCIe, not overlapped)
+      + sum over MoE layers l of (waves_l - 1) * moe_layer_fixed_s          (one fused-MoE launch per wave)
+      + eager_step_overhead_s - step_overhead_s   when batch x top_k > C   (no decode CUDA graph)
+
+where expert_bytes is one expert's weights in the checkpoint's format (models.py: bf16 2 B,
+FP8 1 B, MXFP4 4.25 bits per parameter, scales included; DeepSeek-V3's FP8 128x128 block
+scales add 4 B per 16384 parameters, under 0.03%, left out) and host_link_bw one direction of
+the GPU's PCIe link (profiles.py).
 
 Each MoE layer also pays `moe_layer_fixed_s` (gating, top-k, permute/align, padded tiles),
 independent of the distinct experts; 0 in the default model (the pure roofline), see
@@ -65,6 +76,11 @@ DEFAULT_STEP_OVERHEAD_S = 0.5e-3
 DEFAULT_ALLREDUCE_LATENCY_S = 10e-6
 # ASSUMPTION: fraction of free HBM given to the KV cache (SGLang --mem-fraction-static-like).
 DEFAULT_MEM_FRACTION = 0.85
+# ASSUMPTION: step overhead of a decode step that runs without a CUDA graph. SGLang's paged
+# experts captures decode graphs only up to C // top_k requests (paged_experts/method.py
+# `_cap_decode_capture_batch_sizes`); larger batches run eagerly. The same 2 ms the
+# sensitivity band uses for stacks without CUDA graphs (LARGE_STEP_OVERHEAD_S below).
+EAGER_STEP_OVERHEAD_S = 2.0e-3
 
 # ELDR paper measurement: going from 16 to 128 active experts makes the MoE layer 4.7x slower.
 PAPER_MOE_16_TO_128_SLOWDOWN = 4.7
@@ -105,15 +121,19 @@ class ExecutionModel:
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     allreduce_latency_s: float = DEFAULT_ALLREDUCE_LATENCY_S
     mem_fraction: float = DEFAULT_MEM_FRACTION
-    offload_cache_experts: int = 0  # C > 0 turns on expert offload (per-layer LRU of C experts)
+    offload_cache_experts: int = 0  # C > 0: SGLang paged experts, C resident per MoE layer (one GPU)
+    eager_step_overhead_s: float = EAGER_STEP_OVERHEAD_S  # paged steps beyond the captured graphs
     moe_layer_fixed_s: float = 0.0  # per-MoE-layer fixed cost (gating, top-k, permute, padding)
     ep: int = 1  # expert-parallel ranks (1: experts sharded over TP; else must divide tp and E)
     calibration: dict | None = None  # {batch: (a_s, b_s)} or {batch: (a_s, b_s, other_s)} from a calibration file
     _c: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.offload_cache_experts and self.tp > 1:
+            # paged_experts/method.py check_paged_experts_compat: "--tp-size must be 1 (single GPU only)"
+            raise ValueError("paged experts (--offload-experts) run on a single GPU: tp must be 1")
         if self.tp <= 0:
-            self.tp = min_tp(self.model, self.hardware, self.mem_fraction)
+            self.tp = 1 if self.offload_cache_experts else min_tp(self.model, self.hardware, self.mem_fraction)
         m, hw, tp = self.model, self.hardware, self.tp
         for name in ("bw_efficiency", "flops_efficiency"):
             v = getattr(self, name)
@@ -121,6 +141,9 @@ class ExecutionModel:
                 raise ValueError(f"{name} must lie in (0, 1], got {v}")
         if self.offload_cache_experts < 0 or self.offload_cache_experts > m.num_experts:
             raise ValueError(f"offload cache must hold 0..{m.num_experts} experts, got {self.offload_cache_experts}")
+        if 0 < self.offload_cache_experts < m.top_k:
+            # check_paged_experts_compat: "--paged-experts-num-resident must be at least the router's top-k"
+            raise ValueError(f"paged experts need C >= top_k = {m.top_k} resident experts, got {self.offload_cache_experts}")
         if not (self.moe_layer_fixed_s >= 0 and math.isfinite(self.moe_layer_fixed_s)):
             raise ValueError(f"moe_layer_fixed_s must be finite and >= 0, got {self.moe_layer_fixed_s}")
         if self.ep < 1 or tp % self.ep or m.num_experts % self.ep:
@@ -163,7 +186,7 @@ class ExecutionModel:
             attn_flops=m.attn_flops_per_ctx_token(),
             expert_t=m.expert_bytes() / bw,
             expert_flops_per_tok=2.0 * m.top_k * m.expert_params(),
-            host_t=m.expert_bytes() / (tp * hw.host_link_bw),
+            host_t=m.expert_bytes() / hw.host_link_bw,  # one expert page-in (paged experts: tp = 1)
             active_flops_per_tok=2.0 * m.active_params(),
         )
 
@@ -241,10 +264,23 @@ class ExecutionModel:
         E = self.model.num_experts
         return np.arange(E) // (E // self.ep)
 
-    def decode_step_time(self, batch_size: int, kv_tokens: int, distinct_experts: np.ndarray, misses: np.ndarray | None = None) -> float:
+    def _paged_terms(self, batch_size: int, misses, waves) -> float:
+        """Paged experts: page-ins over the host link, one fused-MoE launch per extra wave,
+        and the eager step overhead beyond the captured decode graphs (module docstring)."""
+        if misses is None:
+            return 0.0
+        t = float(np.sum(misses)) * self._c["host_t"]
+        if waves is not None:
+            t += float(np.sum(np.asarray(waves) - 1)) * self.moe_layer_fixed_s
+        if self.offload_cache_experts and batch_size * self.model.top_k > self.offload_cache_experts:
+            t += max(0.0, self.eager_step_overhead_s - self.step_overhead_s)
+        return t
+
+    def decode_step_time(self, batch_size: int, kv_tokens: int, distinct_experts: np.ndarray, misses: np.ndarray | None = None,
+                         waves: np.ndarray | None = None) -> float:
         """Seconds of one decode step of `batch_size` tokens over `kv_tokens` cached tokens,
-        with distinct_experts[l] experts touched at MoE layer l. `misses[l]` (offload mode)
-        are the experts that had to be fetched over the host link."""
+        with distinct_experts[l] experts touched at MoE layer l. `misses[l]` (paged experts)
+        are the experts paged in over the host link, `waves[l]` the waves layer l ran in."""
         if batch_size <= 0:
             return 0.0
         d = np.asarray(distinct_experts)
@@ -252,16 +288,15 @@ class ExecutionModel:
         if d.shape != (L,) and not (self.ep > 1 and d.shape == (L, self.ep)):
             want = f"({L},)" + (f" or ({L}, {self.ep})" if self.ep > 1 else "")
             raise ValueError(f"distinct_experts must have shape {want}, got {d.shape}")
-        c = self._c
         ov, dense, attn = self._fixed_terms(batch_size, kv_tokens)
         moe = float(np.sum(self.moe_layer_time(batch_size, d)))
-        off = float(np.sum(misses)) * c["host_t"] if misses is not None else 0.0
-        return ov + dense + attn + moe + off
+        return ov + dense + attn + moe + self._paged_terms(batch_size, misses, waves)
 
-    def breakdown(self, batch_size: int, kv_tokens: int, distinct_experts: np.ndarray, misses: np.ndarray | None = None) -> StepBreakdown:
+    def breakdown(self, batch_size: int, kv_tokens: int, distinct_experts: np.ndarray, misses: np.ndarray | None = None,
+                  waves: np.ndarray | None = None) -> StepBreakdown:
         ov, dense, attn = self._fixed_terms(batch_size, kv_tokens)
         moe = float(np.sum(self.moe_layer_time(batch_size, np.asarray(distinct_experts))))
-        off = float(np.sum(misses)) * self._c["host_t"] if misses is not None else 0.0
+        off = self._paged_terms(batch_size, misses, waves)
         return StepBreakdown(ov, dense, attn, moe, off, ov + dense + attn + moe + off)
 
     # ---------------- prefill ----------------
@@ -344,6 +379,10 @@ class ExecutionModel:
             "calibrated": self.calibration is not None,
             "calibrated_step": self.measured_step,
             "offload_cache_experts": self.offload_cache_experts,
+            **({"paged_experts": {"expert_bytes": m.expert_bytes(), "host_link_gb_s": hw.host_link_bw / 1e9,
+                                  "page_in_us": round(self._c["host_t"] * 1e6, 3),
+                                  "eager_step_overhead_ms": self.eager_step_overhead_s * 1e3}}
+               if self.offload_cache_experts else {}),
         }
 
 
@@ -411,35 +450,6 @@ def load_calibration(path, model: str, hardware: str | None = None, profile: Mod
         have = sorted({(e.get("model"), e.get("hardware")) for e in doc.get("entries", [])})
         raise ValueError(f"{path} has no calibration for model {model!r}" + (f" on {hardware}" if hardware else "") + f"; it has {have}")
     return _check_calibration(cal)
-
-
-class ExpertCache:
-    """Per-layer LRU cache of C experts on the GPU (expert-offload mode)."""
-
-    def __init__(self, num_layers: int, num_experts: int, capacity: int):
-        if capacity <= 0:
-            raise ValueError("offload cache capacity must be positive")
-        self.L, self.E, self.C = num_layers, num_experts, capacity
-        self.cached = np.zeros((num_layers, num_experts), dtype=bool)
-        self.last = np.full((num_layers, num_experts), -1, dtype=np.int64)
-        self.clock = 0
-        self._rows = np.arange(num_layers)[:, None]
-
-    def access(self, touched: np.ndarray) -> np.ndarray:
-        """touched [L, E] bool -> misses per layer [L]; updates the LRU state."""
-        self.clock += 1
-        misses = (touched & ~self.cached).sum(axis=1)
-        self.last[touched] = self.clock
-        self.cached |= touched
-        over = self.cached.sum(axis=1) > self.C
-        if np.any(over):
-            layers = np.nonzero(over)[0]
-            score = np.where(self.cached[layers], self.last[layers], -(2**62))
-            keep = np.argpartition(-score, self.C - 1, axis=1)[:, : self.C]
-            new = np.zeros((len(layers), self.E), dtype=bool)
-            np.put_along_axis(new, keep, True, axis=1)
-            self.cached[layers] = new
-        return misses
 
 
 # ---------------- the sensitivity band ----------------

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr_sglang.sim.cost_model import ExecutionModel, ExpertCache
+from eldr_sglang.sim.cost_model import ExecutionModel
+from eldr_sglang.sim.paged_experts import PagedExperts
 from eldr_sglang.sim.replay import TraceReplay, distinct_counter, touched_mask
 
 
@@ -36,7 +37,7 @@ class Requests:
 class Replica:
     """One decode worker's running batch and its queue of requests whose KV is arriving."""
 
-    def __init__(self, requests: Requests, kv_capacity: int, max_running: int, cache: ExpertCache | None = None):
+    def __init__(self, requests: Requests, kv_capacity: int, max_running: int, cache: PagedExperts | None = None):
         self.rq = requests
         self.kv_capacity = kv_capacity
         self.max_running = max_running
@@ -127,7 +128,8 @@ class Replica:
 
 class DecodeStep:
     """The time of one decode step, from the distinct experts its batch touches per MoE layer
-    (per expert-parallel rank with ep > 1; through the replica's expert cache with offload)."""
+    (per expert-parallel rank with ep > 1; through the replica's paged-expert tables in the
+    expert-offload mode, sim/paged_experts.py)."""
 
     def __init__(self, replay: TraceReplay, model: ExecutionModel, perfect_overlap: bool = False):
         self.ids = replay.expert_ids
@@ -142,8 +144,10 @@ class DecodeStep:
         """(step seconds, distinct experts per MoE layer) for the replica's running batch."""
         B, kv, ep, step_time = len(replica.req), replica.kv, self.model.ep, self.model.decode_step_time
         ids = self.ids[replica.rows()]
-        if self.perfect is not None:
+        if self.perfect is not None:  # with paged experts, the bound also pages nothing in
             d = self.perfect
+            if replica.cache is not None:
+                return step_time(B, kv, d, np.zeros(self.L), np.ones(self.L)), d
             return step_time(B, kv, d if ep == 1 else np.full((self.L, ep), -(-self.top_k // ep), np.int64)), d
         if ep > 1:
             d_rank = touched_mask(ids, self.E).reshape(self.L, ep, self.E // ep).sum(axis=2)
@@ -151,8 +155,8 @@ class DecodeStep:
         if replica.cache is not None:
             touched = touched_mask(ids, self.E)
             d = touched.sum(axis=1)
-            miss = replica.cache.access(touched)
+            miss, waves = replica.cache.access(touched, B * self.top_k * self.L)
             self.misses += int(miss.sum())
-            return step_time(B, kv, d, miss), d
+            return step_time(B, kv, d, miss, waves), d
         d = self.count(ids, self.E)
         return step_time(B, kv, d), d

@@ -11,6 +11,9 @@ layer per decode step, expert reuse and per-worker load.
   distinct experts per step it is not lowered by merely running smaller batches.
 - Expert reuse ratio = sum over steps and MoE layers of (batch x top_k) / distinct experts:
   how many token-expert selections each loaded expert serves on average.
+- Paged experts (expert-offload mode, sim/paged_experts.py), per decode worker and pooled:
+  hit rate = touched experts already resident / touched experts; page-ins per step (all MoE
+  layers); reuse = token-expert selections served per page-in (per expert load).
 """
 
 from __future__ import annotations
@@ -100,5 +103,17 @@ def compute_metrics(res: SimResult, warmup_frac: float = 0.0) -> dict:
         "load_imbalance": float(req_counts.max() / req_counts.mean()) if req_counts.mean() > 0 else float("nan"),
         "per_worker": per_worker,
         "offload_misses": res.offload_misses,
+        **({"paged": paged_summary(res.extra["paged"])} if "paged" in res.extra else {}),
         "sim_wall_s": res.wall_s,
+    }
+
+
+def paged_summary(workers: list[dict]) -> dict:
+    """Pooled and per-worker paged-experts counters (hit rate, page-ins per step, reuse)."""
+    tot = {k: sum(w[k] for w in workers) for k in ("steps", "touched", "page_ins", "selections")}
+    return {
+        "hit_rate": 1.0 - tot["page_ins"] / tot["touched"] if tot["touched"] else float("nan"),
+        "page_ins_per_step": tot["page_ins"] / tot["steps"] if tot["steps"] else float("nan"),
+        "reuse": tot["selections"] / tot["page_ins"] if tot["page_ins"] else float("nan"),
+        "per_worker": [{k: w[k] for k in ("hit_rate", "page_ins_per_step", "reuse", "steps")} for w in workers],
     }

@@ -1,7 +1,7 @@
 """Decode-routing policies of the simulator.
 
 Every non-oracle policy is the Rust `Router` the real router runs (random, round_robin,
-shortest_queue, power_of_two, eldr, locality); the simulator only feeds it prefill signatures and
+shortest_queue, power_of_two, eldr, locality, and `paged`: locality with --eldr-paged-experts C); the simulator only feeds it prefill signatures and
 keeps its in-flight counts with `acquire`/`release`. The oracle routes by domain label and
 exists for reference only: it is the one place labels enter the simulator, and they are
 handed to it explicitly (see `make_policy`).
@@ -28,11 +28,13 @@ def _core():
 
 
 # The Rust Router's policies (the one list, _core.POLICIES), plus the simulator's oracle; the
-# baselines are the load balancers, the policies that do not route on counts.
+# baselines are the load balancers, the policies that do not route on counts. `paged` is the
+# locality policy with the cache-aware cost (the router's --eldr-paged-experts C), C taken from
+# the simulated workers' paged experts (ExecutionModel.offload_cache_experts).
 BASELINES = tuple(p for p in _core().POLICIES if p not in _core().COUNTS_POLICIES)
-POLICY_NAMES = BASELINES + _core().COUNTS_POLICIES + ("oracle",)
+POLICY_NAMES = BASELINES + _core().COUNTS_POLICIES + ("paged", "oracle")
 # policies that take a bounded-load factor (name/F)
-BOUNDED = ("eldr", "locality")
+BOUNDED = ("eldr", "locality", "paged")
 
 
 class RouterPolicy:
@@ -52,11 +54,14 @@ class RouterPolicy:
         valid: np.ndarray | None = None,
         load_factor: float | None = None,
         profiles: list | None = None,
+        paged_experts: int | None = None,
     ):
         core = _core()
         self.name = name
-        if name == "locality" and profiles is None:
-            raise ValueError("policy locality needs the requests' expert profiles")
+        if name == "paged" and not paged_experts:
+            raise ValueError("policy paged needs workers that page experts (--offload-experts C)")
+        if name in ("locality", "paged") and profiles is None:
+            raise ValueError(f"policy {name} needs the requests' expert profiles")
         self.profiles = profiles
         if name == "eldr":
             if centroids is None:
@@ -64,12 +69,13 @@ class RouterPolicy:
             if signatures is None:
                 raise ValueError("policy eldr needs the requests' prefill signatures")
         self.router = core.Router(
-            policy=name,
+            policy="locality" if name == "paged" else name,
             num_workers=num_workers,
             centroids=centroids if name == "eldr" else None,
             tau=tau if name == "eldr" else None,
             seed=seed,
             load_factor=load_factor if name in BOUNDED else None,
+            paged_experts=paged_experts if name == "paged" else None,
         )
         if self.router.num_workers != num_workers:
             raise ValueError(
@@ -168,6 +174,7 @@ def make_policy(
     signatures: tuple[np.ndarray, np.ndarray] | None = None,
     load_factor: float | None = None,
     profiles: list | None = None,
+    paged_experts: int | None = None,
 ):
     """Build a policy. Only 'oracle' takes `labels`; passing labels to any other policy is
     an error, so no baseline or ELDR can read them."""
@@ -186,13 +193,13 @@ def make_policy(
         if signatures is None:
             signatures = eldr_signatures(replay, centroids)
         sig, valid = signatures
-    if name == "locality" and profiles is None:
+    if name in ("locality", "paged") and profiles is None:
         if replay is None:
-            raise ValueError("policy locality needs the trace (for its prompts' expert counts)")
+            raise ValueError(f"policy {name} needs the trace (for its prompts' expert counts)")
         profiles = replay.expert_profiles()
     return RouterPolicy(name, num_workers, centroids=centroids, tau=tau if name == "eldr" else None, seed=seed,
                         signatures=sig, valid=valid, load_factor=load_factor,
-                        profiles=profiles if name == "locality" else None)
+                        profiles=profiles if name in ("locality", "paged") else None, paged_experts=paged_experts)
 
 
 def eldr_signatures(replay, centroids: str) -> tuple[np.ndarray, np.ndarray]:

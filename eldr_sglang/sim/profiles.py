@@ -17,7 +17,10 @@ class HardwareProfile:
     hbm_bw: float  # peak bytes/s per GPU
     bf16_flops: float  # dense (no sparsity) peak FLOP/s per GPU
     fp8_flops: float
-    host_link_bw: float  # host->device bytes/s (one direction) per GPU, for expert offload
+    # host->device bytes/s (one direction) per GPU: what a paged-expert page-in crosses. PCIe
+    # Gen5 x16: 32 GT/s x 16 lanes, 128b/130b -> 63 GB/s a direction, "128 GB/s" bidirectional
+    # in the datasheets; Gen4 x16: half of that. Datasheet figures halved, not derated.
+    host_link_bw: float
     scale_up_bw: float  # GPU<->GPU bytes/s per GPU within a node (NVLink / Infinity Fabric)
     network_bw: float  # bytes/s per GPU between nodes (KV transfer prefill -> decode)
     aliases: tuple[str, ...] = field(default_factory=tuple)
@@ -73,6 +76,37 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {
         scale_up_bw=896 * G,
         network_bw=50 * G,
         aliases=("mi300", "amd-mi300x"),
+    ),
+    "l40s": HardwareProfile(
+        name="l40s",
+        # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s; BF16 362.05 and FP8 733 dense TFLOPS
+        # (733 / 1,466 with sparsity); PCIe Gen4 x16 64 GB/s bidirectional (32 GB/s each way);
+        # no NVLink. ASSUMPTION: network 200 Gb/s per GPU = 25 GB/s (KV transfer only).
+        source="NVIDIA L40S datasheet",
+        hbm_bytes=48 * G,
+        hbm_bw=864 * G,
+        bf16_flops=362.05 * T,
+        fp8_flops=733 * T,
+        host_link_bw=32 * G,
+        scale_up_bw=64 * G,
+        network_bw=25 * G,
+        aliases=("l40s-48gb",),
+    ),
+    "a10": HardwareProfile(
+        name="a10",
+        # NVIDIA A10 datasheet: 24 GB GDDR6, 600 GB/s; BF16 125 dense TFLOPS (250 with
+        # sparsity); no FP8 tensor cores (FP8 weights would run at the BF16 rate, so the BF16
+        # figure); PCIe Gen4 x16 64 GB/s bidirectional (32 GB/s each way); no NVLink.
+        # ASSUMPTION: network 200 Gb/s per GPU = 25 GB/s (KV transfer only).
+        source="NVIDIA A10 datasheet",
+        hbm_bytes=24 * G,
+        hbm_bw=600 * G,
+        bf16_flops=125 * T,
+        fp8_flops=125 * T,
+        host_link_bw=32 * G,
+        scale_up_bw=64 * G,
+        network_bw=25 * G,
+        aliases=("a10-24gb",),
     ),
     "cpu": HardwareProfile(
         name="cpu",

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from eldr_sglang.sim.cluster import ClusterConfig
-from eldr_sglang.sim.metrics import compute_metrics
 from eldr_sglang.sim.report import LOAD_BALANCERS, pct_change
 from eldr_sglang.sim.runner import PolicySpec, parse_policies, run_comparison
 from eldr_sglang.workload import replay_workload
@@ -96,7 +95,8 @@ def eval_sequence(eval_idx: np.ndarray, order: str, n: int, seed: int) -> np.nda
 
 
 def _slim(m: dict) -> dict:
-    return {k: m[k] for k in METRIC_KEYS}
+    # paged experts (expert-offload mode): hit rate, page-ins per step, reuse, per worker
+    return {k: m[k] for k in METRIC_KEYS} | ({"paged": m["paged"]} if "paged" in m else {})
 
 
 def run_cell(replay, eval_idx, specs: list[PolicySpec], model, K: int, cell: Cell, *, centroids: str | None,

@@ -51,6 +51,20 @@ def format_table(policies: dict[str, dict], title: str | None = None) -> str:
     out.append("times in ms; locality = distinct experts / expectation for randomly mixed batches of the same size "
                "(1 = none); imbal = max/mean requests per worker; dTPOT = change vs the best load balancer"
                + (f" ({best})" if best else ""))
+    if all("paged" in m for m in policies.values()) and policies:
+        out.append(format_paged(policies))
+    return "\n".join(out)
+
+
+def format_paged(policies: dict[str, dict]) -> str:
+    """Paged experts (simulated SGLang --enable-paged-experts): hit rate, page-ins per step and
+    reuse (token-expert selections per page-in), pooled and per decode worker."""
+    out = ["paged experts (hit rate / page-ins per step / selections per page-in; per worker hit rates):"]
+    width = max(len(n) for n in policies)
+    for name, m in policies.items():
+        p = m["paged"]
+        ws = " ".join(f"{w['hit_rate']:.3f}" for w in p["per_worker"])
+        out.append(f"  {name.ljust(width)}  {p['hit_rate']:.3f} / {p['page_ins_per_step']:.1f} / {_f(p['reuse'])}   [{ws}]")
     return "\n".join(out)
 
 

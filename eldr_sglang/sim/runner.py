@@ -134,6 +134,7 @@ def run_comparison(
         pol = make_policy(
             spec.policy, config.num_decode, replay=replay, centroids=cpath, tau=spec.tau,
             seed=seed, labels=labels, signatures=sigs, load_factor=spec.load_factor,
+            paged_experts=getattr(model, "offload_cache_experts", 0) or None,
         )
         cfg = replace(config, perfect_overlap=True) if spec.bound == "perfect" else config
         res = simulate(replay, workload, pol, model, cfg, progress=progress, progress_desc=spec.label)

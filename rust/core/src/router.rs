@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
-use crate::policies::{make_policy, Decision, ExpertProfile, Policy, Reason, RouteContext, UnknownPolicy};
+use crate::policies::{make_policy, Decision, ExpertProfile, Policy, PolicyConfig, Reason, RouteContext, UnknownPolicy};
 pub use crate::policies::DEFAULT_TAU;
 use crate::queue::QueueTracker;
 use crate::distance::Counts;
@@ -64,8 +64,9 @@ pub struct Routed {
 pub struct Router {
     policy: Box<dyn Policy>,
     tracker: Arc<QueueTracker>,
-    store: Option<CentroidStore>,
-    tau_bits: AtomicU64,
+    /// Shared with [`Router::sibling`]s: a reload serves them all.
+    store: Option<Arc<CentroidStore>>,
+    tau_bits: Arc<AtomicU64>,
     /// f64 bits of the bounded-load factor; NaN = off (the paper's rule).
     load_factor_bits: AtomicU64,
     auto_reload: bool,
@@ -88,7 +89,7 @@ impl Router {
             limits::check_dim("num_workers", k)?;
         }
         let store = match centroids {
-            Some(p) => Some(CentroidStore::open(p, num_workers, reload_interval_ms)?),
+            Some(p) => Some(Arc::new(CentroidStore::open(p, num_workers, reload_interval_ms)?)),
             None => None,
         };
         let k = match (num_workers, &store) {
@@ -102,7 +103,7 @@ impl Router {
             policy,
             tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
             store,
-            tau_bits: AtomicU64::new(tau.to_bits()),
+            tau_bits: Arc::new(AtomicU64::new(tau.to_bits())),
             load_factor_bits: AtomicU64::new(f64::NAN.to_bits()),
             auto_reload: reload_interval_ms > 0,
         })
@@ -121,7 +122,24 @@ impl Router {
         &self.tracker
     }
     pub fn store(&self) -> Option<&CentroidStore> {
-        self.store.as_ref()
+        self.store.as_deref()
+    }
+
+    /// A router on another policy over the same cluster: it shares this one's queue tracker
+    /// (loads, health, in-flight counts), centroid store (a reload serves both) and tau; the
+    /// policy and its own state (the locality balancer's expert loads) and the load factor
+    /// are its own. A switchback experiment's arms (the data plane's `experiment`).
+    pub fn sibling(&self, policy: &str, load_factor: Option<f64>, seed: u64) -> Result<Router, BuildError> {
+        let r = Router {
+            policy: make_policy(policy, seed)?,
+            tracker: Arc::clone(&self.tracker),
+            store: self.store.clone(),
+            tau_bits: Arc::clone(&self.tau_bits),
+            load_factor_bits: AtomicU64::new(f64::NAN.to_bits()),
+            auto_reload: self.auto_reload,
+        };
+        r.set_load_factor(load_factor)?;
+        Ok(r)
     }
     pub fn tau(&self) -> f64 {
         f64::from_bits(self.tau_bits.load(Ordering::Relaxed))
@@ -144,6 +162,21 @@ impl Router {
         }
         self.load_factor_bits.store(factor.unwrap_or(f64::NAN).to_bits(), Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Decode workers running SGLang's paged experts with `resident` experts per MoE layer: the
+    /// locality policy routes by expected page-ins (policies/paged.rs). Set once, before the
+    /// router is shared; None keeps the policy as built. Errors for any other policy and C = 0.
+    pub fn set_paged_experts(&mut self, resident: Option<u32>) -> Result<(), crate::PagedExpertsError> {
+        let Some(c) = resident else { return Ok(()) };
+        let base = PolicyConfig::parse(self.policy.name(), 0).map_err(|_| crate::PagedExpertsError::NotLocality { policy: self.policy.name() })?;
+        self.policy = base.with_paged_experts(Some(c))?.build();
+        Ok(())
+    }
+
+    /// The resident experts per layer the policy assumes (None: not a paged-experts cost).
+    pub fn paged_experts(&self) -> Option<usize> {
+        self.policy.paged_experts()
     }
 
     pub fn reload(&self) -> Result<bool, CentroidFileError> {

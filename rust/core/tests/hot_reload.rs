@@ -164,3 +164,27 @@ fn decision_generation_names_the_centroids_it_used() {
     assert!(n > 0);
     assert_eq!(wrong, 0, "{wrong} of {n} decisions named a generation other than the centroids they used");
 }
+
+#[test]
+fn a_sibling_shares_workers_centroids_and_tau_not_its_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.eldr");
+    write(&p, 1, 4);
+    let main = Router::new("locality", Some(4), Some(&p), None, 0, 0, 0).unwrap();
+    let arm = main.sibling("round_robin", None, 0).unwrap();
+    assert_eq!((main.policy_name(), arm.policy_name()), ("locality", "round_robin"));
+    // one tracker: a request held through one router is load the other sees
+    let _held = arm.tracker().acquire(2, 0);
+    assert_eq!(main.tracker().inflight(2), 1);
+    // one store: a reload through one serves the other
+    write(&p, 2, 4);
+    main.reload().unwrap();
+    assert_eq!(arm.store().unwrap().generation(), 2);
+    // one tau; the load factor is each router's own
+    main.set_tau(0.3).unwrap();
+    assert_eq!(arm.tau(), 0.3);
+    let eldr = main.sibling("eldr", Some(0.2), 0).unwrap();
+    assert_eq!((eldr.load_factor(), main.load_factor()), (Some(0.2), None));
+    assert!(main.sibling("nope", None, 0).is_err());
+    assert!(main.sibling("eldr", Some(f64::NAN), 0).is_err());
+}

@@ -101,6 +101,10 @@ pub struct Config {
     pub queue_size: Option<usize>,
     #[serde(default = "default_queue_timeout")]
     pub queue_timeout_s: f64,
+    /// A switchback experiment over decode policies (see [`crate::experiment`]); `policy`
+    /// is then its first arm's.
+    #[serde(default)]
+    pub experiment: Option<crate::experiment::ExperimentConfig>,
 }
 
 /// Bucketed Algorithm R: `per_bucket` signatures stored out of every `span` offers
@@ -175,6 +179,15 @@ impl Config {
         }
         if self.signature_reservoir > 0 && self.reservoir.is_none() && self.counts_policy() {
             return bad("signature_reservoir (the drift feed) needs the reservoir shape {\"per_bucket\", \"span\"}".into());
+        }
+        if let Some(x) = &self.experiment {
+            x.check().map_err(ConfigError::Invalid)?;
+            if x.arms[0].policy != self.policy {
+                return bad(format!("experiment: arm 0 is {:?}, the policy {:?}", x.arms[0].policy, self.policy));
+            }
+            if self.signature_reservoir > 0 {
+                return bad("experiment: the drift feed must be off (a refit would change the centroids between blocks)".into());
+            }
         }
         if self.threads == 0 || self.threads > 64 {
             return bad(format!("threads must be 1..=64, got {}", self.threads));

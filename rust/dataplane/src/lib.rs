@@ -10,12 +10,13 @@
 //! control plane), [`admission`] (the bound on requests in flight, its queue), [`upstream`]
 //! (worker calls with timeouts), [`sse`] (the signature event), [`outlier`] (ejection),
 //! [`counters`] (metrics), [`plane`] (shared state), [`reservoir`] (the refit reservoir's
-//! keep/slot draw), [`response`] (response bodies), [`errors`].
+//! keep/slot draw), [`experiment`] (the switchback experiment's arms, clock and blocks), [`response`] (response bodies), [`errors`].
 
 pub mod admission;
 pub mod config;
 pub mod counters;
 pub mod errors;
+pub mod experiment;
 pub mod flow;
 pub mod forward;
 pub mod outlier;
@@ -73,6 +74,10 @@ impl DataPlane {
         let bound = listener.local_addr()?;
         let (tx, rx) = watch::channel(false);
         rt.spawn(server::serve(listener, Arc::clone(&self.plane), rx));
+        if let Some(x) = &self.plane.experiment {
+            x.restart_clock();
+            rt.spawn(experiment::run(Arc::clone(x)));
+        }
         self.runtime = Some(rt);
         self.stop = Some(tx);
         self.addr = Some(bound);

@@ -16,6 +16,7 @@ use crate::admission::Admission;
 use crate::config::{secs, Config, ConfigError, Role};
 use crate::counters::{names, Counters};
 use crate::errors::UpstreamError;
+use crate::experiment::{Experiment, Tag};
 use crate::outlier::WorkerPool;
 use crate::reservoir::{Draw, KeepSampler};
 use crate::upstream::{self, HttpClient, Leg, Refused, ReqBody};
@@ -41,6 +42,18 @@ pub struct Plane {
     last_warn_ms: AtomicU64,
     /// Decisions for the Python drift monitor (None: drift handling off).
     pub drift: Option<DriftFeed>,
+    /// The switchback experiment (None: one policy, the router's).
+    pub experiment: Option<Arc<Experiment>>,
+}
+
+/// The decode policy a request is routed by, from its start to its end: the plane's router,
+/// or under an experiment the arm of the block it started in (with its tag).
+pub struct ArmRef {
+    pub router: Arc<Router>,
+    /// The latency metrics' `policy` label: the policy's name, or the arm's label.
+    pub label: &'static str,
+    pub late: bool,
+    pub tag: Option<Arc<Tag>>,
 }
 
 /// One counts-policy decision as the drift monitor reads it.
@@ -106,6 +119,10 @@ impl Plane {
             (true, Some(r)) => Some(KeepSampler::new(r.per_bucket, r.span, cfg.seed).map_err(|e| ConfigError::Invalid(format!("reservoir: {e}")))?),
             _ => None,
         };
+        let experiment = match &cfg.experiment {
+            Some(x) => Some(Arc::new(Experiment::new(x, &router, cfg.seed).map_err(ConfigError::Invalid)?)),
+            None => None,
+        };
         let admission = Admission::new(cfg.max_concurrent(), cfg.queue(), secs(cfg.queue_timeout_s), Arc::clone(&counters));
         Ok(Plane {
             admission,
@@ -122,7 +139,20 @@ impl Plane {
             epoch: Instant::now(),
             last_warn_ms: AtomicU64::new(0),
             drift: sampler.map(|s| DriftFeed::new(cfg_reservoir, s)),
+            experiment,
         })
+    }
+
+    /// The arm a request starting now is routed by (see [`ArmRef`]).
+    pub fn arm(&self) -> ArmRef {
+        match &self.experiment {
+            None => ArmRef { router: Arc::clone(&self.router), label: self.router.policy_name(), late: self.cfg.late_binding, tag: None },
+            Some(x) => {
+                let tag = x.begin();
+                let a = &x.arms[tag.arm];
+                ArmRef { router: Arc::clone(&a.router), label: a.label, late: a.late, tag: Some(tag) }
+            }
+        }
     }
 
     pub fn pool(&self, role: Role) -> &Arc<WorkerPool> {

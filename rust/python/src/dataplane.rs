@@ -164,6 +164,24 @@ impl PyDataPlane {
         d.set_item("waiting", a.waiting())?;
         Ok(d)
     }
+    /// The switchback experiment as JSON (None: no experiment): with `blocks`, GET
+    /// /eldr/experiment's body (every block's statistics); without, /eldr/status's view.
+    fn experiment(&self, blocks: bool) -> Option<String> {
+        self.plane.experiment.as_ref().map(|x| if blocks { x.snapshot() } else { x.status() }.to_string())
+    }
+    /// End the experiment's block now and start the next, on `arm` (a label) or the
+    /// schedule's; the new (block, arm label).
+    fn experiment_switch(&self, arm: Option<&str>) -> PyResult<(u64, String)> {
+        let Some(x) = &self.plane.experiment else { return Err(PyValueError::new_err("no experiment is running (start the router with --experiment)")) };
+        let to = match arm {
+            None => None,
+            Some(a) => Some(x.arms.iter().position(|r| r.label == a).ok_or_else(|| {
+                PyValueError::new_err(format!("no arm {a:?}; the arms are {}", x.arms.iter().map(|r| r.label).collect::<Vec<_>>().join(", ")))
+            })?),
+        };
+        let (block, i) = x.switch(to);
+        Ok((block, x.arms[i].label.to_owned()))
+    }
     /// Decisions the drift queue dropped because the control plane did not drain it in time.
     #[getter]
     fn drift_dropped(&self) -> u64 {

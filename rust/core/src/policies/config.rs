@@ -5,7 +5,7 @@
 
 use thiserror::Error;
 
-use super::{Eldr, Locality, Policy, PowerOfTwo, Random, RoundRobin, ShortestQueue};
+use super::{Eldr, Locality, PagedLocality, Policy, PowerOfTwo, Random, RoundRobin, ShortestQueue};
 
 /// A routing policy by name, and what it can do. `uses_counts`: it routes on the prefill's
 /// expert counts, so it binds late, needs a centroid file (eldr its centroids, locality its
@@ -87,6 +87,15 @@ pub struct UnknownPolicy {
     pub name: String,
 }
 
+/// A paged-experts option the policy cannot take.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum PagedExpertsError {
+    #[error("paged experts (--eldr-paged-experts C) need C >= 1 resident experts per layer")]
+    Zero,
+    #[error("paged experts (--eldr-paged-experts) are a cost of the locality policy, not of {policy}")]
+    NotLocality { policy: &'static str },
+}
+
 /// A policy and what building it takes: the factory's typed input. The band width and the
 /// load factor are the router's (they change at run time: `Router::set_tau`), passed to every
 /// choice in the [`super::RouteContext`].
@@ -94,6 +103,10 @@ pub struct UnknownPolicy {
 pub enum PolicyConfig {
     Eldr,
     Locality,
+    /// The locality balancer with the cache-aware cost (paged.rs) for decode workers running
+    /// SGLang's paged experts with `resident` experts per MoE layer: the router's
+    /// `--eldr-paged-experts C`. Its name and row of [`POLICIES`] are locality's.
+    PagedLocality { resident: u32 },
     Random { seed: u64 },
     RoundRobin,
     ShortestQueue,
@@ -117,11 +130,22 @@ impl PolicyConfig {
     pub fn name(&self) -> &'static str {
         match self {
             PolicyConfig::Eldr => "eldr",
-            PolicyConfig::Locality => "locality",
+            PolicyConfig::Locality | PolicyConfig::PagedLocality { .. } => "locality",
             PolicyConfig::Random { .. } => "random",
             PolicyConfig::RoundRobin => "round_robin",
             PolicyConfig::ShortestQueue => "shortest_queue",
             PolicyConfig::PowerOfTwo { .. } => "power_of_two",
+        }
+    }
+
+    /// The locality balancer with the cache-aware cost for `resident` paged experts per layer;
+    /// only the locality policy takes it, and C must be at least 1.
+    pub fn with_paged_experts(self, resident: Option<u32>) -> Result<PolicyConfig, PagedExpertsError> {
+        match (self, resident) {
+            (c, None) => Ok(c),
+            (_, Some(0)) => Err(PagedExpertsError::Zero),
+            (PolicyConfig::Locality | PolicyConfig::PagedLocality { .. }, Some(r)) => Ok(PolicyConfig::PagedLocality { resident: r }),
+            (c, Some(_)) => Err(PagedExpertsError::NotLocality { policy: c.name() }),
         }
     }
 
@@ -134,6 +158,7 @@ impl PolicyConfig {
         match *self {
             PolicyConfig::Eldr => Box::new(Eldr),
             PolicyConfig::Locality => Box::new(Locality::default()),
+            PolicyConfig::PagedLocality { resident } => Box::new(PagedLocality::new(resident as usize)),
             PolicyConfig::Random { seed } => Box::new(Random::new(seed)),
             PolicyConfig::RoundRobin => Box::new(RoundRobin::default()),
             PolicyConfig::ShortestQueue => Box::new(ShortestQueue),

@@ -329,6 +329,10 @@ impl ExpertProfile {
     pub fn layer_ids(&self) -> &[u32] {
         &self.layer_ids
     }
+    /// The same, shared (for state sized by a profile's layout).
+    pub fn layer_ids_arc(&self) -> Arc<[u32]> {
+        Arc::clone(&self.layer_ids)
+    }
     pub fn generation(&self) -> u64 {
         self.generation
     }

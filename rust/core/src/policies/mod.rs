@@ -10,17 +10,19 @@
 mod config;
 mod eldr;
 mod locality;
+mod paged;
 mod power_of_two;
 mod random;
 mod round_robin;
 mod shortest_queue;
 
 pub use config::{
-    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PolicyConfig, PolicyInfo, UnknownPolicy,
+    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PagedExpertsError, PolicyConfig, PolicyInfo, UnknownPolicy,
     DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use eldr::{band_size, Eldr};
 pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
+pub use paged::{PagedLocality, ResidentEstimate};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
@@ -116,6 +118,11 @@ pub trait Policy: Send + Sync {
     /// The locality balancer's `D_w` per worker (expected distinct experts per layer per step
     /// of its in-flight requests); None for policies that keep no expert state.
     fn expert_distinct(&self) -> Option<Vec<f64>> {
+        None
+    }
+    /// The resident experts per MoE layer (SGLang's `--paged-experts-num-resident C`) that the
+    /// cache-aware locality cost assumes on every decode worker; None for every other policy.
+    fn paged_experts(&self) -> Option<usize> {
         None
     }
     fn choose(&self, ctx: &RouteContext) -> Decision;

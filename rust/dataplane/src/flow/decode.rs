@@ -20,11 +20,12 @@ use crate::config::{secs, Role};
 use crate::counters::{names, scan_chunk};
 use crate::errors::{FlowError, UpstreamError};
 use crate::outlier::Attempt;
-use crate::plane::Plane;
+use crate::plane::{ArmRef, Plane};
 use crate::response::{full, Body, ChannelBody};
 use crate::upstream::{next_chunk, Leg, ReqBody};
 
 pub(crate) struct DecodeCtx<'a> {
+    pub(crate) arm: &'a ArmRef,
     pub(crate) path: &'a str,
     pub(crate) room: u64,
     pub(crate) p: usize,
@@ -44,7 +45,7 @@ pub(crate) async fn decode_with_failover(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>
         if attempt > 0 && !plane.may_retry(Role::Decode) {
             break;
         }
-        let choice = match plane.route(&sig, &tried) {
+        let choice = match plane.route(ctx.arm, &sig, &tried) {
             Ok(c) => c,
             Err(e) if first.is_none() => return Err(e),
             Err(_) => break,
@@ -111,13 +112,19 @@ fn explain_headers(plane: &Plane, ctx: &DecodeCtx<'_>, choice: &Choice, r: &mut 
     if let Some(b) = &choice.band {
         put("x-eldr-band", b.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","));
     }
+    if let Some(t) = &ctx.arm.tag {
+        // the experiment's block and arm this request runs in, and whether it is warm-up
+        put("x-eldr-experiment-block", t.block.to_string());
+        put("x-eldr-experiment-arm", ctx.arm.label.to_owned());
+        put("x-eldr-experiment-warmup", (t.warmup as u8).to_string());
+    }
 }
 
 pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Choice, prefill: Option<&Arc<PrefillLeg>>) -> Result<Response<Body>, FlowError> {
     let w = choice.worker;
     let durl = format!("{}{}", plane.cfg.decode[w], ctx.path);
     let t_start = Instant::now();
-    let lease = plane.lease(w, choice.profile.as_ref());
+    let lease = plane.lease(ctx.arm, w, choice.profile.as_ref());
     let mut attempt = Attempt::start(&plane.decode, w);
     let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
     let first_byte = secs(plane.cfg.first_byte_timeout_s);
@@ -145,7 +152,7 @@ pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Cho
         }
         drop(lease);
         // non-streamed: the end-to-end time and the tokens are all that can be known
-        let policy = plane.router.policy_name();
+        let policy = ctx.arm.label;
         plane.counters.latency.decode(policy, w, ctx.endpoint).e2e.observe(ctx.t0.elapsed().as_secs_f64());
         if let (_, Some(n)) = scan_chunk(&data) {
             plane.counters.add(names::OUTPUT_TOKENS, &[policy, &w.to_string(), ctx.endpoint], n);

@@ -22,12 +22,12 @@ use crate::config::{secs, Role};
 use crate::counters::{names, Histogram};
 use crate::errors::{FlowError, UpstreamError};
 use crate::outlier::Attempt;
-use crate::plane::Plane;
+use crate::plane::{ArmRef, Plane};
 use crate::response::Body;
 use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_EVENT_BYTES};
 use crate::upstream::{Leg, ReqBody};
 
-pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, client_stream: bool, t0: Instant, endpoint: &'static str) -> Result<Response<Body>, FlowError> {
+pub(crate) async fn route_request(plane: &Arc<Plane>, arm: &ArmRef, path: &str, base: &Bytes, client_stream: bool, t0: Instant, endpoint: &'static str) -> Result<Response<Body>, FlowError> {
     let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
     let _active = plane.budget.active();
     let mut tried: Vec<usize> = Vec::new();
@@ -37,7 +37,7 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, 
     // decode inside, with the same room). Early binding re-sends any failure before the
     // client's first byte as the gateway does: a fresh prefill and decode pair (a prefill
     // already tried only when there is no other) with a new room, after a back-off.
-    let early = !plane.cfg.late_binding;
+    let early = !arm.late;
     let attempts = if early { 1 + plane.cfg.retries as usize } else { plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) };
     for attempt in 0..attempts {
         let p = match plane.pick_prefill(&tried) {
@@ -70,7 +70,7 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, 
             }
             plane.budget.retrying()
         });
-        let ctx = Leg0 { path, p, client_stream, deadline, t0, endpoint };
+        let ctx = Leg0 { arm, path, p, client_stream, deadline, t0, endpoint };
         match serve_with_prefill(plane, base, ctx, &mut tried_decode).await {
             Ok(r) => return Ok(r),
             Err(FlowError::Upstream(e)) if e.is_retryable() => {
@@ -87,6 +87,7 @@ pub(crate) async fn route_request(plane: &Arc<Plane>, path: &str, base: &Bytes, 
 
 /// What one prefill attempt of a request knows.
 struct Leg0<'a> {
+    arm: &'a ArmRef,
     path: &'a str,
     p: usize,
     client_stream: bool,
@@ -101,11 +102,11 @@ const RESEND_BACKOFF_S: f64 = 0.050;
 const RESEND_BACKOFF_GROWTH: f64 = 1.5;
 
 async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>, tried_decode: &mut Vec<usize>) -> Result<Response<Body>, FlowError> {
-    let Leg0 { path, p, client_stream, deadline, t0: t_request, endpoint } = c;
+    let Leg0 { arm, path, p, client_stream, deadline, t0: t_request, endpoint } = c;
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
     let w = &plane.cfg.prefill[p];
     let room = plane.rng.next_u64() >> 1; // 63 bits, as SGLang's bootstrap rooms
-    let mut late = plane.cfg.late_binding;
+    let mut late = arm.late;
     let no_sig = late && plane.prefill_signs(p) == Some(false);
     if no_sig {
         late = false; // this prefill never streams a signature: do not wait for one
@@ -121,15 +122,15 @@ async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>, tried
     let purl = format!("{}{}", w.url, path);
     let mut attempt = Attempt::start(&plane.prefill, p);
     let leg = Leg { role: Role::Prefill, worker: p, counters: &plane.counters };
-    let ctx = DecodeCtx { path, room, p, dbody: &dbody, client_stream, deadline, t0: t_request, endpoint };
-    let prefill_leg = plane.counters.latency.prefill(plane.router.policy_name(), endpoint);
+    let ctx = DecodeCtx { arm, path, room, p, dbody: &dbody, client_stream, deadline, t0: t_request, endpoint };
+    let prefill_leg = plane.counters.latency.prefill(arm.label, endpoint);
 
     if !late {
         let sig = Sig::none(no_sig.then_some("prefill_no_signature"), 0.0);
         // a decode that failed this request is not chosen again while another is left
-        let decision = match plane.route(&sig, tried_decode) {
+        let decision = match plane.route(arm, &sig, tried_decode) {
             Ok(d) => d,
-            Err(_) if !tried_decode.is_empty() => plane.route(&sig, &[])?,
+            Err(_) if !tried_decode.is_empty() => plane.route(arm, &sig, &[])?,
             Err(e) => return Err(e),
         };
         if !tried_decode.contains(&decision.worker) {

@@ -26,6 +26,8 @@ use crate::upstream::{next_chunk, Leg};
 /// last `completion_tokens` count. Per chunk: a timestamp, a counter and one scan.
 pub(crate) struct Timing {
     lat: Arc<Latency>,
+    /// The request's experiment tag (its block's statistics take its TPOT; held to the end).
+    tag: Option<Arc<crate::experiment::Tag>>,
     policy: &'static str,
     endpoint: &'static str,
     t0: Instant,
@@ -39,11 +41,11 @@ impl Timing {
     /// The decode's first chunk, about to go to the client: its time to first token.
     pub(crate) fn first(plane: &Plane, worker: usize, ctx: &DecodeCtx<'_>, chunk: &[u8]) -> Timing {
         let now = Instant::now();
-        let policy = plane.router.policy_name();
+        let policy = ctx.arm.label;
         let lat = plane.counters.latency.decode(policy, worker, ctx.endpoint);
         lat.ttft.observe((now - ctx.t0).as_secs_f64());
         let (events, tokens) = scan_chunk(chunk);
-        Timing { lat, policy, endpoint: ctx.endpoint, t0: ctx.t0, t_first: now, t_last: now, events, tokens }
+        Timing { lat, tag: ctx.arm.tag.clone(), policy, endpoint: ctx.endpoint, t0: ctx.t0, t_first: now, t_last: now, events, tokens }
     }
 
     fn chunk(&mut self, chunk: &[u8]) {
@@ -65,7 +67,11 @@ impl Timing {
         self.lat.e2e.observe(self.t0.elapsed().as_secs_f64());
         let tokens = self.tokens.unwrap_or(self.events);
         if tokens >= 2 {
-            self.lat.tpot.observe((self.t_last - self.t_first).as_secs_f64() / (tokens - 1) as f64);
+            let tpot = (self.t_last - self.t_first).as_secs_f64() / (tokens - 1) as f64;
+            self.lat.tpot.observe(tpot);
+            if let Some(t) = &self.tag {
+                t.record_tpot(tpot);
+            }
         }
         plane.counters.add(names::OUTPUT_TOKENS, &[self.policy, &worker.to_string(), self.endpoint], tokens);
     }

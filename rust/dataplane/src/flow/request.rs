@@ -51,7 +51,9 @@ async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>, t0: tokio
     // Admitted after the body is read: a bad request gets its 4xx whatever the load, and a
     // refused one has nothing left unread (closing on an unread body can reset the answer).
     let permit = plane.admission.admit().await.map_err(FlowError::Overloaded)?;
-    let resp = route_request(plane, &path, &base, client_stream, t0, kind.label()).await?;
+    // the decode policy it is routed by (under an experiment, its block's arm, to its end)
+    let arm = plane.arm();
+    let resp = route_request(plane, &arm, &path, &base, client_stream, t0, kind.label()).await?;
     Ok(resp.map(|b| PermitBody::wrap(b, permit)))
 }
 

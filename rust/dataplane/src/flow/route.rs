@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use eldr_core::distance::Counts;
 use eldr_core::payload::DecodedCounts;
-use eldr_core::{ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError};
+use eldr_core::{ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError, Router};
 
 use crate::counters::names;
 use crate::errors::FlowError;
-use crate::plane::{DriftSample, Plane};
+use crate::plane::{ArmRef, DriftSample, Plane};
 use crate::reservoir::Ticket;
 
 /// What the prefill's stream gave: decoded counts, or why none.
@@ -40,7 +40,8 @@ pub struct Choice {
 impl Plane {
     /// Route with the core router; on a re-send, the least loaded routable decode worker
     /// not tried yet.
-    pub fn route(&self, sig: &Sig, tried: &[usize]) -> Result<Choice, FlowError> {
+    pub fn route(&self, arm: &ArmRef, sig: &Sig, tried: &[usize]) -> Result<Choice, FlowError> {
+        let router = &arm.router;
         let t0 = std::time::Instant::now();
         // the reservoir's draw for this request, before routing: the route keeps the
         // signature only when the reservoir will store it (re-sends are not offers)
@@ -49,10 +50,10 @@ impl Plane {
             _ => None,
         };
         let keep = ticket.as_ref().is_some_and(|t| t.keeps());
-        let (routed, profile) = if self.router.policy().uses_profile() { self.locality_route(sig) } else {
+        let (routed, profile) = if router.policy().uses_profile() { self.locality_route(router, sig) } else {
             let r = match &sig.counts {
-                Some(c) => self.router.route_counts(c, keep, true),
-                None => self.router.route(|_| Err(fallback_why(sig)), true),
+                Some(c) => router.route_counts(c, keep, true),
+                None => router.route(|_| Err(fallback_why(sig)), true),
             };
             (r, None)
         };
@@ -78,13 +79,13 @@ impl Plane {
                 self.counters.d_star.observe(d);
                 self.counters.d_chosen.observe(ds[choice.worker]);
             }
-        } else if self.cfg.counts_policy() && choice.reason != "retry" && choice.reason != "profile" {
+        } else if eldr_core::is_counts_policy(router.policy_name()) && choice.reason != "retry" && choice.reason != "profile" {
             // the decision names the fallback: 'no_signature:<why>' or 'no_centroids'
             let why = choice.reason.split_once(':').map_or(choice.reason.as_str(), |(_, w)| w).to_owned();
             self.counters.inc(names::FALLBACKS, &[&why]);
         }
         if let (Some(feed), true) = (&self.drift, choice.reason != "retry") {
-            feed.push(self.drift_sample(sig, &choice, r, ticket));
+            feed.push(self.drift_sample(router, sig, &choice, r, ticket));
         }
         Ok(choice)
     }
@@ -106,19 +107,19 @@ impl Plane {
     /// the ticket drops. The distances measure how far traffic is from the fitted centroids,
     /// which the band rule's decision carries; under the locality balancer the distances of
     /// the same counts are computed here for the monitor alone.
-    fn drift_sample(&self, sig: &Sig, choice: &Choice, r: eldr_core::router::Routed, ticket: Option<Ticket<'_>>) -> DriftSample {
+    fn drift_sample(&self, router: &Router, sig: &Sig, choice: &Choice, r: eldr_core::router::Routed, ticket: Option<Ticket<'_>>) -> DriftSample {
         fn offer(ticket: Option<Ticket<'_>>, distances: &Option<Vec<f64>>, reason: &str) -> Option<crate::reservoir::Draw> {
             match ticket {
                 Some(t) if distances.is_some() && reason == "band" => Some(t.commit()),
                 _ => None, // dropped: the draw goes back
             }
         }
-        if r.distances.is_some() || !self.router.policy().uses_profile() {
+        if r.distances.is_some() || !router.policy().uses_profile() {
             let offer = offer(ticket, &r.distances, &choice.reason);
             let signature = r.signature.filter(|_| offer.is_some_and(|d| d.keeps()));
             return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: r.distances, signature, offer };
         }
-        let (Some(c), Some(store)) = (&sig.counts, self.router.store()) else {
+        let (Some(c), Some(store)) = (&sig.counts, router.store()) else {
             return DriftSample { generation: r.generation, reason: choice.reason.clone(), distances: None, signature: None, offer: None };
         };
         let snap = store.snapshot();
@@ -136,25 +137,25 @@ impl Plane {
 
     /// The locality balancer: the request's expert profile over the centroid file's
     /// selected layers, built once (kept on the Sig by the caller through `Choice`).
-    fn locality_route(&self, sig: &Sig) -> (Result<eldr_core::router::Routed, RouteError>, Option<Arc<ExpertProfile>>) {
+    fn locality_route(&self, router: &Router, sig: &Sig) -> (Result<eldr_core::router::Routed, RouteError>, Option<Arc<ExpertProfile>>) {
         if let Some(p) = &sig.profile {
-            return (self.router.route_profiled(|_| Err(NoSignature::Missing), Some(p), true), Some(Arc::clone(p)));
+            return (router.route_profiled(|_| Err(NoSignature::Missing), Some(p), true), Some(Arc::clone(p)));
         }
         let (Some(c), Some((l, e))) = (&sig.counts, self.layout()) else {
-            return (self.router.route(|_| Err(fallback_why(sig)), true), None);
+            return (router.route(|_| Err(fallback_why(sig)), true), None);
         };
         let why = match c.to_layout(l, e) {
             Err(_) => NoSignature::Shape, // the centroid layout changed under a reload
-            Ok(dense) => match self.router.profile::<u32, f32>(Counts::Dense(&dense), c.num_tokens().max(1)) {
+            Ok(dense) => match router.profile::<u32, f32>(Counts::Dense(&dense), c.num_tokens().max(1)) {
                 Some(Ok(p)) => {
                     let p = Arc::new(p);
-                    return (self.router.route_profiled(|_| Err(NoSignature::Missing), Some(&p), true), Some(p));
+                    return (router.route_profiled(|_| Err(NoSignature::Missing), Some(&p), true), Some(p));
                 }
                 Some(Err(why)) => why,
                 None => NoSignature::Missing,
             },
         };
-        (self.router.route(|_| Err(why), true), None)
+        (router.route(|_| Err(why), true), None)
     }
 }
 
@@ -174,8 +175,10 @@ pub(crate) struct Lease {
 }
 
 impl Plane {
-    pub(crate) fn lease(&self, w: usize, profile: Option<&Arc<ExpertProfile>>) -> Lease {
-        let experts = profile.and_then(|p| match self.router.policy().track(self.router.num_workers(), w, Arc::clone(p)) {
+    /// The arm's policy tracks the profile (its own state: a switch leaves it sane).
+    pub(crate) fn lease(&self, arm: &ArmRef, w: usize, profile: Option<&Arc<ExpertProfile>>) -> Lease {
+        let router = &arm.router;
+        let experts = profile.and_then(|p| match router.policy().track(router.num_workers(), w, Arc::clone(p)) {
             Some(Ok(g)) => Some(g),
             Some(Err(e)) => {
                 self.warn_malformed(&format!("expert profile not counted: {e}"));
@@ -183,6 +186,6 @@ impl Plane {
             }
             None => None,
         });
-        Lease { _slot: self.router.tracker().acquire(w, 0), _experts: experts }
+        Lease { _slot: router.tracker().acquire(w, 0), _experts: experts }
     }
 }
