@@ -244,14 +244,35 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     )
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
-    pd = ap.add_argument_group("PD disaggregation")
+    _worker_flags(ap.add_argument_group("PD disaggregation"))
+    pol = ap.add_argument_group("Routing")
+    _routing_flags(pol)
+    _experiment_flags(ap.add_argument_group("Switchback experiment (docs/serving.md, 'Proving it on your cluster')"))
+    # added after the experiment's group, as before the split, so the usage line keeps its order
+    pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
+    req = ap.add_argument_group("Requests and workers")
+    _request_flags(req)
+    _upstream_flags(ap.add_argument_group("Upstream timeouts, retries and outlier ejection"))
+    _client_flags(ap.add_argument_group("Clients and control endpoints"))
+    _admission_flags(ap.add_argument_group("Admission control (the Rust data plane)"))
+    req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
+    req.add_argument("--prometheus-port", type=int, default=None)
+    req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def _worker_flags(pd: argparse._ArgumentGroup) -> None:
+    """The workers: which URLs serve prefill and which decode."""
     pd.add_argument("--pd-disaggregation", action="store_true", help="PD mode (required: the only mode)")
     pd.add_argument(
         "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
         help="prefill worker URL and optional bootstrap port ('none' or omitted: none); repeat per worker",
     )
     pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL", help="decode worker URL; repeat per worker")
-    pol = ap.add_argument_group("Routing")
+
+
+def _routing_flags(pol: argparse._ArgumentGroup) -> None:
+    """The decode and prefill policies and the centroid file they read."""
     pol.add_argument(
         "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default=None,
         help=f"decode routing policy (default {DEFAULT_POLICY}: the locality-aware balancer, least marginal expected "
@@ -289,7 +310,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help="turn off drift monitoring and online refits of the centroid file (on by default for eldr and locality)",
     )
     pol.add_argument("--seed", type=int, default=0, help="seed of the random policies")
-    exp = ap.add_argument_group("Switchback experiment (docs/serving.md, 'Proving it on your cluster')")
+
+
+def _experiment_flags(exp: argparse._ArgumentGroup) -> None:
+    """A switchback experiment over decode policies."""
     exp.add_argument(
         "--experiment", metavar="ARM1,ARM2[,...]", default=None,
         help="alternate the decode policy over time blocks: arms are --disagg-router policies, eldr and locality "
@@ -301,8 +325,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     exp.add_argument("--switch-every", metavar="DURATION", default=None,
                      help="block length with --experiment: 10m, 30s, 1h, 500ms or seconds (default 10m)")
     exp.add_argument("--experiment-seed", type=int, default=0, metavar="N", help="seed of the blocks' order (default 0)")
-    pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
-    req = ap.add_argument_group("Requests and workers")
+
+
+def _request_flags(req: argparse._ArgumentGroup) -> None:
+    """Request limits and the control plane's polls of the workers."""
     req.add_argument("--request-timeout-secs", type=float, default=1800.0)
     req.add_argument("--worker-startup-timeout-secs", type=float, default=0.0, help="wait for workers' /health at start (0: no)")
     req.add_argument("--health-check-interval-secs", type=float, default=10.0)
@@ -318,7 +344,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     )
     req.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD,
                      help=f"largest client request body in bytes (default {DEFAULT_MAX_PAYLOAD}); larger gets 413")
-    up = ap.add_argument_group("Upstream timeouts, retries and outlier ejection")
+
+
+def _upstream_flags(up: argparse._ArgumentGroup) -> None:
+    """Timeouts on the workers, re-sends and outlier ejection."""
     up.add_argument("--upstream-connect-timeout-secs", type=float, default=5.0, help="TCP connect to a worker (default 5)")
     up.add_argument(
         "--first-byte-timeout-secs", type=float, default=60.0,
@@ -335,7 +364,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     up.add_argument("--eject-base-secs", type=float, default=5.0,
                     help="first ejection's length; doubles on each re-ejection (default 5)")
     up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
-    cl = ap.add_argument_group("Clients and control endpoints")
+
+
+def _client_flags(cl: argparse._ArgumentGroup) -> None:
+    """Timeouts on clients, and the admin token of the control endpoints."""
     cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
                     help="a connection that sends no complete request head in this long is closed (default 30)")
     cl.add_argument("--client-body-timeout-secs", type=float, default=30.0,
@@ -345,7 +377,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help=f"token for POST /eldr/refit, /flush_cache and /eldr/experiment/switch (header 'Authorization: Bearer TOKEN'); "
         f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
-    adm = ap.add_argument_group("Admission control (the Rust data plane)")
+
+
+def _admission_flags(adm: argparse._ArgumentGroup) -> None:
+    """Admission control: requests in flight and the queue before it."""
     adm.add_argument(
         "--max-concurrent-requests", type=int, default=None, metavar="N",
         help="requests in flight through the router at once; past it they wait in the queue (default: 256 per decode "
@@ -356,10 +391,6 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
                      "(default: as many as --max-concurrent-requests)")
     adm.add_argument("--queue-timeout-secs", type=float, default=60.0,
                      help="longest wait in the queue, then 503 with Retry-After (default 60, the SGLang gateway's)")
-    req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
-    req.add_argument("--prometheus-port", type=int, default=None)
-    req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return ap
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
