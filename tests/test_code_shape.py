@@ -1,8 +1,11 @@
-"""The code stays readable in pieces: no file in the package (eldr_sglang/) or the crates'
-sources (rust/*/src) is over 800 lines, and no function there is over 80 lines (issue 24).
+"""The code stays readable in pieces (issue 24): no file in the package (eldr_sglang/) or the
+crates' sources (rust/*/src) is over 800 lines, no function there is over 80 lines, and no
+two modules of a crate import each other, directly or round a loop.
 Python functions are measured with ast; Rust function bodies by brace matching after comments,
 strings and char literals are blanked. A function counts from its `def`/`fn` line to its last
-line, nested functions included in their parent."""
+line, nested functions included in their parent. Rust imports are read from `use` trees and
+`crate::`/`super::`/`self::` paths, test modules left out; a module reading its own parent
+or the crate root (a trait the parent defines, a re-export) is the module tree, not a loop."""
 
 from __future__ import annotations
 
@@ -149,3 +152,134 @@ def test_no_function_over_80_lines(lang):
     files, scan = (_python_files(), _python_functions) if lang == "python" else (_rust_files(), _rust_functions)
     long = [f"{_rel(p)}:{line} {name} ({n} lines)" for p in files for name, line, n in scan(p) if n > MAX_FN_LINES]
     assert not long, f"{lang} functions over {MAX_FN_LINES} lines:\n" + "\n".join(long)
+
+
+def _rust_modules(src: Path) -> dict[tuple, Path]:
+    """Module path (('flow', 'decode'), () for the crate root) -> its file; test files left out."""
+    mods = {}
+    for p in src.rglob("*.rs"):
+        parts = list(p.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "tests":
+            continue
+        if parts[-1] in ("lib", "main", "mod"):
+            parts = parts[:-1]
+        mods[tuple(parts)] = p
+    return mods
+
+
+def _strip_test_modules(text: str) -> str:
+    """Blank `#[cfg(test)] mod NAME { ... }` blocks (their `use super::*` is no import)."""
+    for m in reversed(list(re.finditer(r"#\[cfg\(test\)\]\s*mod\s+\w+\s*\{", text))):
+        depth, k = 0, m.end() - 1
+        while k < len(text):
+            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            if depth == 0:
+                break
+            k += 1
+        text = text[:m.start()] + re.sub(r"[^\n]", " ", text[m.start():k + 1]) + text[k + 1:]
+    return text
+
+
+def _use_paths(text: str) -> list[str]:
+    """Every path a `use` tree names, flattened (`a::{b, c::{d}}` -> a::b, a::c::d), and every
+    inline `crate::`/`super::`/`self::` path."""
+    def flat(tree: str, prefix: str = "") -> list[str]:
+        tree = tree.strip()
+        i = tree.find("{")
+        if i < 0:
+            return [prefix + re.sub(r"\s+as\s+\w+$", "", tree)] if tree else []
+        head, inner, parts, depth, cur = tree[:i], tree[i + 1:tree.rfind("}")], [], 0, ""
+        for ch in inner:
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            if ch == "," and depth == 0:
+                parts.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        parts.append(cur)
+        return [q for part in parts for q in flat(part, prefix + head)]
+
+    paths = [q for m in re.finditer(r"\buse\s+([^;]+);", text) for q in flat(m.group(1))]
+    return paths + re.findall(r"\b(?:crate|super|self)(?:::[A-Za-z_][A-Za-z0-9_]*)+", text)
+
+
+def _rust_imports(src: Path) -> dict[tuple, set]:
+    mods = _rust_modules(src)
+    graph: dict[tuple, set] = {}
+    for mod, p in mods.items():
+        deps = set()
+        for path in _use_paths(_strip_test_modules(_blank_rust(p.read_text()))):
+            segs = [x for x in path.replace(" ", "").split("::") if x]
+            if not segs:
+                continue
+            if segs[0] == "crate":
+                base, segs = [], segs[1:]
+            elif segs[0] in ("super", "self"):
+                base = list(mod)
+                while segs and segs[0] in ("super", "self"):
+                    base = base[:-1] if segs[0] == "super" else base
+                    segs = segs[1:]
+            elif mod + (segs[0],) in mods:  # a child module by its bare name
+                base = list(mod)
+            else:
+                continue  # another crate or std
+            target = max((tuple(base + segs[:k]) for k in range(len(segs) + 1) if tuple(base + segs[:k]) in mods), key=len, default=())
+            if target != mod and target != mod[:len(target)]:  # not itself, not an ancestor
+                deps.add(target)
+        graph[mod] = deps
+    return graph
+
+
+def _loops(graph: dict) -> list[list]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    out: list = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_reader_sees_a_loop_between_siblings():
+    src = ROOT / "tests" / "_shape_probe_crate"
+    try:
+        (src / "flow").mkdir(parents=True)
+        (src / "lib.rs").write_text("pub mod flow;\npub use flow::decode::Ctx;\n")
+        (src / "flow" / "mod.rs").write_text("pub mod decode;\npub mod pump;\n#[cfg(test)]\nmod tests { use super::*; }\n")
+        (src / "flow" / "decode.rs").write_text("use super::pump::{pump, Timing};\nuse crate::Ctx;\n")
+        (src / "flow" / "pump.rs").write_text("fn f(c: &super::decode::Ctx) {}\n")
+        assert _loops(_rust_imports(src)) == [[("flow", "decode"), ("flow", "pump")]]
+        (src / "flow" / "pump.rs").write_text("use crate::flow::{self};\n")
+        assert _loops(_rust_imports(src)) == []
+    finally:
+        for p in sorted(src.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        src.rmdir()
+
+
+def test_no_import_loops_in_the_crates():
+    found = [f"{src.parent.name}: " + " <-> ".join("::".join(m) for m in comp)
+             for src in sorted((ROOT / "rust").glob("*/src")) for comp in _loops(_rust_imports(src))]
+    assert not found, "modules that import each other:\n" + "\n".join(found)
