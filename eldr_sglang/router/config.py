@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 # cost of locality at DeepSeek-V3 shape is in benchmarks/results/bench_router_locality.md.
 from eldr_sglang import _core
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
+from eldr_sglang.router.dataplane import UNSTARTED_CONTROL_URL, plane_config
 
 
 
@@ -180,7 +181,7 @@ class RouterConfig:
     experiment: Experiment | None = None
 
     def __post_init__(self):
-        _check_numbers(self)  # the command line and programmatic configs alike
+        _check_numbers(self)  # the command line and programmatic configs alike (the data plane's: _check_plane)
         if self.experiment is not None:
             # the router the control plane holds is the first arm's; the centroid file stays
             # fixed through the run (no drift refits), so every block routes on the same one
@@ -201,6 +202,7 @@ class RouterConfig:
                                       "workers, doubling its share of the traffic and breaking the worker count the "
                                       "centroid file is fitted for)")
                 seen[key] = url
+        _check_plane(self)
 
     def binds_late(self, policy: str) -> bool:
         return self.bind == "late" or (self.bind == "auto" and policy in COUNTS_POLICIES)
@@ -501,36 +503,22 @@ def _experiment(a: argparse.Namespace) -> Experiment | None:
     return Experiment(arms, every, a.experiment_seed)
 
 
-# flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0)
+# flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0):
+# the control plane's own settings. The data plane's (ports, timeouts, retries, ejection,
+# admission, the seed) are checked by rust/dataplane/src/config.rs alone, through
+# `_core.DataPlane.check_numbers` (see _check_plane), with messages in the same words.
 _NUMERIC_FLAGS = {
-    "--port": ("port", 1, 65535, True, False),
     "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
     "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
     "--eldr-paged-experts": ("paged_experts", 1, 2**20, True, False),
-    "--eldr-signature-timeout-secs": ("signature_timeout_s", 1e-3, DAY_S, False, False),
     "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
     "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),
-    "--seed": ("seed", 0, 2**64 - 1, True, True),
-    "--request-timeout-secs": ("request_timeout_s", 1e-3, 7 * DAY_S, False, False),
     "--worker-startup-timeout-secs": ("worker_startup_timeout_s", 0.0, DAY_S, False, True),
     "--health-check-interval-secs": ("health_check_interval_s", 1e-3, DAY_S, False, True),
     "--health-failure-threshold": ("health_failure_threshold", 1, 1_000_000, True, False),
     "--load-monitor-interval": ("load_monitor_interval_s", 1e-3, DAY_S, False, True),
     "--worker-poll-timeout-secs": ("poll_timeout_s", 1e-3, DAY_S, False, False),
-    "--max-payload-size": ("max_payload_size", 1, 1 << 31, True, False),
     "--prometheus-port": ("prometheus_port", 1, 65535, True, False),
-    "--upstream-connect-timeout-secs": ("connect_timeout_s", 1e-3, DAY_S, False, False),
-    "--first-byte-timeout-secs": ("first_byte_timeout_s", 1e-3, 7 * DAY_S, False, False),
-    "--stall-timeout-secs": ("stall_timeout_s", 1e-3, 7 * DAY_S, False, False),
-    "--retries": ("retries", 0, 64, True, True),
-    "--eject-after-failures": ("eject_after_failures", 1, 1_000_000, True, False),
-    "--eject-base-secs": ("eject_base_s", 1e-3, DAY_S, False, False),
-    "--eject-max-secs": ("eject_max_s", 1e-3, 7 * DAY_S, False, False),
-    "--client-header-timeout-secs": ("client_header_timeout_s", 1e-3, DAY_S, False, False),
-    "--client-body-timeout-secs": ("client_body_timeout_s", 1e-3, DAY_S, False, False),
-    "--max-concurrent-requests": ("max_concurrent_requests", 0, 1 << 20, True, True),
-    "--queue-size": ("queue_size", 0, 1 << 20, True, True),
-    "--queue-timeout-secs": ("queue_timeout_s", 1e-3, DAY_S, False, False),
 }
 
 
@@ -550,8 +538,15 @@ def _check_numbers(a: "RouterConfig") -> None:
         if not lo <= v <= hi:
             what = f"between {lo:g} and {hi:g}" + (" (or 0: off)" if zero_ok and lo > 0 else "")
             raise ConfigError(f"{flag} must be {what}, got {v:g}" if not integer else f"{flag} must be {what}, got {v}")
-    if a.eject_max_s < a.eject_base_s:
-        raise ConfigError(f"--eject-max-secs ({a.eject_max_s:g}) must be >= --eject-base-secs ({a.eject_base_s:g})")
+
+
+def _check_plane(cfg: "RouterConfig") -> None:
+    """The data plane's numeric settings, as the data plane will read them, checked by its own
+    code (the workers, URLs and experiment it checks again when it is built)."""
+    try:
+        _core.DataPlane.check_numbers(plane_config(cfg, UNSTARTED_CONTROL_URL))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _admin_token(flag: str | None) -> str | None:

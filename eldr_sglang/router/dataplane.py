@@ -20,10 +20,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+from typing import TYPE_CHECKING
 
-from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
+from eldr_sglang import _core
+
+if TYPE_CHECKING:  # router.config checks its settings with plane_config: no import back
+    from eldr_sglang.router.config import RouterConfig
 
 logger = logging.getLogger("eldr.router")
+
+# the control URL of a data plane that is built but never started (an in-process app in tests,
+# the config check)
+UNSTARTED_CONTROL_URL = "http://127.0.0.1:9"
 
 # Tokio worker threads of the data plane: the machine this was measured on has 2 cores.
 DATA_PLANE_THREADS = 2
@@ -36,7 +45,7 @@ DRIFT_DRAIN_S = 0.25
 
 
 def drift_on(cfg: RouterConfig) -> bool:
-    return bool(cfg.policy in COUNTS_POLICIES and cfg.centroids and (cfg.drift or {}).get("enabled", True))
+    return bool(cfg.policy in _core.COUNTS_POLICIES and cfg.centroids and (cfg.drift or {}).get("enabled", True))
 
 
 def reservoir_config(cfg: RouterConfig) -> dict | None:
@@ -57,8 +66,9 @@ def reservoir_config(cfg: RouterConfig) -> dict | None:
 
 
 def plane_config(cfg: RouterConfig, control_url: str) -> str:
-    """The data plane's settings (rust/dataplane/src/config.rs), as JSON."""
-    return json.dumps({
+    """The data plane's settings (rust/dataplane/src/config.rs, which checks them), as JSON;
+    a NaN or infinite float as the string "nan", "inf" or "-inf" (JSON has none)."""
+    return json.dumps(_finite_or_named({
         "host": cfg.host, "port": cfg.port,
         "prefill": [{"url": w.url, "host": w.host, "bootstrap_port": w.bootstrap_port} for w in cfg.prefill],
         "decode": list(cfg.decode),
@@ -76,7 +86,17 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
         "queue_timeout_s": cfg.queue_timeout_s,
         "experiment": experiment_config(cfg),
-    })
+    }))
+
+
+def _finite_or_named(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # 'nan', 'inf', '-inf'
+    if isinstance(v, dict):
+        return {k: _finite_or_named(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite_or_named(x) for x in v]
+    return v
 
 
 def experiment_config(cfg: RouterConfig) -> dict | None:

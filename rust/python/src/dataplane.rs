@@ -47,6 +47,13 @@ impl PyDataPlane {
         let plane = Arc::clone(dp.plane());
         Ok(PyDataPlane { inner: Mutex::new(dp), plane })
     }
+    /// Check the numeric settings of `config_json` as `DataPlane(config_json, router)` does,
+    /// each named by its flag, building nothing: the router's config runs it so a bad flag
+    /// is refused before anything starts.
+    #[staticmethod]
+    fn check_numbers(config_json: &str) -> PyResult<()> {
+        Config::check_numbers(config_json).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
     /// Bind and serve; the bound port. Idempotent.
     fn start(&self, py: Python<'_>) -> PyResult<u16> {
         py.detach(|| self.lock().start()).map_err(|e| PyOSError::new_err(format!("the data plane could not start: {e}")))
