@@ -191,7 +191,7 @@ def test_the_data_plane_numbers_have_one_check():
 
     from eldr_sglang import _core
     from eldr_sglang.router import config
-    from eldr_sglang.router.dataplane import UNSTARTED_CONTROL_URL, plane_config
+    from eldr_sglang.router.config import UNSTARTED_CONTROL_URL, plane_config
 
     plane_keys = set(json.loads(plane_config(parse_config(BASE + ["--disagg-router", "random"]), UNSTARTED_CONTROL_URL)))
     assert not plane_keys & {attr for attr, *_ in config._NUMERIC_FLAGS.values()}

@@ -15,8 +15,8 @@ import time
 
 import aiohttp
 
-from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.dataplane import DRIFT_QUEUE, UNSTARTED_CONTROL_URL, DriftView, plane_config
+from eldr_sglang.router.config import DRIFT_QUEUE, UNSTARTED_CONTROL_URL, RouterConfig, plane_config
+from eldr_sglang.router.dataplane import DriftView
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
 

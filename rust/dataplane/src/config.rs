@@ -1,5 +1,5 @@
 //! The data plane's configuration: the Python launcher's RouterConfig, as JSON
-//! (`eldr_sglang.router.dataplane.plane_config`). This is the one check of its numeric
+//! (`eldr_sglang.router.config.plane_config`). This is the one check of its numeric
 //! settings: Python's RouterConfig runs it too ([`Config::check_numbers`] through
 //! `_core.DataPlane.check_numbers`) so a bad flag is refused before anything starts, with
 //! the flag's name, and does not check them again.

@@ -38,7 +38,7 @@ impl PyDataPlane {
 
 #[pymethods]
 impl PyDataPlane {
-    /// `config_json`: the data plane's settings (see `eldr_sglang.router.dataplane`);
+    /// `config_json`: the data plane's settings (`eldr_sglang.router.config.plane_config`);
     /// `router`: the core Router the control plane holds (shared, not copied).
     #[new]
     fn new(config_json: &str, router: &PyRouter) -> PyResult<Self> {
