@@ -3,7 +3,9 @@ crates' sources (rust/*/src) is over 800 lines, no function there is over 80 lin
 two modules of a crate import each other, directly or round a loop.
 Python functions are measured with ast; Rust function bodies by brace matching after comments,
 strings and char literals are blanked. A function counts from its `def`/`fn` line to its last
-line, nested functions included in their parent. Rust imports are read from `use` trees and
+line, nested functions included in their parent. Python imports are every import statement
+of a module (inside functions and TYPE_CHECKING blocks too: a loop put off is still a loop);
+Rust imports are read from `use` trees and
 `crate::`/`super::`/`self::` paths, test modules left out; a module reading its own parent
 or the crate root (a trait the parent defines, a re-export) is the module tree, not a loop."""
 
@@ -282,4 +284,42 @@ def test_import_reader_sees_a_loop_between_siblings():
 def test_no_import_loops_in_the_crates():
     found = [f"{src.parent.name}: " + " <-> ".join("::".join(m) for m in comp)
              for src in sorted((ROOT / "rust").glob("*/src")) for comp in _loops(_rust_imports(src))]
+    assert not found, "modules that import each other:\n" + "\n".join(found)
+
+
+def _python_imports() -> dict[str, set]:
+    root = ROOT / "eldr_sglang"
+    names = {}
+    for p in _python_files():
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = p
+    graph: dict[str, set] = {}
+    for mod, p in names.items():
+        package = mod if p.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in names:  # a name inside a module: the module
+                    t = t.rpartition(".")[0]
+                if t and t != mod and not mod.startswith(t + "."):  # not itself, not a parent package
+                    deps.add(t)
+        graph[mod] = deps
+    assert root.exists() and graph
+    return graph
+
+
+def test_no_import_loops_in_the_package():
+    found = [" <-> ".join(comp) for comp in _loops(_python_imports())]
     assert not found, "modules that import each other:\n" + "\n".join(found)
