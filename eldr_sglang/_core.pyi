@@ -324,6 +324,9 @@ class DataPlane:
     routing on the given Router (shared, not copied). See eldr_sglang.router.dataplane."""
 
     def __new__(cls, config_json: str, router: Router) -> Self: ...
+    @staticmethod
+    def check_numbers(config_json: str) -> None:
+        """Check the numeric settings as DataPlane() does (ValueError naming the flag), building nothing."""
     def start(self) -> int: ...
     def stop(self) -> None: ...
     @property

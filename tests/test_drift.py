@@ -248,7 +248,7 @@ def test_the_data_plane_draws_for_the_drift_options_reservoir():
     the same drift options); options that are no reservoir turn the feed off (the hook then
     refuses them with its own message, and routing goes on)."""
     from eldr_sglang.router.config import parse_config
-    from eldr_sglang.router.dataplane import plane_config
+    from eldr_sglang.router.config import plane_config
 
     argv = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
             "--disagg-router", "eldr", "--eldr-centroids", "c.eldr"]

@@ -182,3 +182,22 @@ def test_programmatic_router_config_is_checked_too():
         RouterConfig(**kw, stall_timeout_s=float("nan"))
     with pytest.raises(ConfigError, match="--port"):
         RouterConfig(**kw, port=70000)
+
+
+def test_the_data_plane_numbers_have_one_check():
+    """The data plane's numeric settings are checked by rust/dataplane/src/config.rs alone, in
+    the command line's words; the Python table holds only the control plane's own."""
+    import json
+
+    from eldr_sglang import _core
+    from eldr_sglang.router import config
+    from eldr_sglang.router.config import UNSTARTED_CONTROL_URL, plane_config
+
+    plane_keys = set(json.loads(plane_config(parse_config(BASE + ["--disagg-router", "random"]), UNSTARTED_CONTROL_URL)))
+    assert not plane_keys & {attr for attr, *_ in config._NUMERIC_FLAGS.values()}
+    with pytest.raises(ValueError, match=r"^--max-payload-size must be between 1 and 2\.14748e\+09, got -1$"):
+        _core.DataPlane.check_numbers(json.dumps({"max_payload_size": -1}))
+    with pytest.raises(ConfigError, match=r"^--stall-timeout-secs must be a finite number, got nan$"):
+        parse_config(BASE + ["--disagg-router", "random", "--stall-timeout-secs", "nan"])
+    with pytest.raises(ConfigError, match=r"^--eject-max-secs \(5\) must be >= --eject-base-secs \(10\)$"):
+        parse_config(BASE + ["--disagg-router", "random", "--eject-base-secs", "10", "--eject-max-secs", "5"])

@@ -10,6 +10,7 @@ Flag names follow sglang_router's `launch_router` where they overlap (--pd-disag
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -180,7 +181,7 @@ class RouterConfig:
     experiment: Experiment | None = None
 
     def __post_init__(self):
-        _check_numbers(self)  # the command line and programmatic configs alike
+        _check_numbers(self)  # the command line and programmatic configs alike (the data plane's: _check_plane)
         if self.experiment is not None:
             # the router the control plane holds is the first arm's; the centroid file stays
             # fixed through the run (no drift refits), so every block routes on the same one
@@ -201,6 +202,7 @@ class RouterConfig:
                                       "workers, doubling its share of the traffic and breaking the worker count the "
                                       "centroid file is fitted for)")
                 seen[key] = url
+        _check_plane(self)
 
     def binds_late(self, policy: str) -> bool:
         return self.bind == "late" or (self.bind == "auto" and policy in COUNTS_POLICIES)
@@ -244,14 +246,35 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     )
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
-    pd = ap.add_argument_group("PD disaggregation")
+    _worker_flags(ap.add_argument_group("PD disaggregation"))
+    pol = ap.add_argument_group("Routing")
+    _routing_flags(pol)
+    _experiment_flags(ap.add_argument_group("Switchback experiment (docs/serving.md, 'Proving it on your cluster')"))
+    # added after the experiment's group, as before the split, so the usage line keeps its order
+    pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
+    req = ap.add_argument_group("Requests and workers")
+    _request_flags(req)
+    _upstream_flags(ap.add_argument_group("Upstream timeouts, retries and outlier ejection"))
+    _client_flags(ap.add_argument_group("Clients and control endpoints"))
+    _admission_flags(ap.add_argument_group("Admission control (the Rust data plane)"))
+    req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
+    req.add_argument("--prometheus-port", type=int, default=None)
+    req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def _worker_flags(pd: argparse._ArgumentGroup) -> None:
+    """The workers: which URLs serve prefill and which decode."""
     pd.add_argument("--pd-disaggregation", action="store_true", help="PD mode (required: the only mode)")
     pd.add_argument(
         "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
         help="prefill worker URL and optional bootstrap port ('none' or omitted: none); repeat per worker",
     )
     pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL", help="decode worker URL; repeat per worker")
-    pol = ap.add_argument_group("Routing")
+
+
+def _routing_flags(pol: argparse._ArgumentGroup) -> None:
+    """The decode and prefill policies and the centroid file they read."""
     pol.add_argument(
         "--disagg-router", "--decode-policy", dest="policy", choices=DECODE_POLICIES, default=None,
         help=f"decode routing policy (default {DEFAULT_POLICY}: the locality-aware balancer, least marginal expected "
@@ -289,7 +312,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help="turn off drift monitoring and online refits of the centroid file (on by default for eldr and locality)",
     )
     pol.add_argument("--seed", type=int, default=0, help="seed of the random policies")
-    exp = ap.add_argument_group("Switchback experiment (docs/serving.md, 'Proving it on your cluster')")
+
+
+def _experiment_flags(exp: argparse._ArgumentGroup) -> None:
+    """A switchback experiment over decode policies."""
     exp.add_argument(
         "--experiment", metavar="ARM1,ARM2[,...]", default=None,
         help="alternate the decode policy over time blocks: arms are --disagg-router policies, eldr and locality "
@@ -301,8 +327,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     exp.add_argument("--switch-every", metavar="DURATION", default=None,
                      help="block length with --experiment: 10m, 30s, 1h, 500ms or seconds (default 10m)")
     exp.add_argument("--experiment-seed", type=int, default=0, metavar="N", help="seed of the blocks' order (default 0)")
-    pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
-    req = ap.add_argument_group("Requests and workers")
+
+
+def _request_flags(req: argparse._ArgumentGroup) -> None:
+    """Request limits and the control plane's polls of the workers."""
     req.add_argument("--request-timeout-secs", type=float, default=1800.0)
     req.add_argument("--worker-startup-timeout-secs", type=float, default=0.0, help="wait for workers' /health at start (0: no)")
     req.add_argument("--health-check-interval-secs", type=float, default=10.0)
@@ -318,7 +346,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     )
     req.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD,
                      help=f"largest client request body in bytes (default {DEFAULT_MAX_PAYLOAD}); larger gets 413")
-    up = ap.add_argument_group("Upstream timeouts, retries and outlier ejection")
+
+
+def _upstream_flags(up: argparse._ArgumentGroup) -> None:
+    """Timeouts on the workers, re-sends and outlier ejection."""
     up.add_argument("--upstream-connect-timeout-secs", type=float, default=5.0, help="TCP connect to a worker (default 5)")
     up.add_argument(
         "--first-byte-timeout-secs", type=float, default=60.0,
@@ -335,7 +366,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     up.add_argument("--eject-base-secs", type=float, default=5.0,
                     help="first ejection's length; doubles on each re-ejection (default 5)")
     up.add_argument("--eject-max-secs", type=float, default=300.0, help="longest ejection (default 300)")
-    cl = ap.add_argument_group("Clients and control endpoints")
+
+
+def _client_flags(cl: argparse._ArgumentGroup) -> None:
+    """Timeouts on clients, and the admin token of the control endpoints."""
     cl.add_argument("--client-header-timeout-secs", type=float, default=30.0,
                     help="a connection that sends no complete request head in this long is closed (default 30)")
     cl.add_argument("--client-body-timeout-secs", type=float, default=30.0,
@@ -345,7 +379,10 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
         help=f"token for POST /eldr/refit, /flush_cache and /eldr/experiment/switch (header 'Authorization: Bearer TOKEN'); "
         f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
-    adm = ap.add_argument_group("Admission control (the Rust data plane)")
+
+
+def _admission_flags(adm: argparse._ArgumentGroup) -> None:
+    """Admission control: requests in flight and the queue before it."""
     adm.add_argument(
         "--max-concurrent-requests", type=int, default=None, metavar="N",
         help="requests in flight through the router at once; past it they wait in the queue (default: 256 per decode "
@@ -356,10 +393,6 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
                      "(default: as many as --max-concurrent-requests)")
     adm.add_argument("--queue-timeout-secs", type=float, default=60.0,
                      help="longest wait in the queue, then 503 with Retry-After (default 60, the SGLang gateway's)")
-    req.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host (with --prometheus-port)")
-    req.add_argument("--prometheus-port", type=int, default=None)
-    req.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return ap
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
@@ -470,36 +503,22 @@ def _experiment(a: argparse.Namespace) -> Experiment | None:
     return Experiment(arms, every, a.experiment_seed)
 
 
-# flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0)
+# flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0):
+# the control plane's own settings. The data plane's (ports, timeouts, retries, ejection,
+# admission, the seed) are checked by rust/dataplane/src/config.rs alone, through
+# `_core.DataPlane.check_numbers` (see _check_plane), with messages in the same words.
 _NUMERIC_FLAGS = {
-    "--port": ("port", 1, 65535, True, False),
     "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
     "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
     "--eldr-paged-experts": ("paged_experts", 1, 2**20, True, False),
-    "--eldr-signature-timeout-secs": ("signature_timeout_s", 1e-3, DAY_S, False, False),
     "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
     "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),
-    "--seed": ("seed", 0, 2**64 - 1, True, True),
-    "--request-timeout-secs": ("request_timeout_s", 1e-3, 7 * DAY_S, False, False),
     "--worker-startup-timeout-secs": ("worker_startup_timeout_s", 0.0, DAY_S, False, True),
     "--health-check-interval-secs": ("health_check_interval_s", 1e-3, DAY_S, False, True),
     "--health-failure-threshold": ("health_failure_threshold", 1, 1_000_000, True, False),
     "--load-monitor-interval": ("load_monitor_interval_s", 1e-3, DAY_S, False, True),
     "--worker-poll-timeout-secs": ("poll_timeout_s", 1e-3, DAY_S, False, False),
-    "--max-payload-size": ("max_payload_size", 1, 1 << 31, True, False),
     "--prometheus-port": ("prometheus_port", 1, 65535, True, False),
-    "--upstream-connect-timeout-secs": ("connect_timeout_s", 1e-3, DAY_S, False, False),
-    "--first-byte-timeout-secs": ("first_byte_timeout_s", 1e-3, 7 * DAY_S, False, False),
-    "--stall-timeout-secs": ("stall_timeout_s", 1e-3, 7 * DAY_S, False, False),
-    "--retries": ("retries", 0, 64, True, True),
-    "--eject-after-failures": ("eject_after_failures", 1, 1_000_000, True, False),
-    "--eject-base-secs": ("eject_base_s", 1e-3, DAY_S, False, False),
-    "--eject-max-secs": ("eject_max_s", 1e-3, 7 * DAY_S, False, False),
-    "--client-header-timeout-secs": ("client_header_timeout_s", 1e-3, DAY_S, False, False),
-    "--client-body-timeout-secs": ("client_body_timeout_s", 1e-3, DAY_S, False, False),
-    "--max-concurrent-requests": ("max_concurrent_requests", 0, 1 << 20, True, True),
-    "--queue-size": ("queue_size", 0, 1 << 20, True, True),
-    "--queue-timeout-secs": ("queue_timeout_s", 1e-3, DAY_S, False, False),
 }
 
 
@@ -519,8 +538,15 @@ def _check_numbers(a: "RouterConfig") -> None:
         if not lo <= v <= hi:
             what = f"between {lo:g} and {hi:g}" + (" (or 0: off)" if zero_ok and lo > 0 else "")
             raise ConfigError(f"{flag} must be {what}, got {v:g}" if not integer else f"{flag} must be {what}, got {v}")
-    if a.eject_max_s < a.eject_base_s:
-        raise ConfigError(f"--eject-max-secs ({a.eject_max_s:g}) must be >= --eject-base-secs ({a.eject_base_s:g})")
+
+
+def _check_plane(cfg: "RouterConfig") -> None:
+    """The data plane's numeric settings, as the data plane will read them, checked by its own
+    code (the workers, URLs and experiment it checks again when it is built)."""
+    try:
+        _core.DataPlane.check_numbers(plane_config(cfg, UNSTARTED_CONTROL_URL))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _admin_token(flag: str | None) -> str | None:
@@ -532,3 +558,83 @@ def _admin_token(flag: str | None) -> str | None:
     if len(token) < 16:
         raise ConfigError(f"the admin token (--admin-token or ${ADMIN_TOKEN_ENV}) must be at least 16 characters")
     return token
+
+
+# ---------------------------------------------------------------- the data plane's settings
+# the control URL of a data plane that is built but never started (an in-process app in tests,
+# the config check)
+UNSTARTED_CONTROL_URL = "http://127.0.0.1:9"
+
+# Tokio worker threads of the data plane: the machine this was measured on has 2 cores.
+DATA_PLANE_THREADS = 2
+
+
+# Decisions the data plane queues for the drift monitor between two drains (the oldest are
+# dropped past it, and counted); drained every router.dataplane.DRIFT_DRAIN_S.
+DRIFT_QUEUE = 8192
+
+
+def drift_on(cfg: RouterConfig) -> bool:
+    return bool(cfg.policy in COUNTS_POLICIES and cfg.centroids and (cfg.drift or {}).get("enabled", True))
+
+
+def reservoir_config(cfg: RouterConfig) -> dict | None:
+    """The refit reservoir's shape for the data plane's draw, from the same drift options
+    the drift hook builds its reservoir from; None when drift is off or the options are
+    not a reservoir (the hook then refuses them and says why)."""
+    from eldr_sglang.drift.reservoir import DEFAULT_CAPACITY, DEFAULT_HORIZON, reservoir_shape
+
+    if not drift_on(cfg):
+        return None
+    conf = cfg.drift or {}
+    try:
+        per_bucket, span = reservoir_shape(conf.get("reservoir_capacity", DEFAULT_CAPACITY),
+                                           conf.get("reservoir_horizon", DEFAULT_HORIZON))
+    except (TypeError, ValueError):
+        return None
+    return {"per_bucket": per_bucket, "span": span}
+
+
+def plane_config(cfg: RouterConfig, control_url: str) -> str:
+    """The data plane's settings (rust/dataplane/src/config.rs, which checks them), as JSON;
+    a NaN or infinite float as the string "nan", "inf" or "-inf" (JSON has none)."""
+    return json.dumps(_finite_or_named({
+        "host": cfg.host, "port": cfg.port,
+        "prefill": [{"url": w.url, "host": w.host, "bootstrap_port": w.bootstrap_port} for w in cfg.prefill],
+        "decode": list(cfg.decode),
+        "control_url": control_url,
+        "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "late_binding": cfg.late_binding, "seed": cfg.seed,
+        "signature_timeout_s": cfg.signature_timeout_s, "request_timeout_s": cfg.request_timeout_s,
+        "connect_timeout_s": cfg.connect_timeout_s, "first_byte_timeout_s": cfg.first_byte_timeout_s,
+        "stall_timeout_s": cfg.stall_timeout_s, "retries": cfg.retries,
+        "eject_after_failures": cfg.eject_after_failures, "eject_base_s": cfg.eject_base_s, "eject_max_s": cfg.eject_max_s,
+        "client_header_timeout_s": cfg.client_header_timeout_s, "client_body_timeout_s": cfg.client_body_timeout_s,
+        "max_payload_size": cfg.max_payload_size, "explain_headers": cfg.explain_headers,
+        "threads": DATA_PLANE_THREADS,
+        "signature_reservoir": DRIFT_QUEUE if reservoir_config(cfg) else 0,
+        "reservoir": reservoir_config(cfg),
+        "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
+        "queue_timeout_s": cfg.queue_timeout_s,
+        "experiment": experiment_config(cfg),
+    }))
+
+
+def _finite_or_named(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # 'nan', 'inf', '-inf'
+    if isinstance(v, dict):
+        return {k: _finite_or_named(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite_or_named(x) for x in v]
+    return v
+
+
+def experiment_config(cfg: RouterConfig) -> dict | None:
+    """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): each
+    arm with its binding (late for the counts policies under --eldr-bind auto)."""
+    x = cfg.experiment
+    if x is None:
+        return None
+    return {"arms": [{"label": a.label, "policy": a.policy, "load_factor": a.load_factor, "late_binding": cfg.binds_late(a.policy)}
+                     for a in x.arms],
+            "switch_every_s": x.switch_every_s, "seed": x.seed}

@@ -15,15 +15,12 @@ import time
 
 import aiohttp
 
-from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.dataplane import DRIFT_QUEUE, DriftView, plane_config
+from eldr_sglang.router.config import DRIFT_QUEUE, UNSTARTED_CONTROL_URL, RouterConfig, plane_config
+from eldr_sglang.router.dataplane import DriftView
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
 
 logger = logging.getLogger("eldr.router")
-
-# the control URL of a data plane that is built but never started (an in-process app in tests)
-UNSTARTED_CONTROL_URL = "http://127.0.0.1:9"
 
 
 class ControlPlane:

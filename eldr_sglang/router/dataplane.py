@@ -1,4 +1,4 @@
-"""The Rust data plane's settings and its drift feed.
+"""The Rust data plane and its drift feed (its settings: `router.config.plane_config`).
 
 The request path runs in the extension's tokio/hyper server (`eldr_sglang._core.DataPlane`,
 crate rust/dataplane): it listens on the public port and serves /generate, /v1/completions
@@ -18,76 +18,12 @@ decision carries its unit signature only when the reservoir stores it (`DriftVie
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-
-from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
 
 logger = logging.getLogger("eldr.router")
 
-# Tokio worker threads of the data plane: the machine this was measured on has 2 cores.
-DATA_PLANE_THREADS = 2
-
-
-# Decisions the data plane queues for the drift monitor between two drains (the oldest are
-# dropped past it, and counted); drained every DRIFT_DRAIN_S.
-DRIFT_QUEUE = 8192
+# the drift feed's drain period (the queue's length is config.DRIFT_QUEUE)
 DRIFT_DRAIN_S = 0.25
-
-
-def drift_on(cfg: RouterConfig) -> bool:
-    return bool(cfg.policy in COUNTS_POLICIES and cfg.centroids and (cfg.drift or {}).get("enabled", True))
-
-
-def reservoir_config(cfg: RouterConfig) -> dict | None:
-    """The refit reservoir's shape for the data plane's draw, from the same drift options
-    the drift hook builds its reservoir from; None when drift is off or the options are
-    not a reservoir (the hook then refuses them and says why)."""
-    from eldr_sglang.drift.reservoir import DEFAULT_CAPACITY, DEFAULT_HORIZON, reservoir_shape
-
-    if not drift_on(cfg):
-        return None
-    conf = cfg.drift or {}
-    try:
-        per_bucket, span = reservoir_shape(conf.get("reservoir_capacity", DEFAULT_CAPACITY),
-                                           conf.get("reservoir_horizon", DEFAULT_HORIZON))
-    except (TypeError, ValueError):
-        return None
-    return {"per_bucket": per_bucket, "span": span}
-
-
-def plane_config(cfg: RouterConfig, control_url: str) -> str:
-    """The data plane's settings (rust/dataplane/src/config.rs), as JSON."""
-    return json.dumps({
-        "host": cfg.host, "port": cfg.port,
-        "prefill": [{"url": w.url, "host": w.host, "bootstrap_port": w.bootstrap_port} for w in cfg.prefill],
-        "decode": list(cfg.decode),
-        "control_url": control_url,
-        "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "late_binding": cfg.late_binding, "seed": cfg.seed,
-        "signature_timeout_s": cfg.signature_timeout_s, "request_timeout_s": cfg.request_timeout_s,
-        "connect_timeout_s": cfg.connect_timeout_s, "first_byte_timeout_s": cfg.first_byte_timeout_s,
-        "stall_timeout_s": cfg.stall_timeout_s, "retries": cfg.retries,
-        "eject_after_failures": cfg.eject_after_failures, "eject_base_s": cfg.eject_base_s, "eject_max_s": cfg.eject_max_s,
-        "client_header_timeout_s": cfg.client_header_timeout_s, "client_body_timeout_s": cfg.client_body_timeout_s,
-        "max_payload_size": cfg.max_payload_size, "explain_headers": cfg.explain_headers,
-        "threads": DATA_PLANE_THREADS,
-        "signature_reservoir": DRIFT_QUEUE if reservoir_config(cfg) else 0,
-        "reservoir": reservoir_config(cfg),
-        "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
-        "queue_timeout_s": cfg.queue_timeout_s,
-        "experiment": experiment_config(cfg),
-    })
-
-
-def experiment_config(cfg: RouterConfig) -> dict | None:
-    """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): each
-    arm with its binding (late for the counts policies under --eldr-bind auto)."""
-    x = cfg.experiment
-    if x is None:
-        return None
-    return {"arms": [{"label": a.label, "policy": a.policy, "load_factor": a.load_factor, "late_binding": cfg.binds_late(a.policy)}
-                     for a in x.arms],
-            "switch_every_s": x.switch_every_s, "seed": x.seed}
 
 
 class DriftView:

@@ -1,4 +1,8 @@
-//! The data plane's configuration: the Python launcher's RouterConfig, as JSON.
+//! The data plane's configuration: the Python launcher's RouterConfig, as JSON
+//! (`eldr_sglang.router.config.plane_config`). This is the one check of its numeric
+//! settings: Python's RouterConfig runs it too ([`Config::check_numbers`] through
+//! `_core.DataPlane.check_numbers`) so a bad flag is refused before anything starts, with
+//! the flag's name, and does not check them again.
 
 use std::fmt;
 use std::time::Duration;
@@ -59,7 +63,7 @@ fn default_threads() -> usize {
 #[derive(Debug, Clone, Deserialize)]
 pub struct Config {
     pub host: String,
-    /// 0: any free port (`DataPlane::start` returns the bound one).
+    /// The public port (the check takes 1..=65535, as --port).
     pub port: u16,
     pub prefill: Vec<PrefillWorker>,
     pub decode: Vec<String>,
@@ -132,9 +136,19 @@ fn default_queue_timeout() -> f64 {
 
 impl Config {
     pub fn from_json(text: &str) -> Result<Config, ConfigError> {
-        let cfg: Config = serde_json::from_str(text)?;
+        // the numbers are checked on the JSON as given, so that a negative count or a NaN
+        // timeout is named by its flag instead of failing the typed read
+        let raw: serde_json::Value = serde_json::from_str(text)?;
+        check_numbers(&raw).map_err(ConfigError::Invalid)?;
+        let cfg: Config = serde_json::from_value(raw)?;
         cfg.check()?;
         Ok(cfg)
+    }
+
+    /// Only the numeric settings of `text` (what the router's command line sets), each named
+    /// by its flag: the router's config runs this before anything starts.
+    pub fn check_numbers(text: &str) -> Result<(), ConfigError> {
+        check_numbers(&serde_json::from_str(text)?).map_err(ConfigError::Invalid)
     }
 
     fn check(&self) -> Result<(), ConfigError> {
@@ -153,29 +167,6 @@ impl Config {
         }
         if !eldr_core::is_prefill_policy(&self.prefill_policy) {
             return bad(format!("unknown prefill policy {:?}", self.prefill_policy));
-        }
-        for (name, v) in [
-            ("signature_timeout_s", self.signature_timeout_s),
-            ("request_timeout_s", self.request_timeout_s),
-            ("connect_timeout_s", self.connect_timeout_s),
-            ("first_byte_timeout_s", self.first_byte_timeout_s),
-            ("stall_timeout_s", self.stall_timeout_s),
-            ("eject_base_s", self.eject_base_s),
-            ("eject_max_s", self.eject_max_s),
-            ("client_header_timeout_s", self.client_header_timeout_s),
-            ("client_body_timeout_s", self.client_body_timeout_s),
-        ] {
-            if !(v.is_finite() && v > 0.0 && v < 1e9) {
-                return bad(format!("{name} must be a positive number of seconds, got {v}"));
-            }
-        }
-        if !(self.queue_timeout_s.is_finite() && self.queue_timeout_s > 0.0 && self.queue_timeout_s < 1e9) {
-            return bad(format!("queue_timeout_s must be a positive number of seconds, got {}", self.queue_timeout_s));
-        }
-        for (name, v) in [("max_concurrent_requests", self.max_concurrent_requests), ("queue_size", self.queue_size)] {
-            if v.is_some_and(|n| n > MAX_ADMISSION) {
-                return bad(format!("{name} must be at most {MAX_ADMISSION}, got {}", v.unwrap_or(0)));
-            }
         }
         if self.signature_reservoir > 0 && self.reservoir.is_none() && self.counts_policy() {
             return bad("signature_reservoir (the drift feed) needs the reservoir shape {\"per_bucket\", \"span\"}".into());
@@ -213,6 +204,152 @@ impl Config {
     }
 }
 
+const DAY_S: f64 = 86400.0;
+const WEEK_S: f64 = 7.0 * DAY_S;
+
+/// One numeric setting: its JSON key, the router flag that sets it, its bounds, whether it
+/// is an integer, and whether 0 is allowed outside the bounds (0: off or no bound).
+struct Bound {
+    key: &'static str,
+    flag: &'static str,
+    lo: f64,
+    hi: f64,
+    integer: bool,
+    zero_ok: bool,
+}
+
+const fn secs_in(key: &'static str, flag: &'static str, hi: f64) -> Bound {
+    Bound { key, flag, lo: 1e-3, hi, integer: false, zero_ok: false }
+}
+
+const fn count(key: &'static str, flag: &'static str, lo: f64, hi: f64, zero_ok: bool) -> Bound {
+    Bound { key, flag, lo, hi, integer: true, zero_ok }
+}
+
+/// The data plane's numeric settings, in the order they are checked. A timeout shorter than
+/// a millisecond cannot be met; longer than a day (a week for a whole request or stream) is
+/// a typo. MAX_ADMISSION bounds the admission settings.
+const BOUNDS: [Bound; 17] = [
+    count("port", "--port", 1.0, 65535.0, false),
+    secs_in("signature_timeout_s", "--eldr-signature-timeout-secs", DAY_S),
+    count("seed", "--seed", 0.0, u64::MAX as f64, true),
+    secs_in("request_timeout_s", "--request-timeout-secs", WEEK_S),
+    count("max_payload_size", "--max-payload-size", 1.0, (1u64 << 31) as f64, false),
+    secs_in("connect_timeout_s", "--upstream-connect-timeout-secs", DAY_S),
+    secs_in("first_byte_timeout_s", "--first-byte-timeout-secs", WEEK_S),
+    secs_in("stall_timeout_s", "--stall-timeout-secs", WEEK_S),
+    count("retries", "--retries", 0.0, 64.0, true),
+    count("eject_after_failures", "--eject-after-failures", 1.0, 1_000_000.0, false),
+    secs_in("eject_base_s", "--eject-base-secs", DAY_S),
+    secs_in("eject_max_s", "--eject-max-secs", WEEK_S),
+    secs_in("client_header_timeout_s", "--client-header-timeout-secs", DAY_S),
+    secs_in("client_body_timeout_s", "--client-body-timeout-secs", DAY_S),
+    count("max_concurrent_requests", "--max-concurrent-requests", 0.0, MAX_ADMISSION as f64, true),
+    count("queue_size", "--queue-size", 0.0, MAX_ADMISSION as f64, true),
+    secs_in("queue_timeout_s", "--queue-timeout-secs", DAY_S),
+];
+
+/// A JSON value as a number: Python writes a NaN or infinite float as the string "nan",
+/// "inf" or "-inf" (JSON has none). Err: what to print of a value that is no number.
+fn number(v: &serde_json::Value) -> Result<f64, String> {
+    match v {
+        serde_json::Value::Number(n) => Ok(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::String(s) if s == "nan" => Ok(f64::NAN),
+        serde_json::Value::String(s) if s == "inf" => Ok(f64::INFINITY),
+        serde_json::Value::String(s) if s == "-inf" => Ok(f64::NEG_INFINITY),
+        serde_json::Value::Bool(b) => Err(if *b { "True" } else { "False" }.into()),
+        other => Err(other.to_string()),
+    }
+}
+
+/// Every numeric setting in range, named by its flag, in the words of the router's command
+/// line (`must be between 0.001 and 86400, got 0`); absent or null settings are skipped.
+fn check_numbers(raw: &serde_json::Value) -> Result<(), String> {
+    for b in &BOUNDS {
+        let Some(v) = raw.get(b.key).filter(|v| !v.is_null()) else { continue };
+        let x = number(v).map_err(|shown| format!("{} must be {}, got {shown}", b.flag, if b.integer { "an integer" } else { "a number" }))?;
+        // an integer beyond 64 bits reads as a whole float: out of range, not "not an integer"
+        let whole = v.is_i64() || v.is_u64() || (v.is_f64() && x.fract() == 0.0 && x.abs() >= 9.2e18);
+        if b.integer && !whole {
+            let shown = if x.is_nan() { "nan".to_string() } else if x.is_infinite() { fmt_g(x) } else { format!("{x:?}") };
+            return Err(format!("{} must be an integer, got {shown}", b.flag));
+        }
+        if !x.is_finite() {
+            return Err(format!("{} must be a finite number, got {}", b.flag, fmt_g(x)));
+        }
+        // an integer past 64 bits (a whole float here) is past every bound
+        let exact = !b.integer || v.is_i64() || v.is_u64();
+        if (b.zero_ok && x == 0.0) || (exact && (b.lo..=b.hi).contains(&x)) {
+            continue;
+        }
+        let off = if b.zero_ok && b.lo > 0.0 { " (or 0: off)" } else { "" };
+        let got = match (b.integer, v.as_i64(), v.as_u64()) {
+            (false, _, _) => fmt_g(x),
+            (true, Some(n), _) => n.to_string(),
+            (true, None, Some(n)) => n.to_string(),
+            (true, None, None) => format!("{x:.0}"),
+        };
+        return Err(format!("{} must be between {} and {}{off}, got {got}", b.flag, fmt_g(b.lo), fmt_g(b.hi)));
+    }
+    let secs_of = |k: &str| raw.get(k).and_then(|v| v.as_f64());
+    if let (Some(max), Some(base)) = (secs_of("eject_max_s"), secs_of("eject_base_s")) {
+        if max < base {
+            return Err(format!("--eject-max-secs ({}) must be >= --eject-base-secs ({})", fmt_g(max), fmt_g(base)));
+        }
+    }
+    Ok(())
+}
+
+/// A number as Python's `format(v, "g")` writes it (the router's messages have always used
+/// it): six significant digits, the exponent form below 1e-4 and from 1e6.
+fn fmt_g(v: f64) -> String {
+    if v.is_nan() {
+        return "nan".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    if v == 0.0 {
+        return if v.is_sign_negative() { "-0" } else { "0" }.into();
+    }
+    let trim = |s: &str| if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s.to_string() };
+    let sci = format!("{v:.5e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..6).contains(&exp) {
+        trim(&format!("{:.*}", (5 - exp) as usize, v))
+    } else {
+        format!("{}e{}{:02}", trim(mantissa), if exp < 0 { '-' } else { '+' }, exp.abs())
+    }
+}
+
 pub fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(s.max(0.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_print_as_python_g() {
+        for (v, want) in [(86400.0, "86400"), (1e-3, "0.001"), (604800.0, "604800"), (2147483648.0, "2.14748e+09"), (1e300, "1e+300"), (-0.5, "-0.5"), (0.0, "0"), (1048576.0, "1.04858e+06"), (1.5e-5, "1.5e-05"), (f64::NAN, "nan"), (f64::NEG_INFINITY, "-inf")] {
+            assert_eq!(fmt_g(v), want);
+        }
+    }
+
+    #[test]
+    fn numeric_settings_are_named_by_their_flag() {
+        let check = |json: &str| check_numbers(&serde_json::from_str(json).unwrap());
+        assert_eq!(check(r#"{"stall_timeout_s": 0}"#).unwrap_err(), "--stall-timeout-secs must be between 0.001 and 604800, got 0");
+        assert_eq!(check(r#"{"stall_timeout_s": "nan"}"#).unwrap_err(), "--stall-timeout-secs must be a finite number, got nan");
+        assert_eq!(check(r#"{"retries": -1}"#).unwrap_err(), "--retries must be between 0 and 64, got -1");
+        assert_eq!(check(r#"{"retries": 1.5}"#).unwrap_err(), "--retries must be an integer, got 1.5");
+        assert_eq!(check(r#"{"max_payload_size": -1}"#).unwrap_err(), "--max-payload-size must be between 1 and 2.14748e+09, got -1");
+        assert_eq!(check(r#"{"seed": 18446744073709551616}"#).unwrap_err(), "--seed must be between 0 and 1.84467e+19, got 18446744073709551616");
+        assert_eq!(check(r#"{"port": true}"#).unwrap_err(), "--port must be an integer, got True");
+        assert_eq!(check(r#"{"eject_base_s": 10, "eject_max_s": 5}"#).unwrap_err(), "--eject-max-secs (5) must be >= --eject-base-secs (10)");
+        // 0 is off where it always was; null is "not set"
+        assert!(check(r#"{"retries": 0, "max_concurrent_requests": 0, "queue_size": null, "seed": 18446744073709551615}"#).is_ok());
+    }
 }

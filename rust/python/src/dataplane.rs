@@ -38,7 +38,7 @@ impl PyDataPlane {
 
 #[pymethods]
 impl PyDataPlane {
-    /// `config_json`: the data plane's settings (see `eldr_sglang.router.dataplane`);
+    /// `config_json`: the data plane's settings (`eldr_sglang.router.config.plane_config`);
     /// `router`: the core Router the control plane holds (shared, not copied).
     #[new]
     fn new(config_json: &str, router: &PyRouter) -> PyResult<Self> {
@@ -46,6 +46,13 @@ impl PyDataPlane {
         let dp = DataPlane::new(cfg, Arc::clone(&router.inner)).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let plane = Arc::clone(dp.plane());
         Ok(PyDataPlane { inner: Mutex::new(dp), plane })
+    }
+    /// Check the numeric settings of `config_json` as `DataPlane(config_json, router)` does,
+    /// each named by its flag, building nothing: the router's config runs it so a bad flag
+    /// is refused before anything starts.
+    #[staticmethod]
+    fn check_numbers(config_json: &str) -> PyResult<()> {
+        Config::check_numbers(config_json).map_err(|e| PyValueError::new_err(e.to_string()))
     }
     /// Bind and serve; the bound port. Idempotent.
     fn start(&self, py: Python<'_>) -> PyResult<u16> {

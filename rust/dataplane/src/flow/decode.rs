@@ -15,7 +15,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 
 use super::drain::{kv_lost_error, PrefillLeg};
 use super::pump::{pump, Timing};
-use super::route::{Choice, Sig};
+use super::route::{Choice, Lease, Sig};
 use crate::config::{secs, Role};
 use crate::counters::{names, scan_chunk};
 use crate::errors::{FlowError, UpstreamError};
@@ -122,62 +122,86 @@ fn explain_headers(plane: &Plane, ctx: &DecodeCtx<'_>, choice: &Choice, r: &mut 
 
 pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Choice, prefill: Option<&Arc<PrefillLeg>>) -> Result<Response<Body>, FlowError> {
     let w = choice.worker;
-    let durl = format!("{}{}", plane.cfg.decode[w], ctx.path);
     let t_start = Instant::now();
+    // the queue slot and the worker's trial are held from here to the answer's end (the pump
+    // owns them once the stream is handed to the client)
     let lease = plane.lease(ctx.arm, w, choice.profile.as_ref());
-    let mut attempt = Attempt::start(&plane.decode, w);
-    let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
-    let first_byte = secs(plane.cfg.first_byte_timeout_s);
-
-    if !ctx.client_stream {
-        let resp = match open_watched(plane, leg, &durl, ctx.dbody.clone(), ctx.deadline, prefill).await {
-            Ok(r) => r,
-            Err(e) => {
-                plane.blame(&mut attempt, e.cause.as_deref().unwrap_or("error"), prefill).await?;
-                return Err(e.into());
-            }
-        };
-        let ctype = resp.headers().get(CONTENT_TYPE).cloned();
-        let data = match timeout_at(ctx.deadline, resp.into_body().collect()).await {
-            Ok(Ok(c)) => c.to_bytes(),
-            failed => {
-                let (status, cause, what) = if failed.is_err() { (504, "total_timeout", "timeout") } else { (502, "stream", "stream error") };
-                plane.blame(&mut attempt, cause, prefill).await?;
-                return Err(UpstreamError::retryable(status, &format!("decode worker {w} answer cut: {what}"), Role::Decode, cause).into());
-            }
-        };
-        attempt.success();
-        if let Some(leg) = prefill {
-            leg.keep_draining();
-        }
-        drop(lease);
-        // non-streamed: the end-to-end time and the tokens are all that can be known
-        let policy = ctx.arm.label;
-        plane.counters.latency.decode(policy, w, ctx.endpoint).e2e.observe(ctx.t0.elapsed().as_secs_f64());
-        if let (_, Some(n)) = scan_chunk(&data) {
-            plane.counters.add(names::OUTPUT_TOKENS, &[policy, &w.to_string(), ctx.endpoint], n);
-        }
-        let mut r = Response::new(full(data));
-        r.headers_mut().insert(CONTENT_TYPE, ctype.unwrap_or(HeaderValue::from_static("application/json")));
-        explain_headers(plane, ctx, choice, &mut r);
-        return Ok(r);
+    let attempt = Attempt::start(&plane.decode, w);
+    let leg = DecodeLeg { choice, prefill, url: format!("{}{}", plane.cfg.decode[w], ctx.path), t_start };
+    if ctx.client_stream {
+        decode_streamed(plane, ctx, leg, lease, attempt).await
+    } else {
+        decode_whole(plane, ctx, leg, lease, attempt).await
     }
+}
 
-    let resp = match plane.open(leg, &durl, ctx.dbody.clone(), Some(first_byte), ctx.deadline).await {
+/// One decode attempt: the worker chosen, the prefill whose KV it takes, where it is sent
+/// and when the attempt began (the first-byte timeout counts from it).
+struct DecodeLeg<'a> {
+    choice: &'a Choice,
+    prefill: Option<&'a Arc<PrefillLeg>>,
+    url: String,
+    t_start: Instant,
+}
+
+/// A non-streamed answer: read whole (its KV take bounds the wait, see [`open_watched`]),
+/// then counted and returned; a failure before it is whole may still fail over.
+async fn decode_whole(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, d: DecodeLeg<'_>, lease: Lease, mut attempt: Attempt) -> Result<Response<Body>, FlowError> {
+    let (w, prefill) = (d.choice.worker, d.prefill);
+    let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
+    let resp = match open_watched(plane, leg, &d.url, ctx.dbody.clone(), ctx.deadline, prefill).await {
         Ok(r) => r,
         Err(e) => {
             plane.blame(&mut attempt, e.cause.as_deref().unwrap_or("error"), prefill).await?;
             return Err(e.into());
         }
     };
-    // The client sees nothing until the decode's first chunk: until then the request can
-    // still move to another worker.
+    let ctype = resp.headers().get(CONTENT_TYPE).cloned();
+    let data = match timeout_at(ctx.deadline, resp.into_body().collect()).await {
+        Ok(Ok(c)) => c.to_bytes(),
+        failed => {
+            let (status, cause, what) = if failed.is_err() { (504, "total_timeout", "timeout") } else { (502, "stream", "stream error") };
+            plane.blame(&mut attempt, cause, prefill).await?;
+            return Err(UpstreamError::retryable(status, &format!("decode worker {w} answer cut: {what}"), Role::Decode, cause).into());
+        }
+    };
+    attempt.success();
+    if let Some(leg) = prefill {
+        leg.keep_draining();
+    }
+    drop(lease);
+    // non-streamed: the end-to-end time and the tokens are all that can be known
+    let policy = ctx.arm.label;
+    plane.counters.latency.decode(policy, w, ctx.endpoint).e2e.observe(ctx.t0.elapsed().as_secs_f64());
+    if let (_, Some(n)) = scan_chunk(&data) {
+        plane.counters.add(names::OUTPUT_TOKENS, &[policy, &w.to_string(), ctx.endpoint], n);
+    }
+    let mut r = Response::new(full(data));
+    r.headers_mut().insert(CONTENT_TYPE, ctype.unwrap_or(HeaderValue::from_static("application/json")));
+    explain_headers(plane, ctx, d.choice, &mut r);
+    Ok(r)
+}
+
+/// A streamed answer: nothing reaches the client until the decode's first chunk, so until
+/// then a failure is charged and the request can still move to another decode; from the
+/// first chunk on, the pump owns the stream.
+async fn decode_streamed(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, d: DecodeLeg<'_>, lease: Lease, mut attempt: Attempt) -> Result<Response<Body>, FlowError> {
+    let (w, prefill) = (d.choice.worker, d.prefill);
+    let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
+    let first_byte = secs(plane.cfg.first_byte_timeout_s);
+    let resp = match plane.open(leg, &d.url, ctx.dbody.clone(), Some(first_byte), ctx.deadline).await {
+        Ok(r) => r,
+        Err(e) => {
+            plane.blame(&mut attempt, e.cause.as_deref().unwrap_or("error"), prefill).await?;
+            return Err(e.into());
+        }
+    };
     let mut body = resp.into_body();
-    let left = (t_start + first_byte).min(ctx.deadline).saturating_duration_since(Instant::now());
+    let left = (d.t_start + first_byte).min(ctx.deadline).saturating_duration_since(Instant::now());
     let failed = match timeout(left, next_chunk(&mut body)).await {
         Ok(Ok(Some(first))) => {
             attempt.progress();
-            let timing = Timing::first(plane, w, ctx, &first);
+            let timing = Timing::first(plane, w, ctx.arm, ctx.t0, ctx.endpoint, &first);
             let head = &first[..first.len().min(8192)];
             if head.windows(7).any(|x| x == b"\"abort\"") {
                 if let Some(leg) = prefill {
@@ -193,7 +217,7 @@ pub(crate) async fn decode(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, choice: &Cho
             let h = r.headers_mut();
             h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
             h.insert(hyper::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            explain_headers(plane, ctx, choice, &mut r);
+            explain_headers(plane, ctx, d.choice, &mut r);
             return Ok(r);
         }
         Ok(Ok(None)) => UpstreamError::retryable(502, &format!("decode worker {w} ended its stream without a byte"), Role::Decode, "empty"),

@@ -18,7 +18,7 @@ use super::body::with_fields;
 use super::decode::{decode, decode_with_failover, DecodeCtx};
 use super::drain::{Background, Drain, PrefillLeg};
 use super::route::Sig;
-use crate::config::{secs, Role};
+use crate::config::{secs, PrefillWorker, Role};
 use crate::counters::{names, Histogram};
 use crate::errors::{FlowError, UpstreamError};
 use crate::outlier::Attempt;
@@ -101,16 +101,35 @@ struct Leg0<'a> {
 const RESEND_BACKOFF_S: f64 = 0.050;
 const RESEND_BACKOFF_GROWTH: f64 = 1.5;
 
+/// One prefill attempt: a fresh bootstrap room, the bodies for both legs, then the request
+/// bound early (decode chosen first, both legs at once) or late (decode chosen from the
+/// prefill's signature).
 async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>, tried_decode: &mut Vec<usize>) -> Result<Response<Body>, FlowError> {
-    let Leg0 { arm, path, p, client_stream, deadline, t0: t_request, endpoint } = c;
+    let Leg0 { arm, path, p, client_stream, deadline, t0, endpoint } = c;
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
     let w = &plane.cfg.prefill[p];
     let room = plane.rng.next_u64() >> 1; // 63 bits, as SGLang's bootstrap rooms
-    let mut late = arm.late;
-    let no_sig = late && plane.prefill_signs(p) == Some(false);
-    if no_sig {
-        late = false; // this prefill never streams a signature: do not wait for one
+    // a late-binding arm whose prefill never streams a signature does not wait for one
+    let no_sig = arm.late && plane.prefill_signs(p) == Some(false);
+    let late = arm.late && !no_sig;
+    let (dbody, pbody) = bootstrap_bodies(base, w, room, late, client_stream);
+    let send = PrefillSend {
+        url: format!("{}{}", w.url, path),
+        body: pbody,
+        attempt: Attempt::start(&plane.prefill, p),
+        timing: plane.counters.latency.prefill(arm.label, endpoint),
+    };
+    let ctx = DecodeCtx { arm, path, room, p, dbody: &dbody, client_stream, deadline, t0, endpoint };
+    if late {
+        late_bound(plane, &ctx, send).await
+    } else {
+        early_bound(plane, &ctx, send, no_sig, tried_decode).await
     }
+}
+
+/// The request as each leg gets it, with the room's bootstrap fields: the decode streams as
+/// the client asked; the prefill streams too when the signature is awaited from it.
+fn bootstrap_bodies(base: &Bytes, w: &PrefillWorker, room: u64, late: bool, client_stream: bool) -> (ReqBody, ReqBody) {
     let mut boot = Map::new();
     boot.insert("bootstrap_host".into(), Value::String(w.host.clone()));
     boot.insert("bootstrap_port".into(), w.bootstrap_port.map_or(Value::Null, Value::from));
@@ -118,50 +137,63 @@ async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>, tried
     boot.insert("stream".into(), Value::Bool(client_stream));
     let dbody = with_fields(base, &boot);
     boot.insert("stream".into(), Value::Bool(late || client_stream));
-    let pbody = with_fields(base, &boot);
-    let purl = format!("{}{}", w.url, path);
-    let mut attempt = Attempt::start(&plane.prefill, p);
-    let leg = Leg { role: Role::Prefill, worker: p, counters: &plane.counters };
-    let ctx = DecodeCtx { arm, path, room, p, dbody: &dbody, client_stream, deadline, t0: t_request, endpoint };
-    let prefill_leg = plane.counters.latency.prefill(arm.label, endpoint);
+    (dbody, with_fields(base, &boot))
+}
 
-    if !late {
-        let sig = Sig::none(no_sig.then_some("prefill_no_signature"), 0.0);
-        // a decode that failed this request is not chosen again while another is left
-        let decision = match plane.route(arm, &sig, tried_decode) {
-            Ok(d) => d,
-            Err(_) if !tried_decode.is_empty() => plane.route(arm, &sig, &[])?,
-            Err(e) => return Err(e),
-        };
-        if !tried_decode.contains(&decision.worker) {
-            tried_decode.push(decision.worker);
-        }
-        let (etx, mut erx) = tokio::sync::oneshot::channel();
-        let early = {
-            let plane = Arc::clone(plane);
-            let join = tokio::spawn(async move {
-                let r = early_prefill(&plane, &purl, pbody, deadline, &mut attempt, &prefill_leg).await;
-                drop(attempt);
-                let _ = etx.send(r);
-            });
-            Background::new(join)
-        };
-        // A failed prefill ends this attempt (the decode leg would wait for KV that never comes);
-        // either leg's failure before the first byte is re-sent by the caller on a fresh pair.
-        let dec = decode(plane, &ctx, &decision, None);
-        tokio::pin!(dec);
-        let out = tokio::select! {
-            r = &mut dec => r,
-            Ok(Err(perr)) = &mut erx => Err(FlowError::Upstream(perr)),
-        };
-        if out.is_ok() {
-            early.keep();
-        }
-        return out;
+/// The prefill leg about to be sent: where, what, its worker's trial and its latency metric.
+struct PrefillSend {
+    url: String,
+    body: ReqBody,
+    attempt: Attempt,
+    timing: Arc<Histogram>,
+}
+
+/// Early binding: the decode is chosen without a signature and both legs go at once.
+async fn early_bound(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, send: PrefillSend, no_sig: bool, tried_decode: &mut Vec<usize>) -> Result<Response<Body>, FlowError> {
+    let sig = Sig::none(no_sig.then_some("prefill_no_signature"), 0.0);
+    // a decode that failed this request is not chosen again while another is left
+    let decision = match plane.route(ctx.arm, &sig, tried_decode) {
+        Ok(d) => d,
+        Err(_) if !tried_decode.is_empty() => plane.route(ctx.arm, &sig, &[])?,
+        Err(e) => return Err(e),
+    };
+    if !tried_decode.contains(&decision.worker) {
+        tried_decode.push(decision.worker);
     }
+    let PrefillSend { url, body, mut attempt, timing } = send;
+    let (etx, mut erx) = tokio::sync::oneshot::channel();
+    let early = {
+        let plane = Arc::clone(plane);
+        let deadline = ctx.deadline;
+        let join = tokio::spawn(async move {
+            let r = early_prefill(&plane, &url, body, deadline, &mut attempt, &timing).await;
+            drop(attempt);
+            let _ = etx.send(r);
+        });
+        Background::new(join)
+    };
+    // A failed prefill ends this attempt (the decode leg would wait for KV that never comes);
+    // either leg's failure before the first byte is re-sent by the caller on a fresh pair.
+    let dec = decode(plane, ctx, &decision, None);
+    tokio::pin!(dec);
+    let out = tokio::select! {
+        r = &mut dec => r,
+        Ok(Err(perr)) = &mut erx => Err(FlowError::Upstream(perr)),
+    };
+    if out.is_ok() {
+        early.keep();
+    }
+    out
+}
 
+/// Late binding: the prefill's stream is read until its signature, which routes the decode;
+/// the rest of the prefill's stream is drained in the background.
+async fn late_bound(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, send: PrefillSend) -> Result<Response<Body>, FlowError> {
+    let PrefillSend { url, body: pbody, mut attempt, timing } = send;
+    let (p, deadline) = (ctx.p, ctx.deadline);
+    let leg = Leg { role: Role::Prefill, worker: p, counters: &plane.counters };
     let t0 = Instant::now();
-    let presp = match plane.open(leg, &purl, pbody, Some(secs(plane.cfg.first_byte_timeout_s)), deadline).await {
+    let presp = match plane.open(leg, &url, pbody, Some(secs(plane.cfg.first_byte_timeout_s)), deadline).await {
         Ok(r) => r,
         Err(e) => {
             if let Some(c) = &e.cause {
@@ -189,8 +221,8 @@ async fn serve_with_prefill(plane: &Arc<Plane>, base: &Bytes, c: Leg0<'_>, tried
     };
     attempt.success();
     plane.counters.sig_wait.observe(sig.wait_s);
-    let prefill = Arc::new(PrefillLeg { worker: p, attempt: Mutex::new(attempt), drain: Drain::spawn(body, deadline, Some((prefill_leg, t0))) });
-    let out = decode_with_failover(plane, &ctx, sig, &prefill).await;
+    let prefill = Arc::new(PrefillLeg { worker: p, attempt: Mutex::new(attempt), drain: Drain::spawn(body, deadline, Some((timing, t0))) });
+    let out = decode_with_failover(plane, ctx, sig, &prefill).await;
     if let Err(FlowError::Upstream(e)) = &out {
         if let (true, Some(c)) = (e.role == Role::Prefill, &e.cause) {
             prefill.attempt.lock().unwrap_or_else(|x| x.into_inner()).failure(c);

@@ -11,16 +11,12 @@ use tokio::time::{timeout, Instant};
 use super::drain::PrefillLeg;
 use super::route::Lease;
 use crate::config::{secs, Role};
-use super::decode::DecodeCtx;
 use crate::counters::{names, scan_chunk, Latency};
 use crate::errors::UpstreamError;
 use crate::outlier::Attempt;
-use crate::plane::Plane;
+use crate::plane::{ArmRef, Plane};
 use crate::upstream::{next_chunk, Leg};
 
-/// Stream the rest of the decode's answer to the client, each chunk within the stall
-/// timeout. Owns every guard of the request: they are released when it ends, the client
-/// going away included (its body is dropped, which closes the channel).
 /// A streamed answer's timing: the latency metrics of its (policy, decode worker, endpoint),
 /// when the request came and its first and latest token chunks, the SSE events seen and the
 /// last `completion_tokens` count. Per chunk: a timestamp, a counter and one scan.
@@ -39,13 +35,14 @@ pub(crate) struct Timing {
 
 impl Timing {
     /// The decode's first chunk, about to go to the client: its time to first token.
-    pub(crate) fn first(plane: &Plane, worker: usize, ctx: &DecodeCtx<'_>, chunk: &[u8]) -> Timing {
+    /// `t0` is when the client's request arrived.
+    pub(crate) fn first(plane: &Plane, worker: usize, arm: &ArmRef, t0: Instant, endpoint: &'static str, chunk: &[u8]) -> Timing {
         let now = Instant::now();
-        let policy = ctx.arm.label;
-        let lat = plane.counters.latency.decode(policy, worker, ctx.endpoint);
-        lat.ttft.observe((now - ctx.t0).as_secs_f64());
+        let policy = arm.label;
+        let lat = plane.counters.latency.decode(policy, worker, endpoint);
+        lat.ttft.observe((now - t0).as_secs_f64());
         let (events, tokens) = scan_chunk(chunk);
-        Timing { lat, tag: ctx.arm.tag.clone(), policy, endpoint: ctx.endpoint, t0: ctx.t0, t_first: now, t_last: now, events, tokens }
+        Timing { lat, tag: arm.tag.clone(), policy, endpoint, t0, t_first: now, t_last: now, events, tokens }
     }
 
     fn chunk(&mut self, chunk: &[u8]) {
@@ -77,6 +74,9 @@ impl Timing {
     }
 }
 
+/// Stream the rest of the decode's answer to the client, each chunk within the stall
+/// timeout. Owns every guard of the request: they are released when it ends, the client
+/// going away included (its body is dropped, which closes the channel).
 pub(crate) async fn pump(plane: Arc<Plane>, mut body: Incoming, tx: mpsc::Sender<Bytes>, mut attempt: Attempt, lease: Lease, prefill: Option<Arc<PrefillLeg>>, deadline: Instant, mut timing: Timing) {
     let w = attempt.worker;
     let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
