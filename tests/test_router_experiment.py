@@ -63,8 +63,13 @@ async def _switch_under_load(base: str) -> tuple[list[dict], list[dict], int]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         # long answers, so that they are still decoding when the next block starts
         first = [asyncio.ensure_future(_stream(s, base, 90_000 + i, 8 * TOKENS)) for i in range(4)]
-        await asyncio.sleep(0.15)  # they are routed and decoding
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30  # the router holds all four before the switch (a fixed sleep flaked under load)
+        while loop.time() < deadline:
+            st = await loop.run_in_executor(None, get_json, base + "/eldr/status")
+            if sum(st["experiment"]["inflight_by_arm"]) >= 4:
+                break
+            await asyncio.sleep(0.02)
         status, _, body = await loop.run_in_executor(None, lambda: post(
             base + "/eldr/experiment/switch", {}, headers={"Authorization": f"Bearer {TOKEN}"}))
         assert status == 200, body
