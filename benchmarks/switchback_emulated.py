@@ -13,7 +13,7 @@ router serve the whole run: closed-loop streaming clients send the trace's reque
 client also records what it measured (TPOT from its own chunk stamps) with the block, arm and
 warm-up flag the router put in its headers, as a cross-check of the router's figures.
 
-    python benchmarks/switchback_emulated.py --blocks-per-arm 6 --block-s 20 \\
+    python benchmarks/switchback_emulated.py --blocks-per-arm 8 --block-s 20 --time-scale 20 \\
         --out benchmarks/results/switchback_emulated
 
 writes OUT.json ({"locality": {...}, "uniform": {...}}, each with diff_p50, ci_low, ci_high as
