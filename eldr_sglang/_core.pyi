@@ -298,9 +298,12 @@ class Router:
     def tokens(self) -> list[int]: ...
     def reported(self) -> list[int | None]:
         """Each decode worker's last /v1/loads count, however old (None: never reported)."""
-    def report_load(self, worker: int, running: int) -> None:
-        """A decode worker's own count of the requests it holds (its /v1/loads); the load the
-        policies see is the larger of it and this router's in-flight count, for load_report_ttl_ms."""
+    def report_load(self, worker: int, running: int, inflight_at_poll: int | None = None) -> None:
+        """A decode worker's own count of the requests it holds (its /v1/loads). For
+        load_report_ttl_ms the load the policies see is this router's in-flight count now plus
+        the report's share that is not this router's: running minus the larger of
+        `inflight_at_poll` (this router's in-flight count on the worker when the poll was sent;
+        None: now) and the count now, at least 0."""
     def set_healthy(self, worker: int, healthy: bool) -> None: ...
     def healthy(self) -> list[bool]: ...
     def reload(self) -> bool:

@@ -496,6 +496,8 @@ class DecodeWorker:
         self.batch_total = 0
         self.distinct_total = 0.0
         self.tokens = 0
+        self.batch_hist: collections.Counter = collections.Counter()
+        self.step_wall_total = 0.0
         self._loop_task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -537,6 +539,8 @@ class DecodeWorker:
         return {"steps": self.steps, "tokens": self.tokens, "mean_batch": self.batch_total / s,
                 "mean_distinct_experts": self.distinct_total / s,
                 "mean_step_ms_model": 1e3 * self.step_time_total / s,
+                "step_time_total_s": self.step_time_total, "step_wall_total_s": self.step_wall_total,
+                "batch_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
                 "running": len(self.running), "waiting": len(self.waiting), "transferring": self.transferring}
 
     async def _batch_loop(self) -> None:
@@ -553,12 +557,15 @@ class DecodeWorker:
                 await self._wake.wait()
                 continue
             batch = self.running
+            t_step = time.monotonic()
             reqs = np.fromiter((x.trace_request for x in batch), np.int64, len(batch))
             steps = np.fromiter((x.generated - 1 for x in batch), np.int64, len(batch))
             distinct = np.asarray(self._distinct(np.ascontiguousarray(rp.step_ids(reqs, steps)), E))
             kv = int(sum(x.prompt_len + x.generated for x in batch))
             dt = em.decode_step_time(len(batch), kv, distinct)
             await asyncio.sleep(dt * scale * self.faults.slow)
+            self.step_wall_total += time.monotonic() - t_step
+            self.batch_hist[len(batch)] += 1
             self.steps += 1
             self.step_time_total += dt
             self.batch_total += len(batch)

@@ -22,6 +22,10 @@ from urllib.parse import urlparse
 from eldr_sglang import _core
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
 
+# seconds between polls of the decode workers' /v1/loads (--load-monitor-interval); the
+# simulator's cluster polls its replicas as often (sim/cluster.py)
+DEFAULT_LOAD_MONITOR_INTERVAL_S = 1.0
+
 
 
 def _load_factor(text: str) -> float | None:
@@ -151,7 +155,7 @@ class RouterConfig:
     worker_startup_timeout_s: float = 0.0
     health_check_interval_s: float = 10.0
     health_failure_threshold: int = 3
-    load_monitor_interval_s: float = 1.0
+    load_monitor_interval_s: float = DEFAULT_LOAD_MONITOR_INTERVAL_S
     poll_timeout_s: float = 10.0  # one /health or /v1/loads call; not tied to the intervals
     load_report_ttl_ms: int = 2000
     reload_interval_ms: int = 250
@@ -336,7 +340,7 @@ def _request_flags(req: argparse._ArgumentGroup) -> None:
     req.add_argument("--health-check-interval-secs", type=float, default=10.0)
     req.add_argument("--health-failure-threshold", type=int, default=3)
     req.add_argument(
-        "--load-monitor-interval", type=float, default=1.0,
+        "--load-monitor-interval", type=float, default=DEFAULT_LOAD_MONITOR_INTERVAL_S,
         help="seconds between polls of the decode workers' /v1/loads (0: off)",
     )
     req.add_argument(

@@ -75,9 +75,14 @@ class ControlPlane:
         """A health check's verdict (the data plane combines it with its outlier ejection)."""
         self.dataplane.set_healthy(role, i, ok)
 
-    def report_load(self, i: int, running: int) -> None:
-        """Decode worker i's /v1/loads count, blended into the queue tracker's load."""
-        self.router.report_load(i, running)
+    def inflight(self, i: int) -> int:
+        """This router's in-flight requests on decode worker i (every arm's)."""
+        return self.router.inflight()[i]
+
+    def report_load(self, i: int, running: int, inflight_at_poll: int | None = None) -> None:
+        """Decode worker i's /v1/loads count, blended into the queue tracker's load: the part
+        of it that is not this router's (`inflight_at_poll`: ours when the poll was sent)."""
+        self.router.report_load(i, running, inflight_at_poll)
 
     def set_prefill_signs(self, i: int, signs: bool | None, reason: str | None = None) -> None:
         """Whether prefill i streams signatures (and why not): one that does not is bound early."""

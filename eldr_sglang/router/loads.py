@@ -97,6 +97,7 @@ async def poll_loads(pd, interval: float) -> None:
     dropped_log = RateLimitedLog(logger)
 
     async def one(i: int, url: str) -> None:
+        ours = pd.inflight(i)  # this router's share of what the answer will count
         try:
             running = await _read_loads(pd, url, timeout)
         except _Dropped as exc:
@@ -108,7 +109,7 @@ async def poll_loads(pd, interval: float) -> None:
         except Exception as exc:  # anything else a worker can provoke: drop it, keep polling
             cause, msg = "error", f"{exc.__class__.__name__}: {exc}"
         else:
-            pd.report_load(i, running)
+            pd.report_load(i, running, ours)
             return
         pd.metrics.loads_dropped.labels(str(i), cause).inc()
         if cause != "connect":  # a worker that is down is the health check's news

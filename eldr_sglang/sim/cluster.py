@@ -19,6 +19,13 @@ and the workload (workload.py); this module only moves requests between them in 
   the distinct experts counted from the real decode-token routing of the batch.
 - The first output token is produced by prefill and streamed once the request joins a
   decode batch (TTFT); an n-token request then takes n-1 decode steps.
+- Load reports: every `load_report_interval_s` (the router service's --load-monitor-interval)
+  each decode worker's count of the requests it holds (running + waiting for their KV), its
+  /v1/loads answer, goes into the router's tracker as the service's poll puts it there. The
+  simulated answer is exact at its instant and every request is this router's, so under the
+  tracker's rule (only a report's share that is not this router's counts, rust/core/src/
+  queue.rs) it adds nothing; a rule that re-counted this router's own finished requests from
+  a stale report would show here as it did on the emulated cluster.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr_sglang.router.config import DEFAULT_LOAD_MONITOR_INTERVAL_S
 from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.sim.decode import DecodeStep, Replica, Requests
 from eldr_sglang.sim.paged_experts import PagedExperts
@@ -37,7 +45,7 @@ from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PrefillScheduler
 from eldr_sglang.sim.replay import TraceReplay
 from eldr_sglang.workload import Workload
 
-_ARRIVE, _PREFILL_DONE, _STEP_END, _WAKE = 0, 1, 2, 3
+_ARRIVE, _PREFILL_DONE, _STEP_END, _WAKE, _REPORT = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -51,6 +59,7 @@ class ClusterConfig:
     perfect_overlap: bool = False
     prefill_policy: str = DEFAULT_PREFILL_POLICY  # see sim/prefill.py: round_robin, random, shortest_queue, earliest_free
     prefill_seed: int = 0  # for prefill_policy="random"
+    load_report_interval_s: float = DEFAULT_LOAD_MONITOR_INTERVAL_S  # the decode workers' /v1/loads polls; 0: none
 
 
 @dataclass
@@ -189,6 +198,9 @@ class _Run:
             self.next_issue = N
             first = [(float(workload.arrival_s[i]), next(self.seq), _ARRIVE, i) for i in range(N)]
         self.heap = first
+        self.report_every = float(cfg.load_report_interval_s)
+        if self.report_every > 0 and hasattr(policy, "report_load"):
+            self.heap.append((self.report_every, next(self.seq), _REPORT, 0))
         heapq.heapify(self.heap)
 
     def push(self, t: float, kind: int, a: int) -> None:
@@ -196,7 +208,7 @@ class _Run:
 
     def run(self) -> None:
         handlers = {_ARRIVE: self.on_arrive, _PREFILL_DONE: self.on_prefill_done, _STEP_END: self.on_step_end,
-                    _WAKE: self.on_wake}
+                    _WAKE: self.on_wake, _REPORT: self.on_report}
         while self.heap:
             now, _, kind, a = heapq.heappop(self.heap)
             handlers[kind](a, now)
@@ -265,6 +277,13 @@ class _Run:
             self.bar.update(self.bar_pending)
             self.bar_pending = 0
         self.try_start(wi, now)
+
+    def on_report(self, _: int, now: float) -> None:
+        """The router's /v1/loads poll: each worker's running + waiting requests."""
+        for wi, w in enumerate(self.replicas):
+            self.policy.report_load(wi, len(w.req) + len(w.pending))
+        if self.done_count < self.N:
+            self.push(now + self.report_every, _REPORT, 0)
 
     def on_wake(self, wi: int, now: float) -> None:
         w = self.replicas[wi]

@@ -8,7 +8,8 @@ handed to it explicitly (see `make_policy`).
 
 The simulator accepts any policy object with this protocol: `name`, `route(trace_request)
 -> worker` (called when the request's prefill completes), `acquire(worker, tokens) -> lease`
-(a lease with `release()`, called once when the request finishes) and `loads()`.
+(a lease with `release()`, called once when the request finishes) and `loads()`; and, if it
+has one, `report_load(worker, running)` (the router service's /v1/loads poll, sim/cluster.py).
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class RouterPolicy:
             return self.router.acquire(worker, tokens, profile=self.profiles[r])
         return self.router.acquire(worker, tokens)
 
+    def report_load(self, worker: int, running: int) -> None:
+        """A decode worker's /v1/loads answer, into the router's tracker as the service's poll does."""
+        self.router.report_load(worker, running)
+
     def loads(self) -> list[int]:
         return list(self.router.loads())
 
@@ -157,6 +162,9 @@ class OraclePolicy:
 
     def acquire(self, worker: int, tokens: int):
         return self.router.acquire(worker, tokens)
+
+    def report_load(self, worker: int, running: int) -> None:
+        self.router.report_load(worker, running)
 
     def loads(self) -> list[int]:
         return list(self.router.loads())

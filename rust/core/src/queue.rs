@@ -2,7 +2,18 @@
 //!
 //! Each decode worker has a cache-line-padded slot of atomics: in-flight requests and tokens
 //! this router placed there, the latest external load report (a decode worker's `/v1/loads`,
-//! which also counts other router replicas' requests), and a health flag. A [`LoadGuard`]
+//! which also counts other router replicas' requests), and a health flag.
+//!
+//! A report blends in as the part of it that is not this router's: `others = reported - ours`
+//! (ours: this router's in-flight count on the worker when the report was taken), and the
+//! load is `own in-flight now + others`. Only the other replicas' share is as old as the
+//! report; this router's own share is always current. (Taking `max(own, report)` instead
+//! re-counted this router's own requests as of the report: a poll every second is older than
+//! a decode request's whole life on a fast GPU (32 tokens at 3 ms a step), so a worker whose
+//! batch had just finished looked full and the bounded-load cap, computed from the inflated
+//! total, stopped binding. The locality balancer then swung its batches between 0 and 17
+//! on 4 workers at 32 in flight where round robin held 7-8: benchmarks/results/
+//! switchback_emulated.md.) A [`LoadGuard`]
 //! releases its slot exactly once, on drop or on explicit release, whatever path the request
 //! takes (success, error, cancellation).
 
@@ -16,6 +27,8 @@ struct Slot {
     inflight: AtomicI64,
     tokens: AtomicI64,
     ext_running: AtomicI64,
+    /// The last report's share that is not this router's (see the module docs).
+    ext_others: AtomicI64,
     /// Milliseconds since `epoch` + 1 of the last report; 0 = never reported.
     ext_at_ms: AtomicU64,
     unhealthy: AtomicBool,
@@ -71,10 +84,18 @@ impl QueueTracker {
         self.slots[worker].tokens.load(Ordering::Acquire)
     }
 
-    /// Record a worker's own report of the requests it holds.
-    pub fn report(&self, worker: usize, running: i64) {
+    /// Record a worker's own report of the requests it holds. `ours_at_poll`: this router's
+    /// in-flight count on the worker when the poll was sent (None: taken now). Ours is the
+    /// larger of that and the count now, so a request that ended while the answer was on its
+    /// way is not mistaken for another replica's (the report's share that is not ours errs
+    /// low, towards this router's exact count, never high).
+    pub fn report(&self, worker: usize, running: i64, ours_at_poll: Option<i64>) {
         let s = &self.slots[worker];
-        s.ext_running.store(running.max(0), Ordering::Release);
+        let running = running.max(0);
+        let now = s.inflight.load(Ordering::Acquire);
+        let ours = ours_at_poll.map_or(now, |o| o.max(now));
+        s.ext_running.store(running, Ordering::Release);
+        s.ext_others.store((running - ours).max(0), Ordering::Release);
         s.ext_at_ms.store(self.epoch.elapsed().as_millis() as u64 + 1, Ordering::Release);
     }
 
@@ -85,16 +106,16 @@ impl QueueTracker {
         (s.ext_at_ms.load(Ordering::Acquire) != 0).then(|| s.ext_running.load(Ordering::Acquire))
     }
 
-    /// The load the policies see: our own in-flight count, raised to the worker's fresh report
-    /// when it says more (other router replicas also send it work). A stale report is ignored,
-    /// so a dead poller never freezes the picture.
+    /// The load the policies see: our own in-flight count now, plus the fresh report's share
+    /// that is not ours (other router replicas' requests; see the module docs). A stale report
+    /// is ignored, so a dead poller never freezes the picture.
     #[inline]
     pub fn load(&self, worker: usize) -> i64 {
         let s = &self.slots[worker];
         let local = s.inflight.load(Ordering::Acquire);
         let at = s.ext_at_ms.load(Ordering::Acquire);
         if at != 0 && (self.epoch.elapsed().as_millis() as u64 + 1).saturating_sub(at) <= self.report_ttl_ms {
-            local.max(s.ext_running.load(Ordering::Acquire))
+            local + s.ext_others.load(Ordering::Acquire)
         } else {
             local
         }
@@ -182,21 +203,54 @@ mod tests {
     fn external_report_blends_and_expires() {
         let t = Arc::new(QueueTracker::new(1, 50));
         let _g = t.acquire(0, 0);
-        t.report(0, 5);
-        assert_eq!(t.load(0), 5);
-        t.report(0, 0);
+        t.report(0, 5, None);
+        assert_eq!(t.load(0), 5, "1 ours + the report's 4 others");
+        t.report(0, 0, None);
         assert_eq!(t.load(0), 1, "our own in-flight count is a floor");
-        t.report(0, 9);
+        t.report(0, 9, None);
         std::thread::sleep(std::time::Duration::from_millis(80));
         assert_eq!(t.load(0), 1, "a stale report is ignored");
         assert_eq!(t.reported(0), Some(9), "but it is still the last report");
+    }
+
+    /// The case that broke the locality balancer: a report taken while this router had 8
+    /// requests on the worker, all of which then finished. The worker is empty; the report
+    /// (still fresh) must not make it look full.
+    #[test]
+    fn a_report_of_our_own_finished_requests_adds_nothing() {
+        let t = Arc::new(QueueTracker::new(2, 60_000));
+        let batch: Vec<LoadGuard> = (0..8).map(|_| t.acquire(0, 0)).collect();
+        t.report(0, 8, None);
+        assert_eq!(t.load(0), 8);
+        drop(batch);
+        assert_eq!(t.load(0), 0, "our requests ended: the worker is empty whatever the report said");
+        let _g = t.acquire(0, 0);
+        assert_eq!(t.load(0), 1, "and a new one counts at once");
+        // another replica's 3 requests stay counted until the report goes stale
+        let ours: Vec<LoadGuard> = (0..2).map(|_| t.acquire(1, 0)).collect();
+        t.report(1, 5, None);
+        drop(ours);
+        assert_eq!(t.load(1), 3);
+    }
+
+    #[test]
+    fn ours_is_the_larger_of_the_counts_at_poll_and_now() {
+        let t = Arc::new(QueueTracker::new(1, 60_000));
+        let g: Vec<LoadGuard> = (0..4).map(|_| t.acquire(0, 0)).collect();
+        let at_poll = t.inflight(0);
+        drop(g); // they end while the answer is on its way; the answer still counts them
+        t.report(0, 4, Some(at_poll));
+        assert_eq!(t.load(0), 0, "not mistaken for another replica's requests");
+        let _g: Vec<LoadGuard> = (0..3).map(|_| t.acquire(0, 0)).collect();
+        t.report(0, 1, Some(0)); // bound after the poll was sent: the answer missed them
+        assert_eq!(t.load(0), 3);
     }
 
     #[test]
     fn reported_is_none_until_a_report() {
         let t = QueueTracker::new(2, 1000);
         assert_eq!((t.reported(0), t.reported(1)), (None, None));
-        t.report(1, -3);
+        t.report(1, -3, None);
         assert_eq!((t.reported(0), t.reported(1)), (None, Some(0)), "negative counts clamp to 0");
     }
 

@@ -336,10 +336,12 @@ impl PyRouter {
     fn reported(&self) -> Vec<Option<i64>> {
         (0..self.inner.num_workers()).map(|w| self.inner.tracker().reported(w)).collect()
     }
-    /// A worker's own count of the requests it holds (its /v1/loads), kept for the report TTL.
-    fn report_load(&self, worker: usize, running: i64) -> PyResult<()> {
+    /// A worker's own count of the requests it holds (its /v1/loads), kept for the report TTL;
+    /// `inflight_at_poll`: this router's in-flight count on it when the poll was sent.
+    #[pyo3(signature = (worker, running, inflight_at_poll=None))]
+    fn report_load(&self, worker: usize, running: i64, inflight_at_poll: Option<i64>) -> PyResult<()> {
         self.check_worker(worker)?;
-        self.inner.tracker().report(worker, running);
+        self.inner.tracker().report(worker, running, inflight_at_poll);
         Ok(())
     }
     fn set_healthy(&self, worker: usize, healthy: bool) -> PyResult<()> {
