@@ -1,9 +1,9 @@
 """The router's control plane: what the background loops, the admin endpoints and /metrics
 act on. The request path is the Rust data plane's (`eldr_sglang._core.DataPlane`, crate
-rust/dataplane), and so is the routing state: worker health and ejections, prefill and decode
-in-flight counts, reported loads and the prefill policy all live there and in the core
-Router's queue tracker, which the data plane routes on. The control plane reports into them
-through small typed calls (`set_healthy`, `report_load`, `set_prefill_signature`, the
+rust/dataplane), and so is the routing state: worker health, ejections and in-flight counts
+live in the core's worker sets (rust/core/src/workers.rs), reported loads in the core Router's
+queue tracker, which the data plane routes on. The control plane reports into them through
+small typed calls (`health_check`, `set_healthy`, `report_load`, `set_prefill_signature`, the
 centroid reload) and reads them back for /eldr/status; it never routes.
 """
 
@@ -74,6 +74,10 @@ class ControlPlane:
     def set_healthy(self, role: str, i: int, ok: bool) -> None:
         """A health check's verdict (the data plane combines it with its outlier ejection)."""
         self.dataplane.set_healthy(role, i, ok)
+
+    def health_check(self, role: str, i: int, ok: bool, threshold: int) -> None:
+        """One /health check's result; the data plane's worker set counts failures in a row."""
+        self.dataplane.health_check(role, i, ok, threshold)
 
     def report_load(self, i: int, running: int) -> None:
         """Decode worker i's /v1/loads count, blended into the queue tracker's load."""

@@ -251,11 +251,11 @@ impl WorkerSet {
         }
     }
 
-    /// A health verdict on worker i (a passing check does not end an outlier ejection: a hung
-    /// worker's /health may answer).
+    /// A health verdict on worker i, given outright (a refused connection, an operator): a
+    /// passing check does not end an outlier ejection (a hung worker's /health may answer).
+    /// The failed checks in a row are [`WorkerSet::health_check`]'s alone.
     pub fn set_health(&self, i: usize, ok: bool) {
         let mut ws = self.lock();
-        ws[i].checks_failed = 0;
         self.set_health_locked(&mut ws, i, ok);
     }
 
