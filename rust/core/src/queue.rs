@@ -2,7 +2,10 @@
 //!
 //! Each decode worker has a cache-line-padded slot of atomics: in-flight requests and tokens
 //! this router placed there, the latest external load report (a decode worker's `/v1/loads`,
-//! which also counts other router replicas' requests), and a health flag. A [`LoadGuard`]
+//! which also counts other router replicas' requests), and a health flag. In the router
+//! service the health flag and in-flight count are the storage of a [`crate::WorkerSet`], which
+//! decides them (health checks, ejection) and takes the slots; a standalone Router (the
+//! simulator, bindings) sets them directly. A [`LoadGuard`]
 //! releases its slot exactly once, on drop or on explicit release, whatever path the request
 //! takes (success, error, cancellation).
 
