@@ -201,3 +201,30 @@ def test_the_data_plane_numbers_have_one_check():
         parse_config(BASE + ["--disagg-router", "random", "--stall-timeout-secs", "nan"])
     with pytest.raises(ConfigError, match=r"^--eject-max-secs \(5\) must be >= --eject-base-secs \(10\)$"):
         parse_config(BASE + ["--disagg-router", "random", "--eject-base-secs", "10", "--eject-max-secs", "5"])
+
+
+def test_health_checks_are_counted_by_the_data_plane_worker_set():
+    """`--health-failure-threshold` failed checks in a row mark a worker down, one pass brings
+    it back; the counting lives in the core worker set, which `routable` and /eldr/status read."""
+    from eldr_sglang import _core
+    from eldr_sglang.router.config import UNSTARTED_CONTROL_URL, plane_config
+
+    cfg = parse_config(BASE + ["--disagg-router", "random"])
+    router = _core.Router(policy="random", num_workers=len(cfg.decode))
+    dp = _core.DataPlane(plane_config(cfg, UNSTARTED_CONTROL_URL), router)
+    for _ in range(2):
+        dp.health_check("decode", 1, False, 3)
+    assert dp.routable("decode") == [True, True] and router.healthy() == [True, True]
+    dp.health_check("decode", 1, True, 3)  # a pass resets the count
+    for _ in range(2):
+        dp.health_check("decode", 1, False, 3)
+    assert dp.routable("decode") == [True, True]
+    dp.health_check("decode", 1, False, 3)
+    assert dp.routable("decode") == [True, False] and router.healthy() == [True, False]
+    assert [w["health_ok"] for w in dp.workers("decode")] == [True, False]
+    dp.health_check("decode", 1, True, 3)
+    assert dp.routable("decode") == [True, True] and router.healthy() == [True, True]
+    dp.health_check("prefill", 2, False, 1)
+    assert dp.routable("prefill") == [True, True, False]
+    with pytest.raises(ValueError, match="decode worker 2 out of range"):
+        dp.health_check("decode", 2, True, 3)

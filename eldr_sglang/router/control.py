@@ -1,9 +1,9 @@
 """The router's control plane: what the background loops, the admin endpoints and /metrics
 act on. The request path is the Rust data plane's (`eldr_sglang._core.DataPlane`, crate
-rust/dataplane), and so is the routing state: worker health and ejections, prefill and decode
-in-flight counts, reported loads and the prefill policy all live there and in the core
-Router's queue tracker, which the data plane routes on. The control plane reports into them
-through small typed calls (`set_healthy`, `report_load`, `set_prefill_signature`, the
+rust/dataplane), and so is the routing state: worker health, ejections and in-flight counts
+live in the core's worker sets (rust/core/src/workers.rs), reported loads in the core Router's
+queue tracker, which the data plane routes on. The control plane reports into them through
+small typed calls (`health_check`, `set_healthy`, `report_load`, `set_prefill_signature`, the
 centroid reload) and reads them back for /eldr/status; it never routes.
 """
 
@@ -83,6 +83,10 @@ class ControlPlane:
         """Decode worker i's /v1/loads count, blended into the queue tracker's load: the part
         of it that is not this router's (`inflight_at_poll`: ours when the poll was sent)."""
         self.router.report_load(i, running, inflight_at_poll)
+
+    def health_check(self, role: str, i: int, ok: bool, threshold: int) -> None:
+        """One /health check's result; the data plane's worker set counts failures in a row."""
+        self.dataplane.health_check(role, i, ok, threshold)
 
     def set_prefill_signs(self, i: int, signs: bool | None, reason: str | None = None) -> None:
         """Whether prefill i streams signatures (and why not): one that does not is bound early."""

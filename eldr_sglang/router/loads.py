@@ -164,14 +164,13 @@ async def probe_prefill_signature(pd, i: int) -> None:
 
 async def check_health(pd, interval: float, threshold: int) -> None:
     """Mark workers unhealthy after `threshold` failed /health calls in a row, healthy on success.
-    A passing health check does not end an outlier ejection (the data plane's,
-    rust/dataplane/src/outlier.rs): a hung worker's /health may answer. Each worker is checked
-    in its own loop, each call bounded by --worker-poll-timeout-secs (not by the interval: a
-    busy CPU SGLang answers in seconds). The failure counts in a row are this loop's own; the
-    verdicts go to the data plane, whose pools the routes read."""
+    A passing health check does not end an outlier ejection: a hung worker's /health may
+    answer. Each worker is checked in its own loop, each call bounded by
+    --worker-poll-timeout-secs (not by the interval: a busy CPU SGLang answers in seconds).
+    The failures in a row are counted by the data plane's worker set (rust/core/src/workers.rs),
+    which the routes read; this loop keeps only when to re-probe a prefill's signatures."""
     timeout = aiohttp.ClientTimeout(total=pd.cfg.poll_timeout_s)
-    fails = {("prefill", i): 0 for i in range(len(pd.cfg.prefill))}
-    fails.update({("decode", i): 0 for i in range(len(pd.cfg.decode))})
+    reprobe: set[int] = set()  # prefills whose last check failed: probe again when they answer
 
     async def one(role: str, i: int, url: str) -> None:
         try:
@@ -179,18 +178,12 @@ async def check_health(pd, interval: float, threshold: int) -> None:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False
-        key = (role, i)
-        fails[key] = 0 if ok else fails[key] + 1
-        if role == "prefill" and ok and (fails.get(("probe", i)) or pd.prefill_signs[i] is None):
+        if role == "prefill" and ok and (i in reprobe or pd.prefill_signs[i] is None):
             await probe_prefill_signature(pd, i)
-            fails[("probe", i)] = 0
+            reprobe.discard(i)
         if role == "prefill" and not ok:
-            fails[("probe", i)] = 1  # re-probe when it comes back (it may have been restarted)
-        if ok:
-            pd.set_healthy(role, i, True)
-        elif fails[key] >= threshold:
-            pd.set_healthy(role, i, False)
-        # in between: unchanged (a refused request may have marked it down already)
+            reprobe.add(i)  # it may have been restarted
+        pd.health_check(role, i, ok, threshold)
 
     async def loop(role: str, i: int, url: str) -> None:
         while True:

@@ -5,6 +5,7 @@
 //!   copies the file into a private, page-aligned buffer).
 //! * [`store`]: hot-reloadable centroids behind an atomic pointer swap.
 //! * [`queue`]: lock-free per-worker in-flight tracking with exactly-once release.
+//! * [`workers`]: per-worker health, circuit (outlier ejection) and in-flight, for both roles.
 //! * [`policies`]: one small trait, one file per routing policy, and a factory.
 //! * [`distance`]: the fused counts -> centroid-distance kernel (the hot loop).
 //! * [`router`]: ties them together: signature -> distances -> policy -> decision.
@@ -27,6 +28,7 @@ pub mod rng;
 pub mod router;
 pub mod signature;
 pub mod store;
+pub mod workers;
 
 pub use centroid_file::{write_atomic, CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
 pub use policies::{
@@ -40,3 +42,4 @@ pub use payload::{DecodeLimits, DecodedCounts, Payload, PayloadError};
 pub use router::{BuildError, RouteError, Router};
 pub use signature::{BatchError, CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
 pub use store::{CentroidStore, Snapshot};
+pub use workers::{Circuit, Event as WorkerEvent, WorkerSet, WorkerView};

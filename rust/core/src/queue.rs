@@ -2,7 +2,10 @@
 //!
 //! Each decode worker has a cache-line-padded slot of atomics: in-flight requests and tokens
 //! this router placed there, the latest external load report (a decode worker's `/v1/loads`,
-//! which also counts other router replicas' requests), and a health flag.
+//! which also counts other router replicas' requests), and a health flag. In the router
+//! service the health flag and in-flight count are the storage of a [`crate::WorkerSet`], which
+//! decides them (health checks, ejection) and takes the slots; a standalone Router (the
+//! simulator, bindings) sets them directly.
 //!
 //! A report blends in as the part of it that is not this router's: `others = reported - ours`
 //! (ours: this router's in-flight count on the worker when the report was taken), and the

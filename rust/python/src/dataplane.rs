@@ -73,6 +73,14 @@ impl PyDataPlane {
         self.plane.pool(r).set_health(worker, healthy);
         Ok(())
     }
+    /// One /health check's result on a worker: a pass marks it healthy, `threshold` failures
+    /// in a row unhealthy (the worker set counts them: the one health tracker).
+    fn health_check(&self, role: &str, worker: usize, ok: bool, threshold: u32) -> PyResult<()> {
+        let r = Self::role(role)?;
+        self.check(r, worker)?;
+        self.plane.pool(r).health_check(worker, ok, threshold);
+        Ok(())
+    }
     /// Whether prefill `worker` streams signatures (None: not known yet). A prefill that
     /// does not is bound early (no wait for a signature that never comes).
     fn set_prefill_signature(&self, worker: usize, signs: Option<bool>) -> PyResult<()> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use eldr_core::distance::Counts;
 use eldr_core::payload::DecodedCounts;
-use eldr_core::{ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError, Router};
+use eldr_core::{ExpertGuard, ExpertProfile, NoSignature, RouteError, Router};
 
 use crate::counters::names;
 use crate::errors::FlowError;
@@ -168,9 +168,9 @@ fn fallback_why(sig: &Sig) -> NoSignature {
     }
 }
 
-/// A queue slot on a decode worker (and the request's experts there, under locality).
+/// The request's experts on its decode worker, under locality. (Its in-flight slot is its
+/// decode `Attempt`'s: the worker set counts each request once, for policies and status alike.)
 pub(crate) struct Lease {
-    _slot: LoadGuard,
     _experts: Option<ExpertGuard>,
 }
 
@@ -186,6 +186,6 @@ impl Plane {
             }
             None => None,
         });
-        Lease { _slot: router.tracker().acquire(w, 0), _experts: experts }
+        Lease { _experts: experts }
     }
 }
