@@ -31,8 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[1]  # for the default output path; the package is the installed one
 
 
 def _status(base: str) -> dict:

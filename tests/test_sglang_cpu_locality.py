@@ -165,8 +165,9 @@ def _run_policy(cpu, cluster, centroids, geo, policy: str, seed: int) -> dict:
                     while routed() <= base and time.monotonic() < deadline and not futures[-1].done():
                         time.sleep(0.05)
                 answers += [f.result() for f in futures]
-                # the next wave starts on idle workers: the decode servers' /v1/loads reports of
-                # this wave (polled every second, blended for 2 s) must go stale first
+                # the next wave starts on idle workers: a /v1/loads report (polled every second,
+                # blended for 2 s) taken as this wave ended can still count a request the server
+                # had not yet freed after the router released it
                 time.sleep(3.5)
         with urllib.request.urlopen(router.url + "/metrics", timeout=30) as r:
             metrics = r.read().decode()
