@@ -17,10 +17,10 @@ request joins its own domain's worker: joining it adds fewer new experts to the 
 joining the other domain's. Round robin alternates, so it mixes both workers whatever its
 starting point. The test holds the default to most waves: 6 of 6 in 2 runs, 5 of 6 in 2, both
 times the last wave (not investigated; a near-tie of that wave's prompts is the likely cause).
-With uniformly random arrivals at this scale (2 workers, 8 in flight, the cap at 5) the default separates domains only partly and its count
-gain was -3% +- 3.5% per 48-request run (measured 2026-12-03, 11 runs): too small to assert
-without flaking, so the random-arrival gain is measured with repeats in
-benchmarks/real_cpu_tpot.py instead.
+With uniformly random arrivals at this scale (2 workers, 8 in flight, the cap at 5) the
+default separates domains only partly and its count gain was -3% +- 3.5% per 48-request run
+(measured 2026-12-03, 11 runs): too small to assert without flaking, so the random-arrival
+gain is measured with repeats in benchmarks/real_cpu_tpot.py instead.
 Skipped without sglang/mooncake, except under CI=true or ELDR_REQUIRE_SGLANG=1.
 """
 
