@@ -21,7 +21,7 @@ domain bursts stay bursts):
 
 Sweep: K in {4, 8, 16} decode workers x closed-loop load (clients per decode worker), every
 policy on the same workload; then a tau sweep of ELDR at K=8. Writes tpot_study.md, .json
-and PNG plots to --out. Nothing here is tuned to the outcome: the execution-model
+and PNG plots to --out (default benchmarks/results/archive). Nothing here is tuned to the outcome: the execution-model
 constants are the defaults of eldr_sglang.sim.cost_model and tau defaults to 0.1.
 """
 
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 def legacy_main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sweep (a few minutes)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "archive"))  # superseded by the protocol study
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eldr-load-factor", type=float, default=None, metavar="F",

@@ -40,7 +40,7 @@ def test_load_reports_never_unbalance_the_locality_cap():
     can hold at most ceil((1 + f) * C / K) requests: the bounded-load cap with every client's
     request counted once (a route sees at most C - 1 others in flight). A blend that re-counted
     the router's own finished requests from a stale report lifted the cap and swung batches
-    to 2x that (the emulated switchback's 6 % loss; benchmarks/results/switchback_emulated_before_fix.md).
+    to 2x that (the emulated switchback's 6 % loss; benchmarks/results/archive/switchback_emulated_before_fix.md).
     Polled every 20 ms here, about a quarter of a request's life, as the service's 1 s poll is
     of a request at the emulator's time scale 10."""
     from eldr_sglang.models import get_model
