@@ -8,7 +8,7 @@
 # LAYOUT=ep: SGLang's large-scale EP deployment (the LMSYS PD + EP recipe): prefill EP32 over
 # 4 nodes with DP attention and DeepEP normal mode, and K decode groups of EP72 (9 nodes each)
 # with DP attention and DeepEP low-latency mode. A decode worker of the router is then a whole
-# EP group: K is small (2-4), see docs/serving.md for what ELDR can do there.
+# EP group: K is small (2-4), see docs/operations.md for what ELDR can do there.
 # Run the roles on their nodes:
 #
 #   ROLE=prefill ./benchmarks/serving_deepseek_v3.sh     # on each prefill node

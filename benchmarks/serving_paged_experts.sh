@@ -4,7 +4,7 @@
 # the GPU, the rest are paged in from pinned host memory), the prefill server is patched as
 # usual (ELDR signature + late binding), and the ELDR router routes with the cache-aware cost
 # (--disagg-router locality --eldr-paged-experts C) against the load balancers. NOT RUN by the
-# project (it was written on a machine without a GPU); docs/serving.md, "Paged experts", has
+# project (it was written on a machine without a GPU); docs/operations.md, "Paged experts", has
 # what it is for and what the simulator predicts (benchmarks/results/paged_experts_study.md).
 #
 #   eldr patch apply                                   # once, as for every ELDR deployment

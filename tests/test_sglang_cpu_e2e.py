@@ -236,7 +236,7 @@ def test_router_text_equals_a_single_server_token_for_token(pd, reference):
         assert headers["X-ELDR-Reason"] == "band", headers
         sig, _, _ = pd.events(int(headers["X-ELDR-Bootstrap-Room"]))
         counts, dec = signature_counts(sig[0]["payload"])
-        # a radix-cache hit is not recomputed, so not counted (docs/serving.md): compare the rest
+        # a radix-cache hit is not recomputed, so not counted (docs/patches.md): compare the rest
         cached = sig[0]["meta"]["cached_tokens"]
         assert dec.exact and dec.num_tokens == len(ref["rows"]) - cached
         assert np.array_equal(counts, counts_of(ref["rows"][cached:])), (text, cached, counts, ref["rows"])

@@ -253,7 +253,7 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     _worker_flags(ap.add_argument_group("PD disaggregation"))
     pol = ap.add_argument_group("Routing")
     _routing_flags(pol)
-    _experiment_flags(ap.add_argument_group("Switchback experiment (docs/serving.md, 'Proving it on your cluster')"))
+    _experiment_flags(ap.add_argument_group("Switchback experiment (docs/experiments.md, 'Proving it on your cluster')"))
     # added after the experiment's group, as before the split, so the usage line keeps its order
     pol.add_argument("--no-explain-headers", action="store_true", help="omit the X-ELDR-* response headers")
     req = ap.add_argument_group("Requests and workers")
@@ -298,7 +298,7 @@ def _routing_flags(pol: argparse._ArgumentGroup) -> None:
         "--eldr-paged-experts", type=int, default=None, metavar="C",
         help="the decode workers run SGLang's paged experts (--enable-paged-experts --paged-experts-num-resident C): "
         "the locality policy then routes each request where it is expected to cause the fewest expert page-ins, "
-        "under the same load cap (docs/serving.md, 'Paged experts'). An experiment: in the simulated study "
+        "under the same load cap (docs/operations.md, 'Paged experts'). An experiment: in the simulated study "
         "(benchmarks/results/paged_experts_study.md) it was slower than the plain locality cost on p50 in 19 of 23 runs",
     )
     pol.add_argument(

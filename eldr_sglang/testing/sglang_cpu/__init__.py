@@ -1,6 +1,6 @@
 """Real SGLang 0.5.23 on a CPU-only machine, for tests. TEST-ONLY: never used by the product.
 
-What it takes (measured facts in docs/serving.md, "Trying the real integration on a CPU"):
+What it takes (measured facts in docs/operations.md, "Trying the real integration without a GPU"):
 
 - `stub`: a stand-in libcuda.so.1, built with gcc from libcuda_stub.c at test time, because
   sgl_kernel's common_ops and mooncake's engine.so link the NVIDIA driver library;
