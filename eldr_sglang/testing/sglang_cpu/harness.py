@@ -66,16 +66,17 @@ class Harness:
     def start_pd(self, model: Path, decodes: int = 2, prefill_extra: list[str] = (), decode_extra: list[str] = (),
                  prefix: str = "", decode_step_log: bool = False, prefill_cpus: set[int] | None = None,
                  decode_cpus: list[set[int]] | None = None,
-                 prefill_nice: int = 0) -> tuple[cluster.Server, int, list[cluster.Server]]:
+                 prefill_nice: int = 0, prefill_step_log: bool = False) -> tuple[cluster.Server, int, list[cluster.Server]]:
         """One prefill (mooncake over TCP, its own bootstrap port) and `decodes` decode servers,
         started at once; returns (prefill, bootstrap port, decodes) without waiting.
-        decode_step_log: each decode writes its MoE step log (see step_log); decode_cpus[i]
+        decode_step_log: each decode writes its MoE step log (see step_log), and the prefill
+        too with prefill_step_log (its forwards: the prompt tokens of each batch); decode_cpus[i]
         pins decode i; prefill_nice lowers the prefill's CPU priority (on a machine where it
         shares the decodes' cores, so that it steals less of their time)."""
         boot = cluster.free_port_block()
         p = self.start(f"{prefix}prefill", model, ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                                                    str(boot), *PD_TRANSFER, *prefill_extra], cpus=prefill_cpus,
-                       nice=prefill_nice)
+                       nice=prefill_nice, env=self.step_log_env(f"{prefix}prefill") if prefill_step_log else None)
         ds = []
         for i in range(decodes):
             name = f"{prefix}decode{i}"
