@@ -253,15 +253,21 @@ class Router:
         load_report_ttl_ms: int = 2000,
         load_factor: float | None = None,
         paged_experts: int | None = None,
+        request_cost: float | None = None,
     ) -> Self:
         """num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
         is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule. paged_experts: C, the
         decode workers run SGLang's paged experts with C resident per MoE layer, and the locality policy routes by
-        expected page-ins (ValueError for another policy or C = 0)."""
+        expected page-ins (ValueError for another policy or C = 0). request_cost: r >= 0, the per-request part of
+        a decode step in distinct experts per layer; the locality policy's cost becomes
+        D_w + (B_w + 1) * Delta_w + r * (2 * B_w + 1) (None or 0: without it; ValueError for r > 0 on another
+        policy, a negative or a non-finite r)."""
     @property
     def policy(self) -> str: ...
     @property
     def paged_experts(self) -> int | None: ...
+    @property
+    def request_cost(self) -> float | None: ...  # the locality cost's r; None for other policies
     @property
     def num_workers(self) -> int: ...
     @property

@@ -146,6 +146,8 @@ class RouterConfig:
     # decode workers run SGLang's paged experts with C resident per MoE layer: locality routes
     # by expected page-ins (rust/core/src/policies/paged.rs); None = HBM-resident experts
     paged_experts: int | None = None
+    # the locality cost's per-request term r (distinct experts per layer; 0: without it)
+    request_cost: float = 0.0
     bind: str = "auto"  # 'late' | 'early' | 'auto' (late for eldr, early for the baselines)
     signature_timeout_s: float = 30.0
     seed: int = 0
@@ -186,6 +188,8 @@ class RouterConfig:
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike (the data plane's: _check_plane)
+        if self.experiment is not None and self.request_cost:
+            raise ConfigError("--eldr-request-cost is the router's locality cost; an experiment's arms take none")
         if self.experiment is not None:
             # the router the control plane holds is the first arm's; the centroid file stays
             # fixed through the run (no drift refits), so every block routes on the same one
@@ -300,6 +304,13 @@ def _routing_flags(pol: argparse._ArgumentGroup) -> None:
         "the locality policy then routes each request where it is expected to cause the fewest expert page-ins, "
         "under the same load cap (docs/operations.md, 'Paged experts'). An experiment: in the simulated study "
         "(benchmarks/results/paged_experts_study.md) it was slower than the plain locality cost on p50 in 19 of 23 runs",
+    )
+    pol.add_argument(
+        "--eldr-request-cost", type=float, default=0.0, metavar="R",
+        help="the locality cost's per-request term: R is the per-request part of a decode step in distinct experts "
+        "per layer (for a step time fixed + b*batch + c*sum over L layers of distinct experts, R = b/(c*L)); "
+        "the policy then minimises D_w + (B_w+1)*Delta_w + R*(2*B_w+1) (rust/core/src/policies/locality.rs). "
+        "Default 0: the cost without it. Locality only",
     )
     pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",
@@ -429,17 +440,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     a.policy = a.policy or DEFAULT_POLICY
     if experiment is not None:
         a.policy, a.eldr_load_factor = experiment.arms[0].policy, experiment.arms[0].load_factor
-    for arm in experiment.arms if experiment else []:
-        if arm.policy in COUNTS_POLICIES and not a.eldr_centroids:
-            raise ConfigError(f"--experiment arm {arm.label} needs --eldr-centroids (a centroid file from `eldr fit`: eldr "
-                              "routes on its centroids, locality tracks experts on the layers it selected)")
-    if a.policy == "eldr" and not a.eldr_centroids:
-        raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
-    if a.policy == "locality" and not a.eldr_centroids:
-        raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
-                          "the balancer tracks experts on the layers it selected)")
-    if a.eldr_paged_experts is not None and a.policy != "locality":
-        raise ConfigError(f"--eldr-paged-experts is a cost of the locality policy, not of --disagg-router {a.policy}")
+    _check_policy_flags(a, experiment)
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -451,6 +452,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         tau=a.eldr_tau,
         load_factor=a.eldr_load_factor,
         paged_experts=a.eldr_paged_experts,
+        request_cost=a.eldr_request_cost,
         bind=a.eldr_bind,
         signature_timeout_s=a.eldr_signature_timeout_secs,
         seed=a.seed,
@@ -487,6 +489,23 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     )
 
 
+def _check_policy_flags(a: argparse.Namespace, experiment: Experiment | None) -> None:
+    """What the decode policy (or every arm) needs from the other routing flags."""
+    for arm in experiment.arms if experiment else []:
+        if arm.policy in COUNTS_POLICIES and not a.eldr_centroids:
+            raise ConfigError(f"--experiment arm {arm.label} needs --eldr-centroids (a centroid file from `eldr fit`: eldr "
+                              "routes on its centroids, locality tracks experts on the layers it selected)")
+    if a.policy == "eldr" and not a.eldr_centroids:
+        raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
+    if a.policy == "locality" and not a.eldr_centroids:
+        raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
+                          "the balancer tracks experts on the layers it selected)")
+    if a.eldr_paged_experts is not None and a.policy != "locality":
+        raise ConfigError(f"--eldr-paged-experts is a cost of the locality policy, not of --disagg-router {a.policy}")
+    if a.eldr_request_cost != 0 and experiment is None and a.policy != "locality":
+        raise ConfigError(f"--eldr-request-cost is a cost of the locality policy, not of --disagg-router {a.policy}")
+
+
 def _experiment(a: argparse.Namespace) -> Experiment | None:
     if a.experiment is None:
         if a.switch_every is not None:
@@ -515,6 +534,7 @@ _NUMERIC_FLAGS = {
     "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
     "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
     "--eldr-paged-experts": ("paged_experts", 1, 2**20, True, False),
+    "--eldr-request-cost": ("request_cost", 0.0, 1e6, False, True),
     "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
     "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),
     "--worker-startup-timeout-secs": ("worker_startup_timeout_s", 0.0, DAY_S, False, True),

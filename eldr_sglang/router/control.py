@@ -47,6 +47,8 @@ class ControlPlane:
             kw["load_factor"] = cfg.load_factor
         if cfg.paged_experts is not None:
             kw["paged_experts"] = cfg.paged_experts
+        if cfg.request_cost:
+            kw["request_cost"] = cfg.request_cost
         try:
             self.router = _core.Router(**kw)
         except _core.CentroidFileError as exc:

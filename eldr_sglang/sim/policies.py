@@ -36,6 +36,8 @@ BASELINES = tuple(p for p in _core().POLICIES if p not in _core().COUNTS_POLICIE
 POLICY_NAMES = BASELINES + _core().COUNTS_POLICIES + ("paged", "oracle")
 # policies that take a bounded-load factor (name/F)
 BOUNDED = ("eldr", "locality", "paged")
+# policies with the locality cost, which takes a per-request term (name:rc=R)
+LOCALITY = ("locality", "paged")
 
 
 class RouterPolicy:
@@ -56,6 +58,7 @@ class RouterPolicy:
         load_factor: float | None = None,
         profiles: list | None = None,
         paged_experts: int | None = None,
+        request_cost: float | None = None,
     ):
         core = _core()
         self.name = name
@@ -77,6 +80,7 @@ class RouterPolicy:
             seed=seed,
             load_factor=load_factor if name in BOUNDED else None,
             paged_experts=paged_experts if name == "paged" else None,
+            request_cost=request_cost,
         )
         if self.router.num_workers != num_workers:
             raise ValueError(
@@ -183,6 +187,7 @@ def make_policy(
     load_factor: float | None = None,
     profiles: list | None = None,
     paged_experts: int | None = None,
+    request_cost: float | None = None,
 ):
     """Build a policy. Only 'oracle' takes `labels`; passing labels to any other policy is
     an error, so no baseline or ELDR can read them."""
@@ -207,7 +212,8 @@ def make_policy(
         profiles = replay.expert_profiles()
     return RouterPolicy(name, num_workers, centroids=centroids, tau=tau if name == "eldr" else None, seed=seed,
                         signatures=sig, valid=valid, load_factor=load_factor,
-                        profiles=profiles if name in ("locality", "paged") else None, paged_experts=paged_experts)
+                        profiles=profiles if name in LOCALITY else None, paged_experts=paged_experts,
+                        request_cost=request_cost)
 
 
 def eldr_signatures(replay, centroids: str) -> tuple[np.ndarray, np.ndarray]:

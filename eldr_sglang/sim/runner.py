@@ -11,7 +11,7 @@ from eldr_sglang.sim.cluster import ClusterConfig, SimResult, simulate
 from eldr_sglang.sim.cost_model import PAPER_MOE_16_TO_128_SLOWDOWN, ExecutionModel
 from eldr_sglang.sim.metrics import compute_metrics
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_TAU
-from eldr_sglang.sim.policies import BOUNDED, POLICY_NAMES, eldr_signatures, make_policy
+from eldr_sglang.sim.policies import BOUNDED, LOCALITY, POLICY_NAMES, eldr_signatures, make_policy
 from eldr_sglang.sim.replay import TraceReplay
 from eldr_sglang.workload import Workload
 
@@ -25,6 +25,8 @@ class PolicySpec:
     # bounds, not policies: "perfect" = every layer of every step touches top_k experts (routing
     # by shortest queue); "clairvoyant" = ELDR with signatures from the decode rows
     bound: str | None = None
+    # the locality cost's per-request term r (`locality/0.05:rc=0.4`); None = without it
+    request_cost: float | None = None
 
 
 BOUNDS = {"perfect_overlap": "perfect", "clairvoyant": "clairvoyant"}
@@ -37,17 +39,20 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
     worker is a candidate only below ceil((1+F) x (total+1) / K)); `tau` and `load_factor` are
     the defaults for a plain `eldr`. `default` is the router's default (eldr_sglang.defaults).
     Two bounds may be listed too: `perfect_overlap` and `clairvoyant[@T][/F]` (ELDR fed the
-    decode-time routing it cannot know)."""
+    decode-time routing it cannot know). A locality label (`locality`, `locality/F`, `paged`,
+    `paged/F`, `default`) may end in `:rc=R`, the cost's per-request term (R >= 0, distinct
+    experts per layer; rust/core/src/policies/locality.rs)."""
     specs = []
     for raw in text.split(","):
         name = raw.strip()
         if not name:
             continue
+        name, rc = _request_cost(name)
         t, lf = tau, load_factor
         bound = None
         if name == "default":
             name = DEFAULT_POLICY + (f"/{DEFAULT_LOAD_FACTOR:g}" if DEFAULT_LOAD_FACTOR is not None else "")
-            raw = name
+            raw = name + (raw.strip()[raw.strip().index(":"):] if rc is not None else "")
             t = DEFAULT_TAU if tau is None else tau
         if name == "perfect_overlap":
             specs.append(PolicySpec("perfect_overlap", "shortest_queue", bound="perfect"))
@@ -77,16 +82,35 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
                 raise ValueError(f"only eldr takes @tau, got {raw!r}")
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-        label = raw.strip() if ("@" in raw or "/" in raw) else name
+        if rc is not None and (name not in LOCALITY or bound is not None):
+            raise ValueError(f"only {' and '.join(LOCALITY)} take :rc=R (the locality cost's per-request term), got {raw.strip()!r}")
+        label = raw.strip() if ("@" in raw or "/" in raw or rc is not None) else name
         if bound == "clairvoyant":
             label = raw.strip()
-        specs.append(PolicySpec(label, name, t, lf if name in BOUNDED else None, bound))
+        specs.append(PolicySpec(label, name, t, lf if name in BOUNDED else None, bound=bound, request_cost=rc))
     if not specs:
         raise ValueError("no policies given")
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"policy listed twice: {text!r}")
     return specs
+
+
+def _request_cost(label: str) -> tuple[str, float | None]:
+    """'locality/0.05:rc=0.4' -> ('locality/0.05', 0.4); a label without ':' -> (label, None)."""
+    name, colon, opt = label.partition(":")
+    if not colon:
+        return label, None
+    key, eq, value = opt.partition("=")
+    if key.strip() != "rc" or not eq:
+        raise ValueError(f"bad option {opt!r} in policy {label!r}: use locality/0.05:rc=0.4")
+    try:
+        r = float(value)
+    except ValueError:
+        raise ValueError(f"bad request cost in policy {label!r}: use locality/0.05:rc=0.4") from None
+    if not (np.isfinite(r) and r >= 0):
+        raise ValueError(f"the request cost must be finite and >= 0 in {label!r}")
+    return name.strip(), r
 
 
 def run_comparison(
@@ -134,7 +158,7 @@ def run_comparison(
         pol = make_policy(
             spec.policy, config.num_decode, replay=replay, centroids=cpath, tau=spec.tau,
             seed=seed, labels=labels, signatures=sigs, load_factor=spec.load_factor,
-            paged_experts=getattr(model, "offload_cache_experts", 0) or None,
+            paged_experts=getattr(model, "offload_cache_experts", 0) or None, request_cost=spec.request_cost,
         )
         cfg = replace(config, perfect_overlap=True) if spec.bound == "perfect" else config
         res = simulate(replay, workload, pol, model, cfg, progress=progress, progress_desc=spec.label)

@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
-use crate::policies::{make_policy, Decision, ExpertProfile, Policy, PolicyConfig, Reason, RouteContext, UnknownPolicy};
+use crate::policies::{Decision, ExpertProfile, PagedExpertsError, Policy, PolicyConfig, Reason, RequestCostError, RouteContext, UnknownPolicy};
 pub use crate::policies::DEFAULT_TAU;
 use crate::queue::QueueTracker;
 use crate::distance::Counts;
@@ -62,6 +62,9 @@ pub struct Routed {
 }
 
 pub struct Router {
+    /// What `policy` was built from (the locality costs are set on it: `set_paged_experts`,
+    /// `set_request_cost`).
+    config: PolicyConfig,
     policy: Box<dyn Policy>,
     tracker: Arc<QueueTracker>,
     /// Shared with [`Router::sibling`]s: a reload serves them all.
@@ -84,7 +87,8 @@ impl Router {
         reload_interval_ms: u64,
         load_report_ttl_ms: u64,
     ) -> Result<Self, BuildError> {
-        let policy = make_policy(policy, seed)?;
+        let config = PolicyConfig::parse(policy, seed)?;
+        let policy = config.build();
         if let Some(k) = num_workers {
             limits::check_dim("num_workers", k)?;
         }
@@ -100,6 +104,7 @@ impl Router {
         let tau = tau.or_else(|| store.as_ref().map(|s| s.set().tau() as f64)).unwrap_or(DEFAULT_TAU);
         check_tau(tau)?;
         Ok(Router {
+            config,
             policy,
             tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
             store,
@@ -130,8 +135,10 @@ impl Router {
     /// policy and its own state (the locality balancer's expert loads) and the load factor
     /// are its own. A switchback experiment's arms (the data plane's `experiment`).
     pub fn sibling(&self, policy: &str, load_factor: Option<f64>, seed: u64) -> Result<Router, BuildError> {
+        let config = PolicyConfig::parse(policy, seed)?;
         let r = Router {
-            policy: make_policy(policy, seed)?,
+            config,
+            policy: config.build(),
             tracker: Arc::clone(&self.tracker),
             store: self.store.clone(),
             tau_bits: Arc::clone(&self.tau_bits),
@@ -167,11 +174,31 @@ impl Router {
     /// Decode workers running SGLang's paged experts with `resident` experts per MoE layer: the
     /// locality policy routes by expected page-ins (policies/paged.rs). Set once, before the
     /// router is shared; None keeps the policy as built. Errors for any other policy and C = 0.
-    pub fn set_paged_experts(&mut self, resident: Option<u32>) -> Result<(), crate::PagedExpertsError> {
-        let Some(c) = resident else { return Ok(()) };
-        let base = PolicyConfig::parse(self.policy.name(), 0).map_err(|_| crate::PagedExpertsError::NotLocality { policy: self.policy.name() })?;
-        self.policy = base.with_paged_experts(Some(c))?.build();
+    pub fn set_paged_experts(&mut self, resident: Option<u32>) -> Result<(), PagedExpertsError> {
+        let config = self.config.with_paged_experts(resident)?;
+        self.rebuild(config);
         Ok(())
+    }
+
+    /// The locality cost's per-request term `r` (policies/locality.rs), in distinct experts per
+    /// layer: finite and >= 0, and only the locality policy takes r > 0. Set once, before the
+    /// router is shared; None keeps the policy as built.
+    pub fn set_request_cost(&mut self, request_cost: Option<f64>) -> Result<(), RequestCostError> {
+        let config = self.config.with_request_cost(request_cost)?;
+        self.rebuild(config);
+        Ok(())
+    }
+
+    /// The locality cost's per-request term (None: not a locality policy).
+    pub fn request_cost(&self) -> Option<f64> {
+        self.policy.request_cost()
+    }
+
+    fn rebuild(&mut self, config: PolicyConfig) {
+        if config != self.config {
+            self.config = config;
+            self.policy = config.build();
+        }
     }
 
     /// The resident experts per layer the policy assumes (None: not a paged-experts cost).

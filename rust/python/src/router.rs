@@ -201,7 +201,7 @@ fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Py
 impl PyRouter {
     #[new]
     // `policy`: None is the core's DEFAULT_POLICY (a literal default here would be a second copy).
-    #[pyo3(signature = (policy=None, num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None, paged_experts=None))]
+    #[pyo3(signature = (policy=None, num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None, paged_experts=None, request_cost=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -214,12 +214,14 @@ impl PyRouter {
         load_report_ttl_ms: u64,
         load_factor: Option<f64>,
         paged_experts: Option<u32>,
+        request_cost: Option<f64>,
     ) -> PyResult<Self> {
         let mut inner = py
             .detach(|| eldr_core::Router::new(policy.unwrap_or(eldr_core::DEFAULT_POLICY), num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
             .map_err(py_err)?;
         inner.set_load_factor(load_factor).map_err(py_err)?;
         inner.set_paged_experts(paged_experts).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        inner.set_request_cost(request_cost).map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(PyRouter { inner: Arc::new(inner) })
     }
     #[getter]
@@ -237,6 +239,11 @@ impl PyRouter {
     #[getter]
     fn paged_experts(&self) -> Option<usize> {
         self.inner.paged_experts()
+    }
+    /// The locality cost's per-request term r (None: not a locality policy).
+    #[getter]
+    fn request_cost(&self) -> Option<f64> {
+        self.inner.request_cost()
     }
     #[getter]
     fn num_workers(&self) -> usize {

@@ -96,17 +96,28 @@ pub enum PagedExpertsError {
     NotLocality { policy: &'static str },
 }
 
+/// A per-request cost the policy cannot take.
+#[derive(Debug, Error, Clone, Copy, PartialEq)]
+pub enum RequestCostError {
+    #[error("the request cost (--eldr-request-cost R) must be finite and >= 0, got {0}")]
+    Bad(f64),
+    #[error("the request cost (--eldr-request-cost) is a cost of the locality policy, not of {policy}")]
+    NotLocality { policy: &'static str },
+}
+
 /// A policy and what building it takes: the factory's typed input. The band width and the
 /// load factor are the router's (they change at run time: `Router::set_tau`), passed to every
 /// choice in the [`super::RouteContext`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PolicyConfig {
     Eldr,
-    Locality,
+    /// The locality balancer; `request_cost` is its per-request term `r` (locality.rs; the
+    /// router's `--eldr-request-cost R`, 0 = the rule without it).
+    Locality { request_cost: f64 },
     /// The locality balancer with the cache-aware cost (paged.rs) for decode workers running
     /// SGLang's paged experts with `resident` experts per MoE layer: the router's
     /// `--eldr-paged-experts C`. Its name and row of [`POLICIES`] are locality's.
-    PagedLocality { resident: u32 },
+    PagedLocality { resident: u32, request_cost: f64 },
     Random { seed: u64 },
     RoundRobin,
     ShortestQueue,
@@ -118,7 +129,7 @@ impl PolicyConfig {
     pub fn parse(name: &str, seed: u64) -> Result<PolicyConfig, UnknownPolicy> {
         Ok(match name {
             "eldr" => PolicyConfig::Eldr,
-            "locality" => PolicyConfig::Locality,
+            "locality" => PolicyConfig::Locality { request_cost: 0.0 },
             "random" => PolicyConfig::Random { seed },
             "round_robin" => PolicyConfig::RoundRobin,
             "shortest_queue" => PolicyConfig::ShortestQueue,
@@ -130,7 +141,7 @@ impl PolicyConfig {
     pub fn name(&self) -> &'static str {
         match self {
             PolicyConfig::Eldr => "eldr",
-            PolicyConfig::Locality | PolicyConfig::PagedLocality { .. } => "locality",
+            PolicyConfig::Locality { .. } | PolicyConfig::PagedLocality { .. } => "locality",
             PolicyConfig::Random { .. } => "random",
             PolicyConfig::RoundRobin => "round_robin",
             PolicyConfig::ShortestQueue => "shortest_queue",
@@ -144,8 +155,25 @@ impl PolicyConfig {
         match (self, resident) {
             (c, None) => Ok(c),
             (_, Some(0)) => Err(PagedExpertsError::Zero),
-            (PolicyConfig::Locality | PolicyConfig::PagedLocality { .. }, Some(r)) => Ok(PolicyConfig::PagedLocality { resident: r }),
+            (PolicyConfig::Locality { request_cost } | PolicyConfig::PagedLocality { request_cost, .. }, Some(resident)) => {
+                Ok(PolicyConfig::PagedLocality { resident, request_cost })
+            }
             (c, Some(_)) => Err(PagedExpertsError::NotLocality { policy: c.name() }),
+        }
+    }
+
+    /// The locality cost with the per-request term `r` (locality.rs): finite and >= 0, and
+    /// only the locality policy takes it (None, and r = 0 on any policy, change nothing).
+    pub fn with_request_cost(self, request_cost: Option<f64>) -> Result<PolicyConfig, RequestCostError> {
+        let Some(r) = request_cost else { return Ok(self) };
+        if !(r.is_finite() && r >= 0.0) {
+            return Err(RequestCostError::Bad(r));
+        }
+        match self {
+            PolicyConfig::Locality { .. } => Ok(PolicyConfig::Locality { request_cost: r }),
+            PolicyConfig::PagedLocality { resident, .. } => Ok(PolicyConfig::PagedLocality { resident, request_cost: r }),
+            c if r == 0.0 => Ok(c),
+            c => Err(RequestCostError::NotLocality { policy: c.name() }),
         }
     }
 
@@ -157,8 +185,8 @@ impl PolicyConfig {
     pub fn build(&self) -> Box<dyn Policy> {
         match *self {
             PolicyConfig::Eldr => Box::new(Eldr),
-            PolicyConfig::Locality => Box::new(Locality::default()),
-            PolicyConfig::PagedLocality { resident } => Box::new(PagedLocality::new(resident as usize)),
+            PolicyConfig::Locality { request_cost } => Box::new(Locality::with_request_cost(request_cost)),
+            PolicyConfig::PagedLocality { resident, request_cost } => Box::new(PagedLocality::with_request_cost(resident as usize, request_cost)),
             PolicyConfig::Random { seed } => Box::new(Random::new(seed)),
             PolicyConfig::RoundRobin => Box::new(RoundRobin::default()),
             PolicyConfig::ShortestQueue => Box::new(ShortestQueue),

@@ -1,5 +1,5 @@
 //! Locality-aware balancer: send a request to the eligible worker with the least marginal
-//! expected expert cost `D_w + (B_w + 1) * Delta_w`.
+//! expected step cost `D_w + (B_w + 1) * Delta_w + r * (2 * B_w + 1)`.
 //!
 //! * A request's profile `p[l][e]` is the chance that one of its decode tokens selects expert
 //!   `e` at MoE layer `l`, estimated from its prompt: `c[l][e] / (T + 1)` for `T` prompt tokens
@@ -10,8 +10,13 @@
 //!   and the request adds `Delta_w = mean_l sum_e p * exp(S)` new ones (exact, not a bound).
 //! * Joining w, the request runs at w's step cost `D_w + Delta_w` and slows the `B_w` requests
 //!   already there by `Delta_w` each: `D_w + (B_w + 1) * Delta_w` in expert reads per step,
-//!   summed over the requests it affects. The fixed, batch-independent part of a step is the
-//!   same on every worker and drops out.
+//!   summed over the requests it affects.
+//! * `r` (`request_cost`, the router's `--eldr-request-cost R`, default 0) is the per-request
+//!   part of a step in the same unit. For a step time `fixed + b * batch + c * sum_l distinct_l`
+//!   over L layers, joining w costs `fixed + b * (2 * B_w + 1) + c * L * (D_w + (B_w + 1) *
+//!   Delta_w)` summed over the requests it affects; divided by `c * L`, that is the cost above
+//!   with `r = b / (c * L)` (distinct experts per layer) plus `fixed / (c * L)`, which is the
+//!   same on every worker and drops out. `r = 0` is the rule without the per-request term.
 //! * Only workers under the bounded-load cap of `eldr/F` are eligible (`load_factor`; no cap
 //!   without it). Ties go to the shorter queue, then the lower index. Without a profile the
 //!   rule is shortest queue.
@@ -498,12 +503,29 @@ impl Drop for ExpertGuard {
 
 /// The balancer. Its expert state is sized by the first profile it sees, and replaced by the
 /// first profile of a newer centroid generation with another layout (see the module docs).
+/// `Default` is the rule with no per-request term (`r = 0`).
 #[derive(Default)]
 pub struct Locality {
     load: ArcSwapOption<ExpertLoad>,
+    /// `r`: the per-request part of a step in distinct experts per layer (finite, >= 0).
+    request_cost: f64,
 }
 
 impl Locality {
+    /// The balancer with the per-request term `r * (2 * B_w + 1)`; `r` finite and >= 0 (the
+    /// policy config checks it: [`super::PolicyConfig::with_request_cost`]).
+    pub fn with_request_cost(request_cost: f64) -> Self {
+        Locality { load: ArcSwapOption::empty(), request_cost }
+    }
+
+    /// Worker w's marginal cost for a request adding `delta` new experts per layer there, with
+    /// `b` requests in flight on it: `D_w + (b + 1) * delta + r * (2 * b + 1)`. With r = 0 the
+    /// last term adds exactly 0.0, so the value is the rule without it, bit for bit.
+    #[inline]
+    pub(crate) fn marginal_cost(&self, load: &ExpertLoad, w: usize, b: i64, delta: f64) -> f64 {
+        load.distinct(w) + (b + 1) as f64 * delta + self.request_cost * (2 * b + 1) as f64
+    }
+
     /// The expert state for `workers` workers that `p` counts in; None when `p` does not fit
     /// it (another layout of an older or the same generation, or another worker count).
     pub fn load_for(&self, workers: usize, p: &ExpertProfile) -> Option<Arc<ExpertLoad>> {
@@ -545,6 +567,10 @@ impl Policy for Locality {
         })
     }
 
+    fn request_cost(&self) -> Option<f64> {
+        Some(self.request_cost)
+    }
+
     fn expert_distinct(&self) -> Option<Vec<f64>> {
         Some(self.load.load_full().map_or_else(Vec::new, |l| (0..l.num_workers()).map(|w| l.distinct(w)).collect()))
     }
@@ -573,7 +599,7 @@ impl Policy for Locality {
                 continue;
             }
             let b = ctx.loads[w].max(0);
-            let cost = load.distinct(w) + (b + 1) as f64 * delta[w];
+            let cost = self.marginal_cost(&load, w, b, delta[w]);
             let key = (cost, b, w);
             if best.is_none_or(|bk| key.0 < bk.0 || (key.0 == bk.0 && (key.1, key.2) < (bk.1, bk.2))) {
                 best = Some(key);

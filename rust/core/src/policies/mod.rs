@@ -17,7 +17,7 @@ mod round_robin;
 mod shortest_queue;
 
 pub use config::{
-    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PagedExpertsError, PolicyConfig, PolicyInfo, UnknownPolicy,
+    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PagedExpertsError, PolicyConfig, PolicyInfo, RequestCostError, UnknownPolicy,
     DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use eldr::{band_size, Eldr};
@@ -123,6 +123,11 @@ pub trait Policy: Send + Sync {
     /// The resident experts per MoE layer (SGLang's `--paged-experts-num-resident C`) that the
     /// cache-aware locality cost assumes on every decode worker; None for every other policy.
     fn paged_experts(&self) -> Option<usize> {
+        None
+    }
+    /// The locality cost's per-request term `r` (distinct experts per layer per request in the
+    /// batch; locality.rs); None for the policies without that cost.
+    fn request_cost(&self) -> Option<f64> {
         None
     }
     fn choose(&self, ctx: &RouteContext) -> Decision;

@@ -14,8 +14,9 @@
 //!   A page-in stalls the whole step (SGLang copies on the compute stream), so it costs every
 //!   request of the batch: the cost is `(B_w + 1) * m_w`.
 //! * Ties (every worker holding the request's experts, e.g. C = E) go to the locality
-//!   balancer's cost `D_w + (B_w + 1) * Delta_w` (locality.rs, whose in-flight state this
-//!   policy keeps too), then the shorter queue, then the lower index. Only workers under the
+//!   balancer's cost `D_w + (B_w + 1) * Delta_w + r * (2 * B_w + 1)` (locality.rs, whose
+//!   in-flight state and per-request term `r` this policy keeps too), then the shorter queue,
+//!   then the lower index. Only workers under the
 //!   bounded-load cap are eligible. Without a profile the rule is shortest queue.
 //!
 //! The estimate is of the router's making: it sees prompt profiles, not the decode steps'
@@ -136,7 +137,12 @@ pub struct PagedLocality {
 impl PagedLocality {
     /// `capacity`: SGLang's `--paged-experts-num-resident`, C >= 1.
     pub fn new(capacity: usize) -> Self {
-        PagedLocality { capacity: capacity.max(1), inner: Locality::default(), estimate: ArcSwapOption::empty() }
+        Self::with_request_cost(capacity, 0.0)
+    }
+
+    /// With the locality tie-break's per-request term `r` (see [`Locality::with_request_cost`]).
+    pub fn with_request_cost(capacity: usize, request_cost: f64) -> Self {
+        PagedLocality { capacity: capacity.max(1), inner: Locality::with_request_cost(request_cost), estimate: ArcSwapOption::empty() }
     }
 
     pub fn capacity(&self) -> usize {
@@ -189,6 +195,10 @@ impl Policy for PagedLocality {
         self.inner.track(num_workers, worker, profile)
     }
 
+    fn request_cost(&self) -> Option<f64> {
+        self.inner.request_cost()
+    }
+
     fn expert_distinct(&self) -> Option<Vec<f64>> {
         self.inner.expert_distinct()
     }
@@ -217,7 +227,7 @@ impl Policy for PagedLocality {
                 continue;
             }
             let b = ctx.loads[w].max(0);
-            let key = ((b + 1) as f64 * est.miss_mass(w, p), load.distinct(w) + (b + 1) as f64 * delta[w], b, w);
+            let key = ((b + 1) as f64 * est.miss_mass(w, p), self.inner.marginal_cost(&load, w, b, delta[w]), b, w);
             let better = |bk: &(f64, f64, i64, usize)| {
                 key.0.total_cmp(&bk.0).then(key.1.total_cmp(&bk.1)).then((key.2, key.3).cmp(&(bk.2, bk.3))).is_lt()
             };

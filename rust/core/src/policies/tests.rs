@@ -544,3 +544,98 @@ fn restricted_profile_rejects_bad_counts_with_the_signature_reasons() {
     let p = prof(Counts::Dense(&[0.0, 2.0, 0.0, 5.0, 5.0, 5.0]), 3).unwrap();
     assert_eq!((p.layers(), p.nnz(), p.parts().0), (1, 1, &[1u32][..]));
 }
+
+// ---------------- the locality cost's per-request term r * (2 * B_w + 1) ----------------
+
+proptest! {
+    /// r = 0 chooses exactly as the rule without the term (the default balancer), and any r
+    /// chooses the argmin of `D_w + (B_w + 1) * Delta_w + r * (2 * B_w + 1)` recomputed here.
+    #[test]
+    fn request_cost_zero_is_todays_rule_and_any_r_is_the_argmin(
+        resident in prop::collection::vec((0usize..4, profile_strategy()), 0..16),
+        req in profile_strategy(),
+        mut healthy in prop::collection::vec(prop::bool::weighted(0.8), 4),
+        f in prop::option::of(0.0f64..1.0),
+        r in 0.0f64..3.0,
+    ) {
+        healthy[0] = true;
+        let (today, zero, with_r) = (Locality::default(), Locality::with_request_cost(0.0), Locality::with_request_cost(r));
+        let resident: Vec<(usize, Arc<ExpertProfile>)> = resident.into_iter().map(|(w, p)| (w, Arc::new(p))).collect();
+        let mut loads = vec![0i64; 4];
+        let mut guards = Vec::new();
+        for (w, p) in &resident {
+            for pol in [&today, &zero, &with_r] {
+                guards.push(pol.track(4, *w, Arc::clone(p)).unwrap().unwrap());
+            }
+            loads[*w] += 1;
+        }
+        let mut c = ctx(&loads, &healthy, None, 0.0);
+        c.load_factor = f;
+        c.profile = Some(&req);
+        prop_assert_eq!(zero.choose(&c), today.choose(&c));
+        let w = with_r.choose(&c).worker.unwrap();
+        if req.is_empty() {
+            return Ok(());
+        }
+        let load = with_r.load_for(4, &req).unwrap();
+        let cap = f.map(|f| load_cap(&c, f));
+        let cost = |k: usize| load.distinct(k) + (loads[k] + 1) as f64 * load.added(k, &req) + r * (2 * loads[k] + 1) as f64;
+        let best = (0..4).filter(|&k| healthy[k] && cap.is_none_or(|cap| loads[k] < cap)).map(cost).fold(f64::INFINITY, f64::min);
+        prop_assert!(cost(w) <= best + 1e-9, "chose {} at {} but the least cost is {}", w, cost(w), best);
+    }
+}
+
+/// Worker 0 runs three requests on the new request's experts, worker 1 one request on others.
+/// Today's rule sends it to worker 0 (it adds almost no new experts there); a per-request cost
+/// of one distinct expert per layer (r = 1) makes the longer queue dearer: worker 1.
+#[test]
+fn a_large_request_cost_prefers_the_shorter_queue_over_the_locality_match() {
+    let a = Arc::new(ExpertProfile::from_sparse(1, 8, &[0, 1], &[10.0, 10.0], 10).unwrap());
+    let b = Arc::new(ExpertProfile::from_sparse(1, 8, &[6, 7], &[10.0, 10.0], 10).unwrap());
+    let (loads, healthy) = ([3i64, 1], [true, true]);
+    let choice = |r: f64| {
+        let pol = Locality::with_request_cost(r);
+        let _g: Vec<_> = [0, 0, 0, 1].iter().zip([&a, &a, &a, &b]).map(|(&w, p)| pol.track(2, w, Arc::clone(p)).unwrap().unwrap()).collect();
+        let mut c = ctx(&loads, &healthy, None, 0.0);
+        c.profile = Some(&a);
+        pol.choose(&c).worker
+    };
+    // D_0 ~ 2.00, Delta_0 ~ 0.0014; D_1 ~ 1.82, Delta_1 ~ 1.82: costs 2.00 + 7r and 5.45 + 3r
+    assert_eq!(choice(0.0), Some(0), "today's rule: the locality match");
+    assert_eq!(choice(0.5), Some(0), "r below the break-even 0.86 keeps it");
+    assert_eq!(choice(1.0), Some(1), "r = 1: the shorter queue");
+    // the paged cost's locality tie-break takes r too: C = E, every expert resident everywhere
+    let paged = |r: f64| {
+        let pol = PagedLocality::with_request_cost(8, r);
+        let _g: Vec<_> = [0, 0, 0, 1].iter().zip([&a, &a, &a, &b]).map(|(&w, p)| pol.track(2, w, Arc::clone(p)).unwrap().unwrap()).collect();
+        let mut c = ctx(&loads, &healthy, None, 0.0);
+        c.profile = Some(&a);
+        (pol.choose(&c).worker, pol.request_cost())
+    };
+    assert_eq!(paged(0.0), (Some(0), Some(0.0)));
+    assert_eq!(paged(1.0), (Some(1), Some(1.0)));
+}
+
+#[test]
+fn only_the_locality_policy_takes_a_request_cost_and_it_must_be_finite_and_non_negative() {
+    let loc = PolicyConfig::parse("locality", 0).unwrap();
+    assert_eq!(loc.with_request_cost(Some(0.4)), Ok(PolicyConfig::Locality { request_cost: 0.4 }));
+    assert_eq!(loc.with_request_cost(None), Ok(loc));
+    let paged = loc.with_paged_experts(Some(4)).unwrap().with_request_cost(Some(0.4)).unwrap();
+    assert_eq!(paged, PolicyConfig::PagedLocality { resident: 4, request_cost: 0.4 });
+    // the order does not matter: paged experts keep the request cost
+    assert_eq!(loc.with_request_cost(Some(0.4)).unwrap().with_paged_experts(Some(4)), Ok(paged));
+    assert_eq!(paged.build().request_cost(), Some(0.4));
+    assert_eq!(paged.build().paged_experts(), Some(4));
+    for bad in [-0.1, f64::NAN, f64::INFINITY] {
+        let err = loc.with_request_cost(Some(bad)).unwrap_err();
+        assert!(err.to_string().starts_with("the request cost (--eldr-request-cost R) must be finite and >= 0, got"), "{err}");
+    }
+    for name in ["eldr", "round_robin", "shortest_queue", "random", "power_of_two"] {
+        let c = PolicyConfig::parse(name, 0).unwrap();
+        assert_eq!(c.with_request_cost(Some(0.0)), Ok(c), "r = 0 is every policy's rule");
+        let err = c.with_request_cost(Some(0.4)).unwrap_err();
+        assert_eq!(err.to_string(), format!("the request cost (--eldr-request-cost) is a cost of the locality policy, not of {name}"));
+        assert_eq!(c.build().request_cost(), None);
+    }
+}
