@@ -433,6 +433,24 @@ def _gpu_shapes(args) -> tuple:
     return shapes
 
 
+def step_terms(entries: list[dict], layers: int) -> dict:
+    """The three terms the simulator's engine fit uses (benchmarks/sim_vs_engine.py), per model:
+    step = fixed + per_request * B + per_expert * (distinct experts summed over `layers` MoE
+    layers). per_expert is the median over batches of b(B); fixed and per_request a least-squares
+    line over B through other_s(B) + layers * a(B) (CPU: the whole step but the engine's
+    scheduler) or layers * a(B) (GPU: the MoE layers only, no other_s measured)."""
+    out: dict = {}
+    for model in dict.fromkeys(e["model"] for e in entries):
+        es = sorted((e for e in entries if e["model"] == model), key=lambda e: e["batch"])
+        b = np.array([e["batch"] for e in es], float)
+        y = np.array([e.get("other_s", 0.0) + layers * e["a_s"] for e in es])
+        per_request, fixed = np.polyfit(b, y, 1) if len(es) > 1 else (0.0, float(y[0]))
+        out[model] = {"fixed_s": float(fixed), "per_request_s": float(per_request),
+                      "per_expert_s": float(np.median([e["b_s"] for e in es])), "layers": layers,
+                      "scope": "whole step but the scheduler" if "other_s" in es[0] else "MoE layers only"}
+    return out
+
+
 def main_gpu(args, out: Path) -> int:
     """--device cuda (or --dry-run on a CPU): SGLang's fused MoE kernel, or the torch fallback."""
     args.batches = args.batches or ",".join(map(str, BATCHES))
@@ -465,7 +483,8 @@ def main_gpu(args, out: Path) -> int:
             e.setdefault("hardware", hw)
     doc = {"format": FORMAT, "hardware": hw, "device": device, "torch": torch.__version__,
            "sglang_kernel": kernel is not None, "fallback_reason": None if kernel else why,
-           "dry_run": args.dry_run, "seconds": round(time.monotonic() - t0, 1), "entries": entries}
+           "dry_run": args.dry_run, "seconds": round(time.monotonic() - t0, 1), "entries": entries,
+           "step_terms": step_terms(entries, 1)}
     _write(out, doc, args.json)
     print("| model | B | a (us) | b (us/expert) | fit rel. RMS | kernel |")
     print("|---|---|---|---|---|---|")
@@ -525,7 +544,8 @@ def main_cpu(args, argv) -> int:
     doc = {"format": FORMAT, "hardware": hw, "device": "cpu", "torch": torch.__version__, "threads": 1,
            "sglang_kernel": kernel is not None, "fallback_reason": None if kernel else "--moe-kernel torch",
            "dry_run": False, "shape": asdict(shape), "context_tokens": args.context,
-           "seconds": round(time.monotonic() - t0, 1), "entries": entries}
+           "seconds": round(time.monotonic() - t0, 1), "entries": entries,
+           "step_terms": step_terms(entries, shape.layers)}
     _write(Path(args.out), doc, args.json)
     print("| model | B | a (us) | b (us/expert) | other (ms) | fit rel. RMS | kernel |")
     print("|---|---|---|---|---|---|---|")

@@ -146,3 +146,16 @@ def test_cpu_shape_from_a_model_dir(tmp_path):
     s = gpu_calibrate.cpu_shape_from_model_dir(tmp_path)
     assert (s.hidden, s.inter, s.experts, s.top_k, s.layers, s.heads, s.kv_heads, s.head_dim, s.vocab) == (
         512, 1536, 32, 4, 4, 8, 4, 64, 2048)
+
+
+def test_step_terms_recover_a_known_line():
+    """The three-term summary: other_s + L*a linear in B gives fixed and per_request back;
+    per_expert is the batches' b."""
+    L = 4
+    entries = [{"model": "m", "batch": b, "a_s": 1e-4, "b_s": 8e-4, "other_s": 0.01 + 0.003 * b} for b in (1, 2, 4, 8)]
+    t = gpu_calibrate.step_terms(entries, L)["m"]
+    assert abs(t["fixed_s"] - (0.01 + L * 1e-4)) < 1e-9
+    assert abs(t["per_request_s"] - 0.003) < 1e-9
+    assert t["per_expert_s"] == 8e-4 and t["scope"] == "whole step but the scheduler"
+    gpu = gpu_calibrate.step_terms([{k: v for k, v in e.items() if k != "other_s"} for e in entries], 1)["m"]
+    assert gpu["scope"] == "MoE layers only" and abs(gpu["per_request_s"]) < 1e-12

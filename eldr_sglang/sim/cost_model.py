@@ -299,6 +299,23 @@ class ExecutionModel:
         off = self._paged_terms(batch_size, misses, waves)
         return StepBreakdown(ov, dense, attn, moe, off, ov + dense + attn + moe + off)
 
+    def request_cost_ratio(self, batch: int = 16, context: int = 1024) -> float:
+        """The locality balancer's request cost r = b / (c L) for this model (its
+        --eldr-request-cost, the simulator's `locality/F:rc=R`): the step time one more request
+        adds (b: its KV reads, its share of compute, the per-request work of a measured step),
+        over what one more distinct expert in every MoE layer adds (c L), at a batch of `batch`
+        requests of `context` cached tokens each, half of its possible experts touched."""
+        L, m = self.model.num_moe_layers, self.model
+        d = np.full(L, float(max(1, min(m.num_experts, batch * m.top_k) // 2)))
+        kv = batch * context
+        base = self.decode_step_time(batch, kv, d)
+        per_request = self.decode_step_time(batch + 1, kv + context, d) - base
+        per_expert_all_layers = self.decode_step_time(batch, kv, d + 1) - base
+        if not per_expert_all_layers > 0:
+            raise ValueError(f"one more distinct expert costs nothing at batch {batch}: the step is compute-bound, "
+                             "so no request cost ratio exists there")
+        return max(0.0, per_request) / per_expert_all_layers
+
     # ---------------- prefill ----------------
     def prefill_time(self, num_tokens: int, distinct_experts: np.ndarray | None = None) -> float:
         """Seconds to prefill `num_tokens` prompt tokens on one prefill worker (same TP group
