@@ -166,16 +166,7 @@ def matched_distinct(sim: dict, eng: dict) -> tuple[float, float]:
             float(np.dot(w, [eng[b][0] for b in common]) / w.sum()))
 
 
-def noise_quantiles(fit: dict, steps: list[dict], n: int = 199) -> tuple[float, ...]:
-    """The measured/modelled step-time ratios of the fit's own (round-robin) steps, as n
-    quantiles: the engine's step-to-step scatter, which the simulator draws per step."""
-    y = np.array([s["interval_s"] for s in steps])
-    p = predict_step(fit, [s["batch"] for s in steps], [s["sum_distinct"] for s in steps])
-    return tuple(float(q) for q in np.quantile(y / p, (np.arange(n) + 0.5) / n))
-
-
-def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: int,
-                     noise: tuple[float, ...] | None = None) -> dict:
+def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: int) -> dict:
     """Per arm: the simulated TPOT p50, its change against round robin, and distinct by batch."""
     import real_cpu_sim as rcs
     from eldr_sglang.sim.cluster import ClusterConfig
@@ -185,7 +176,6 @@ def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: i
     arms = setting["arms"]
     specs = parse_policies(",".join(SIM_LABEL.get(a, a) for a in arms))
     em, source, replay = rcs._setup(setting["trace"], setting["centroids"], calibration, setting["model_dir"], 2)
-    em.step_noise = noise
     conc = setting["concurrency"]
     tpot: dict[str, list] = {a: [] for a in arms}
     steps: dict[str, list] = {a: [[], []] for a in arms}
@@ -214,8 +204,7 @@ def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: i
 
 
 # ------------------------------------------------------------------ the whole comparison
-def analyse(run: dict, settle_s: float, calibration_out: Path | None, requests: int, repeats: int, log,
-            with_noise: bool = True) -> dict:
+def analyse(run: dict, settle_s: float, calibration_out: Path | None, requests: int, repeats: int, log) -> dict:
     settings = run["settings"]
     tagged = {s["name"]: drop_idle(tagged_steps(s, settle_s)) for s in settings}
     train, held = [], {}
@@ -234,12 +223,11 @@ def analyse(run: dict, settle_s: float, calibration_out: Path | None, requests: 
 
         cal = Path(tempfile.mkdtemp()) / "engine_step_fit_cpu.json"
     write_calibration(cal, fit, settings[0]["model_dir"], source=str(run.get("source", "real_cpu_switchback.py")))
-    out = {"fit": fit, "calibration": str(cal), "step_errors": errors, "settings": {},
-           "step_noise": noise_quantiles(fit, train) if with_noise else None}
+    out = {"fit": fit, "calibration": str(cal), "step_errors": errors, "settings": {}}
     for s in settings:
         name = s["name"]
         blocks, short = blocks_from_records(block_records(s), min_requests=5)
-        sim = simulate_setting(s, cal, requests, repeats, noise=out["step_noise"] if with_noise else None)
+        sim = simulate_setting(s, cal, requests, repeats)
         arms = {}
         for arm in s["arms"]:
             eng = distinct_by_batch([t["batch"] for t in tagged[name] if t["arm"] == arm],
@@ -318,9 +306,6 @@ def main(argv=None) -> int:
     ap.add_argument("--settle", type=float, default=3.0, help="seconds left out at each block's start (default 3)")
     ap.add_argument("--requests", type=int, default=1500, help="simulated requests per repeat (default 1500)")
     ap.add_argument("--repeats", type=int, default=3, help="simulated repeats, one seed each (default 3)")
-    ap.add_argument("--no-step-noise", action="store_true",
-                    help="simulate every step at exactly the fitted time (default: draw the engine's measured "
-                         "step-to-step scatter, the fit's residual ratios on round robin's steps)")
     ap.add_argument("--calibration-out", metavar="PATH", help="write the fitted step model as a calibration file")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
@@ -337,8 +322,7 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        res = analyse(run, a.settle, Path(a.calibration_out) if a.calibration_out else None, a.requests, a.repeats, log,
-                      with_noise=not a.no_step_noise)
+        res = analyse(run, a.settle, Path(a.calibration_out) if a.calibration_out else None, a.requests, a.repeats, log)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -180,9 +180,6 @@ class _Run:
             dist = replay.prompt_distinct()[t_idx]
             self.prefill_pt = np.array([model.prefill_time(int(n), d) for n, d in zip(workload.prompt_len, dist)])
         self.step = DecodeStep(replay, model, cfg.perfect_overlap)
-        # the engine's measured step-to-step scatter, if the model carries it: the same seeded
-        # stream for every policy (common random numbers)
-        self.noise = model.step_noise_sampler(0) if hasattr(model, "step_noise_sampler") else None
         self.steps = _Steps(replay.num_layers)
         self.transfer_cache: dict[int, float] = {}
         self.arrival = np.full(N, np.nan)
@@ -239,8 +236,6 @@ class _Run:
                 self.push(ready, _WAKE, wi)
             return
         dt, d = self.step.time(w)
-        if self.noise is not None:
-            dt *= self.noise()
         self.steps.add(wi, now, dt, len(w.req), d)
         w.busy = True
         self.push(now + dt, _STEP_END, wi)

@@ -126,10 +126,6 @@ class ExecutionModel:
     moe_layer_fixed_s: float = 0.0  # per-MoE-layer fixed cost (gating, top-k, permute, padding)
     ep: int = 1  # expert-parallel ranks (1: experts sharded over TP; else must divide tp and E)
     calibration: dict | None = None  # {batch: (a_s, b_s)} or {batch: (a_s, b_s, other_s)} from a calibration file
-    # Measured step-to-step scatter: multipliers (measured / modelled step time) drawn at random,
-    # one per decode step, from an engine's own steps (sim_vs_engine.py: the fit's residuals on
-    # round robin's steps). None: every step takes exactly the modelled time.
-    step_noise: tuple[float, ...] | None = None
     _c: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -319,16 +315,6 @@ class ExecutionModel:
             raise ValueError(f"one more distinct expert costs nothing at batch {batch}: the step is compute-bound, "
                              "so no request cost ratio exists there")
         return max(0.0, per_request) / per_expert_all_layers
-
-    def step_noise_sampler(self, seed: int = 0):
-        """A function drawing one step-time multiplier per call from `step_noise`, or None."""
-        if not self.step_noise:
-            return None
-        mult = np.asarray(self.step_noise, dtype=np.float64)
-        if not (np.all(np.isfinite(mult)) and np.all(mult > 0)):
-            raise ValueError("step_noise multipliers must be finite and > 0")
-        rng = np.random.default_rng(seed)
-        return lambda: float(mult[rng.integers(mult.size)])
 
     # ---------------- prefill ----------------
     def prefill_time(self, num_tokens: int, distinct_experts: np.ndarray | None = None) -> float:
