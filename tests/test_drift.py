@@ -518,6 +518,9 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
             assert r.status == 422 and "needs" in (await r.json())["message"]
             r = await c.post("/eldr/refit", data=b"{oops", headers={"Content-Type": "application/json", **auth})
             assert r.status == 400
+            r = await c.post("/eldr/refit", data=b"[" * 100_000 + b"]" * 100_000,
+                             headers={"Content-Type": "application/json", **auth})
+            assert r.status == 400 and "nested too deeply" in (await r.json())["error"]["message"]
             for i in np.flatnonzero(drift_setup["phase"] == 0)[:400]:
                 counts = _core.count_topk(np.ascontiguousarray(tr.prefill_ids(int(i))), E)
                 hook.on_route(pd.router.route_dense(counts, explain=True), counts)

@@ -74,6 +74,9 @@ def add_experiment_routes(app: web.Application, pd: ControlPlane, admin_token: s
                 body = await request.json()
             except ValueError:
                 return web.json_response({"error": {"message": "the body must be JSON: {} or {\"arm\": LABEL}"}}, status=400)
+            except RecursionError:
+                return web.json_response({"error": {"message": "the body is nested too deeply: {} or {\"arm\": LABEL}"}},
+                                         status=400)
             if not isinstance(body, dict) or not isinstance(body.get("arm", ""), (str, type(None))):
                 return web.json_response({"error": {"message": "the body must be {} or {\"arm\": LABEL}"}}, status=400)
             arm = body.get("arm")

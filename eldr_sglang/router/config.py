@@ -381,7 +381,7 @@ def _client_flags(cl: argparse._ArgumentGroup) -> None:
     cl.add_argument(
         "--admin-token", default=None,
         help=f"token for POST /eldr/refit, /flush_cache and /eldr/experiment/switch (header 'Authorization: Bearer TOKEN'); "
-        f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
+        f"at least 16 characters of printable ASCII; default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
 
 
@@ -561,6 +561,12 @@ def _admin_token(flag: str | None) -> str | None:
         return None
     if len(token) < 16:
         raise ConfigError(f"the admin token (--admin-token or ${ADMIN_TOKEN_ENV}) must be at least 16 characters")
+    # a client sends it as `Authorization: Bearer TOKEN`: visible ASCII, inner spaces only (the
+    # value is compared with its ends stripped)
+    if token != token.strip(" \t") or any(not (" " <= c <= "~") for c in token):
+        raise ConfigError(f"the admin token (--admin-token or ${ADMIN_TOKEN_ENV}) holds a character a header cannot carry "
+                          "(a line break, another control character, a leading or trailing space, or non-ASCII): use "
+                          "printable ASCII, e.g. from `openssl rand -hex 24`")
     return token
 
 
