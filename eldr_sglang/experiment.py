@@ -317,6 +317,17 @@ def blocks_from_records(records: list[dict], min_requests: int = 1) -> tuple[lis
     return [seen[k] for k in sorted(seen)], sorted(short)
 
 
+def check_tpot(kind: str, records: list[dict]) -> None:
+    """ValueError naming the cause when block records served requests but none holds a TPOT:
+    the router measures TPOT on streamed requests only (a non-streamed answer arrives whole)."""
+    if kind != "blocks" or any(r.get("tpot_p50_s") is not None for r in records):
+        return
+    served = sum(int(r.get("requests") or 0) for r in records if isinstance(r.get("requests"), int))
+    if served:
+        raise ValueError(f"no block holds a TPOT although the blocks served {served} requests: TPOT is measured on "
+                         "streamed requests only (\"stream\": true), so compare streamed traffic")
+
+
 def _t_ppf(q: float, df: float) -> float:
     from scipy import stats
 

@@ -324,3 +324,17 @@ def test_url_answer_size_is_capped(capsys):
         assert eldr(["experiment", "report", "--url", url]) == 1
     err = capsys.readouterr().err
     assert "larger than" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_blocks_without_tpot_name_the_cause(tmp_path, capsys):
+    """Non-streamed traffic: the router's blocks served requests but hold no TPOT (n = 0). The
+    report says in one line that TPOT is measured on streamed requests only, not that the run
+    has 0 arms."""
+    recs = [{"block": b, "arm": "ab"[b % 2], "complete": True, "requests": 90 + b, "warmup_n": 3, "n": 0,
+             "tpot_p50_s": None, "tpot_mean_s": None} for b in range(6)]
+    p = tmp_path / "experiment.json"
+    p.write_text(json.dumps({"experiment": {"arms": ["a", "b"]}, "blocks": recs}))
+    for extra in ([], ["--arms", "a,b"]):
+        assert eldr(["experiment", "report", str(p), *extra]) == 1
+        err = capsys.readouterr().err
+        assert "streamed requests only" in err and "0 arms" not in err and len(err.strip().splitlines()) == 1, err

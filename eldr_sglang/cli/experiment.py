@@ -59,6 +59,7 @@ def run_report(args) -> int:
             raise ValueError(f"--arms takes two different arms, got {','.join(args.arms)}")
         arms = (args.arms[0], args.arms[1])
     kind, records = X.load_records(args.run) if args.run else X.fetch_records(args.url)
+    X.check_tpot(kind, records)
     if kind == "requests":
         blocks, short = X.blocks_from_requests(records, args.warmup, args.min_requests)
     else:
