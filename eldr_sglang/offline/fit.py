@@ -74,11 +74,6 @@ class FitResult:
         )
 
 
-def trace_digest(trace) -> str:
-    """sha256 of the trace's routing content (see sources.TokenSource/CountsSource.digest)."""
-    return prefill_source(trace).digest()
-
-
 def _check_inputs(trace: TraceSource, workers, tau, requests):
     if not isinstance(trace, TraceSource):
         raise TypeError("fit_trace needs an eldr_sglang.traces.Trace (v1) or CountsTrace (v2)")
@@ -356,11 +351,3 @@ def _provenance(trace, src, rep: dict, km, K, tau, layers, seed, n_init, max_ite
         provenance["trace_path"] = str(source_path)
         provenance["trace_file_sha256"] = src.file_digest(source_path)
     return provenance
-
-
-def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:
-    """Fit a trace file of either version (a v2 file is read chunk by chunk)."""
-    from eldr_sglang.traces import open_trace
-
-    with open_trace(path) as trace:  # TraceError names what is wrong with the file
-        return fit_trace(trace, source_path=str(path), **kw)
