@@ -44,7 +44,7 @@ def build_app(cfg: RouterConfig, pd: ControlPlane | None = None) -> web.Applicat
 
     if cfg.policy in COUNTS_POLICIES and cfg.centroids:
         # drift monitor + online refits (eldr_sglang.drift): GET /eldr/drift, POST /eldr/refit
-        from eldr_sglang.drift.router_hook import install as install_drift
+        from eldr_sglang.router.drift_hook import install as install_drift
 
         install_drift(app, pd, admin_token=cfg.admin_token)
 

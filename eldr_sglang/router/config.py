@@ -174,7 +174,7 @@ class RouterConfig:
     prometheus_port: int | None = None
     log_level: str = "info"
     explain_headers: bool = True
-    drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
+    drift: dict | None = None  # options of eldr_sglang.router.drift_hook.install ({"enabled": False}: off)
     # Admission control (rust/dataplane/src/admission.rs): None = its defaults
     # (256 per decode worker, a queue as long; config.rs says why); 0 = no bound.
     max_concurrent_requests: int | None = None
