@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -147,12 +146,12 @@ def fit_trace(
         raise ValueError(f"{len(worker_names)} worker names for {K} workers")
     names = list(worker_names) if worker_names is not None else [f"decode-{k}" for k in range(K)]
     rng = np.random.default_rng([int(seed), 0xE1D2])  # drawn from in step order: layers, then scoring
-    say = (lambda m: print(f"eldr fit: {m}", file=sys.stderr)) if progress else (lambda m: None)
 
     src = prefill_source(trace, chunk_tokens)
     valid, df, idf = _document_frequencies(src, req, K, progress, idf_plus_one)
     t_after_raw = time.perf_counter()
-    weights, auto, mode = _layer_weights(layers, src, req, valid, idf, trace.num_layers, rng, say)
+    with status_line(desc="eldr fit", enabled=progress) as line:  # cleared at the step's end: no stray line
+        weights, auto, mode = _layer_weights(layers, src, req, valid, idf, trace.num_layers, rng, line.status)
     t_layers = time.perf_counter()
     spec = make_spec(weights, idf)
     X, S, valid, density = _fit_signatures(src, spec, req, valid, df, weights, K, progress, keep_signatures)
@@ -165,8 +164,9 @@ def fit_trace(
         )
     assignment = np.full(len(req), -1, dtype=np.int64)
     assignment[valid] = km.assignment
-    rep = _report(trace, src, req, valid, X, km, K, tau, seed, spec, idf, idf_plus_one, weights, mode, auto, density,
-                  rng, say)
+    with status_line(desc="eldr fit", enabled=progress) as line:
+        rep = _report(trace, src, req, valid, X, km, K, tau, seed, spec, idf, idf_plus_one, weights, mode, auto,
+                      density, rng, line.status)
     rep["seconds"] = {
         "signatures": t_sig - (t_layers - t_after_raw),
         "layer_selection": t_layers - t_after_raw,
