@@ -10,10 +10,12 @@ PIP := $(PYTHON) -m pip
 
 setup:
 	$(PIP) install -q "maturin>=1.7,<2"
+	@echo "compiling the Rust extension (eldr_sglang._core; about 2 minutes the first time, silent)..."
 	$(PIP) install -q -e ".[plot]"
 
 setup-test:
 	$(PIP) install -q "maturin>=1.7,<2"
+	@echo "compiling the Rust extension (eldr_sglang._core; about 2 minutes the first time, silent)..."
 	$(PIP) install -q -e ".[test]"
 
 demo: setup

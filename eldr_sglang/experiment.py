@@ -29,6 +29,7 @@ while the block or one of its requests is still running (optional)}.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -56,16 +57,34 @@ def _num(rec: dict, key: str, where: str, *, positive: bool = True, required: bo
             raise ValueError(f"{where}: {key!r} is missing")
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
-        raise ValueError(f"{where}: {key!r} must be a {'positive ' if positive else ''}finite number, got {v!r}")
+        raise ValueError(f"{where}: {key!r} must be a {'positive ' if positive else ''}finite number, got {_shown(v)}")
     return float(v)
+
+
+def _count(rec: dict, key: str, where: str) -> None:
+    """`rec[key]`, when present, is a count: an integer >= 0 (an integral float is read too)."""
+    v = rec.get(key)
+    if v is None:
+        return
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())) or v < 0:
+        raise ValueError(f"{where}: {key!r} must be an integer >= 0, got {_shown(v)}")
+
+
+def _shown(v) -> str:
+    """A value for a one-line message: its JSON, cut short."""
+    try:
+        text = json.dumps(v)
+    except (ValueError, RecursionError):
+        text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _block_key(rec: dict, where: str) -> tuple[int, str]:
     b, arm = rec.get("block"), rec.get("arm")
     if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-        raise ValueError(f"{where}: 'block' must be an integer >= 0, got {b!r}")
+        raise ValueError(f"{where}: 'block' must be an integer >= 0, got {_shown(b)}")
     if not isinstance(arm, str) or not arm:
-        raise ValueError(f"{where}: 'arm' must be a non-empty string, got {arm!r}")
+        raise ValueError(f"{where}: 'arm' must be a non-empty string, got {_shown(arm)}")
     return b, arm
 
 
@@ -83,27 +102,126 @@ def load_records(path: str | Path) -> tuple[str, list[dict]]:
 
 
 # GET /eldr/experiment answers at once; a router that does not is down or not this router.
-FETCH_TIMEOUT_S = 10.0
+FETCH_TIMEOUT_S = 10.0  # each connect or read
+FETCH_DEADLINE_S = 60.0  # the whole answer, however slowly it arrives
+# the router keeps at most 100 000 blocks (MAX_BLOCKS in rust/dataplane/src/experiment.rs),
+# about 30 MB of JSON; an answer larger than this is not the router's
+FETCH_MAX_BYTES = 64 << 20
 
 
-def fetch_records(url: str, timeout: float = FETCH_TIMEOUT_S) -> tuple[str, list[dict]]:
-    """The block records of a running router's experiment (GET URL/eldr/experiment)."""
-    import urllib.error
-    import urllib.request
+def fetch_records(url: str, timeout: float = FETCH_TIMEOUT_S, deadline_s: float = FETCH_DEADLINE_S,
+                  max_bytes: int = FETCH_MAX_BYTES) -> tuple[str, list[dict]]:
+    """The block records of a running router's experiment (GET URL/eldr/experiment): each
+    connect or read within `timeout`, the whole answer within `deadline_s` and at most
+    `max_bytes` long (ValueError otherwise). Connects directly (no proxy)."""
+    import http.client
+    import time
+    import urllib.parse
 
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ValueError(f"--url {url!r}: expected the router's base URL, like http://127.0.0.1:30000")
-    where = f"{base}/eldr/experiment"
     try:
-        with urllib.request.urlopen(where, timeout=timeout) as r:
-            text = r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        hint = " (is the router running with --experiment?)" if exc.code == 404 else ""
-        raise ValueError(f"{where}: HTTP {exc.code}{hint}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ValueError(f"{where}: {getattr(exc, 'reason', exc)}") from None
-    return parse_records(text, where)
+        urllib.parse.urlsplit(base).port
+    except ValueError as exc:
+        raise ValueError(f"--url {url!r}: {exc}") from None
+    where = f"{base}/eldr/experiment"
+    deadline = time.monotonic() + deadline_s
+    try:
+        status, body = _http_get(where, timeout, deadline, max_bytes)
+    except TimeoutError:
+        if time.monotonic() >= deadline:
+            raise ValueError(f"{where}: no complete answer within {deadline_s:g} s") from None
+        raise ValueError(f"{where}: timed out (nothing for {timeout:g} s)") from None
+    except _TooLarge:
+        raise ValueError(f"{where}: the answer is larger than {max_bytes / 1e6:.3g} MB: not the router's "
+                         "experiment") from None
+    except http.client.HTTPException as exc:
+        raise ValueError(f"{where}: not an HTTP answer ({type(exc).__name__})") from None
+    except OSError as exc:
+        raise ValueError(f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
+    if status != 200:
+        hint = " (is the router running with --experiment?)" if status == 404 else ""
+        raise ValueError(f"{where}: HTTP {status}{hint}")
+    return parse_records(body.decode("utf-8", "replace"), where)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each given at most `timeout` and what is left before `deadline`
+    (time.monotonic()): a server that drips bytes cannot hold the reader past it."""
+
+    def __init__(self, sock, timeout: float, deadline: float):
+        self.sock, self.timeout, self.deadline = sock, timeout, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        import time
+
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("past the deadline")
+        self.sock.settimeout(min(self.timeout, left))
+        return self.sock.recv_into(b)
+
+
+class _DeadlineSocket:
+    """A connected socket whose `makefile` (what http.client reads the answer through) is a
+    _DeadlineReader. http.client closes the connection as soon as the head says it will close,
+    before the body is read: `close` is left to _http_get."""
+
+    def __init__(self, sock, timeout: float, deadline: float):
+        self._sock, self._timeout, self._deadline = sock, timeout, deadline
+
+    def makefile(self, mode: str, *args, **kwargs):
+        return io.BufferedReader(_DeadlineReader(self._sock, self._timeout, self._deadline))
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+def _http_get(url: str, timeout: float, deadline: float, max_bytes: int) -> tuple[int, bytes]:
+    """(status, body) of GET url; the body only on 200, never more than `max_bytes` read."""
+    import http.client
+    import time
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = kind(u.hostname or "", u.port, timeout=max(0.001, min(timeout, deadline - time.monotonic())))
+    sock = None
+    try:
+        conn.connect()
+        sock = conn.sock
+        conn.sock = _DeadlineSocket(sock, timeout, deadline)
+        conn.request("GET", u.path or "/", headers={"Accept": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            return r.status, b""
+        length = r.getheader("Content-Length", "")
+        if length.strip().isdigit() and int(length) > max_bytes:
+            raise _TooLarge()
+        chunks, got = [], 0
+        while chunk := r.read1(1 << 16):
+            got += len(chunk)
+            if got > max_bytes:
+                raise _TooLarge()
+            chunks.append(chunk)
+        if r.length:  # the server closed before its Content-Length
+            raise http.client.IncompleteRead(b"".join(chunks), r.length)
+        return r.status, b"".join(chunks)
+    finally:
+        conn.close()
+        if sock is not None:
+            sock.close()
 
 
 def parse_records(text: str, path: str) -> tuple[str, list[dict]]:
@@ -114,8 +232,8 @@ def parse_records(text: str, path: str) -> tuple[str, list[dict]]:
     if stripped.startswith("{"):
         try:
             whole = json.loads(text)
-        except json.JSONDecodeError:
-            whole = None  # JSON Lines
+        except (json.JSONDecodeError, RecursionError):
+            whole = None  # JSON Lines (or nested too deeply: said per line below)
     if isinstance(whole, dict) and ("requests" in whole or "blocks" in whole):
         key = "requests" if "requests" in whole else "blocks"
         records = whole[key]
@@ -130,6 +248,8 @@ def parse_records(text: str, path: str) -> tuple[str, list[dict]]:
                 records.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: line {no} is not JSON ({exc.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{path}: line {no} is nested too deeply") from None
         where = lambda i: f"{path}: record {i + 1}"  # noqa: E731
     if not records:
         raise ValueError(f"{path}: no records")
@@ -143,6 +263,8 @@ def parse_records(text: str, path: str) -> tuple[str, list[dict]]:
             # null: a block without a TPOT yet (left out by blocks_from_records)
             _num(r, "tpot_p50_s", where(i), required=False)
             _num(r, "tpot_mean_s", where(i), required=False)
+            for field in ("n", "warmup_n", "dropped"):
+                _count(r, field, where(i))
         else:
             _num(r, "tpot_s", where(i), required=False)
             _num(r, "t_s", where(i), positive=False, required=False)
@@ -193,6 +315,17 @@ def blocks_from_records(records: list[dict], min_requests: int = 1) -> tuple[lis
         seen[r["block"]] = Block(r["block"], r["arm"], int(n or 0), float(r["tpot_p50_s"]), float(r["tpot_mean_s"]),
                                  int(warm or 0))
     return [seen[k] for k in sorted(seen)], sorted(short)
+
+
+def check_tpot(kind: str, records: list[dict]) -> None:
+    """ValueError naming the cause when block records served requests but none holds a TPOT:
+    the router measures TPOT on streamed requests only (a non-streamed answer arrives whole)."""
+    if kind != "blocks" or any(r.get("tpot_p50_s") is not None for r in records):
+        return
+    served = sum(int(r.get("requests") or 0) for r in records if isinstance(r.get("requests"), int))
+    if served:
+        raise ValueError(f"no block holds a TPOT although the blocks served {served} requests: TPOT is measured on "
+                         "streamed requests only (\"stream\": true), so compare streamed traffic")
 
 
 def _t_ppf(q: float, df: float) -> float:

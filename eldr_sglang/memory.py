@@ -114,20 +114,6 @@ def trace_shape(path: str | os.PathLike) -> TraceShape | None:
     return TraceShape(int(ids_shape[0]), int(ids_shape[1]), int(ids_shape[2]), int(ids_dtype.itemsize), max(0, int(off_shape[0]) - 1))
 
 
-def trace_meta(path: str | os.PathLike) -> dict | None:
-    """A trace's checked meta_json (only that small member is read); None when unreadable or
-    invalid (load_trace then reports what is wrong)."""
-    import json
-
-    from eldr_sglang.traces import check_meta
-
-    try:
-        with np.load(Path(path), allow_pickle=False) as z:
-            return check_meta(json.loads(str(z["meta_json"])))
-    except Exception:  # noqa: BLE001 - a TraceError or an unreadable file: load_trace reports it
-        return None
-
-
 def synth_bytes(requests: int, mean_tokens: float, layers: int, top_k: int, num_experts: int) -> float:
     """synth holds the [T, L, k] ids (uint8 up to 256 experts, else int16) and, per token, its
     concept (int32) and request/position indices (int64 each) while drawing."""

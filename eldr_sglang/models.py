@@ -351,7 +351,8 @@ MODEL_PROFILES: dict[str, ModelProfile] = {
 }
 
 
-def _norm(name: str) -> str:
+def norm_name(name: str) -> str:
+    """A model or hardware name as the lookups compare it: trimmed, lower case, '-' for '_'."""
     return name.strip().lower().replace("_", "-")
 
 
@@ -423,7 +424,7 @@ def from_config(path: str | os.PathLike) -> ModelProfile:
         head_dim=get("head_dim", default=hidden // max(heads, 1)))
     name = str(cfg.get("_name_or_path") or cfg_path.parent.name)
     return ModelProfile(
-        name=_norm(name.rsplit("/", 1)[-1]), hf_id=name, source=f"config {cfg_path}",
+        name=norm_name(name.rsplit("/", 1)[-1]), hf_id=name, source=f"config {cfg_path}",
         hidden_size=hidden, num_layers=num_layers, num_dense_layers=dense, num_experts=num_experts, top_k=top_k,
         num_shared_experts=get("n_shared_experts", "num_shared_experts", default=0),
         moe_intermediate_size=get("moe_intermediate_size", "intermediate_size"),
@@ -442,14 +443,14 @@ def get_model(name: str | os.PathLike) -> ModelProfile:
         raise ValueError(f"a model must be named by a non-empty string, got {name!r}")
     if _config_path(name) is not None:
         return from_config(name)
-    n = _norm(str(name))
+    n = norm_name(str(name))
     for p in MODEL_PROFILES.values():
-        if n in (p.name, _norm(p.hf_id)) or n in {_norm(a) for a in p.aliases}:
+        if n in (p.name, norm_name(p.hf_id)) or n in {norm_name(a) for a in p.aliases}:
             return p
     # last path component of an HF id, e.g. "org/DeepSeek-V3"
     tail = n.rsplit("/", 1)[-1]
     for p in MODEL_PROFILES.values():
-        if tail in (p.name, _norm(p.hf_id).rsplit("/", 1)[-1]):
+        if tail in (p.name, norm_name(p.hf_id).rsplit("/", 1)[-1]):
             return p
     if Path(name).expanduser().is_dir():
         raise ValueError(f"{name}: a directory without a config.json; give a model directory or a catalogue name")

@@ -192,7 +192,7 @@ def test_reservoir_offers_handed_over_out_of_order_keep_what_stream_order_keeps(
 def test_drift_hook_stores_the_routes_own_signature(tmp_path):
     """route_counts(signature=True) hands the unit signature to the reservoir: the hook does
     not compute it again (no counts are given to it here)."""
-    from eldr_sglang.drift.router_hook import DriftHook
+    from eldr_sglang.router.drift_hook import DriftHook
     from eldr_sglang.sglang_ext.payload import decode_payload, encode_counts
 
     rng = np.random.default_rng(1)
@@ -483,7 +483,7 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from eldr_sglang.drift.router_hook import install
+    from eldr_sglang.router.drift_hook import install
     from eldr_sglang.router.app import build_app
     from eldr_sglang.router.config import PrefillWorker, RouterConfig
     from eldr_sglang.traces import load_trace
@@ -518,6 +518,9 @@ def test_router_hook_metrics_status_and_post_refit(drift_setup):
             assert r.status == 422 and "needs" in (await r.json())["message"]
             r = await c.post("/eldr/refit", data=b"{oops", headers={"Content-Type": "application/json", **auth})
             assert r.status == 400
+            r = await c.post("/eldr/refit", data=b"[" * 100_000 + b"]" * 100_000,
+                             headers={"Content-Type": "application/json", **auth})
+            assert r.status == 400 and "nested too deeply" in (await r.json())["error"]["message"]
             for i in np.flatnonzero(drift_setup["phase"] == 0)[:400]:
                 counts = _core.count_topk(np.ascontiguousarray(tr.prefill_ids(int(i))), E)
                 hook.on_route(pd.router.route_dense(counts, explain=True), counts)

@@ -201,3 +201,140 @@ def test_unknown_arm_and_bad_flags(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             eldr(["experiment", "report", str(p), *flag])
         assert e.value.code == 2
+
+
+_BLOCK = '{"block": %d, "arm": "%s", "tpot_p50_s": 0.01, "tpot_mean_s": 0.01, "n": %s}'
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("\n".join(_BLOCK % (i, "ab"[i % 2], "1e999" if i == 2 else "9") for i in range(6)), "record 3: 'n' must be an integer"),
+    ("\n".join(_BLOCK % (i, "ab"[i % 2], "[1]" if i == 0 else "9") for i in range(6)), "record 1: 'n' must be an integer"),
+    ('{"blocks": [%s]}' % (_BLOCK % (0, "a", "[1]")), "blocks[0]: 'n' must be an integer"),
+    ('{"blocks": [%s]}' % (_BLOCK % (0, "a", "9")).replace('"n"', '"warmup_n": 1e999, "n"'), "'warmup_n' must be an integer"),
+    ('{"blocks": %s}' % _DEEP, "nested too deeply"),
+    (_DEEP + "\n", "line 1 is nested too deeply"),
+    ('{"block": 0, "arm": "a", "tpot_s": 0.01, "x": %s}\n' % _DEEP, "line 1 is nested too deeply"),
+])
+def test_odd_json_is_one_line_naming_the_field_from_a_file_and_a_url(tmp_path, capsys, text, msg):
+    """`"n": 1e999` (inf), `"n": [1]` and JSON nested past Python's recursion limit: one line
+    naming the record and field, never a traceback, read from a file or from --url."""
+    p = tmp_path / "run.jsonl"
+    p.write_text(text)
+    assert eldr(["experiment", "report", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eldr experiment: error: ") and msg in err and len(err.strip().splitlines()) == 1, err
+    with _serve(lambda h: _answer(h, text.encode())) as url:
+        assert eldr(["experiment", "report", "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eldr experiment: error: ") and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def _answer(h, body: bytes, length: int | None = None) -> None:
+    h.send_response(200)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", str(len(body) if length is None else length))
+    h.end_headers()
+    h.wfile.write(body)
+
+
+class _serve:
+    """A loopback HTTP server answering every GET with `handle(handler)`."""
+
+    def __init__(self, handle):
+        import http.server
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                try:
+                    handle(self)
+                except OSError:
+                    pass  # the client left
+
+            def log_message(self, *a):
+                pass
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.srv.daemon_threads = True
+
+    def __enter__(self) -> str:
+        import threading
+
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.srv.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def _drip(h, stop, head: bool) -> None:
+    """One byte every 0.5 s (each read well inside the per-read timeout), in the head or in
+    the body, until the client leaves."""
+    import time
+
+    if not head:
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+    data = (b"HTTP/1.1 200 OK\r\nX-Slow: " if head else b"") + b"x" * 100000
+    for i in range(len(data)):
+        if stop.is_set():
+            return
+        h.wfile.write(data[i:i + 1])
+        h.wfile.flush()
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_url_has_an_overall_deadline(head):
+    """A server that drips one byte at a time, each within the per-read timeout, in its
+    answer's head or body: the fetch gives up at its overall deadline, not never."""
+    import threading
+    import time
+
+    stop = threading.Event()
+    with _serve(lambda h: _drip(h, stop, head)) as url:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"no complete answer within 2 s"):
+            X.fetch_records(url, deadline_s=2.0)
+        took = time.monotonic() - t0
+        stop.set()
+    assert 1.5 < took < 4.0, took
+
+
+def test_url_answer_size_is_capped(capsys):
+    """An answer over the cap is refused, whether it says its length up front or not, without
+    being read whole; the CLI's cap is finite and one line names it."""
+    big = b"[" + b"0," * 400_000 + b"0]"  # ~800 kB
+    with _serve(lambda h: _answer(h, big)) as url:
+        with pytest.raises(ValueError, match=r"larger than 0\.1 MB"):
+            X.fetch_records(url, max_bytes=100_000)
+
+    def unsized(h):  # no Content-Length: read until the cap
+        h.protocol_version = "HTTP/1.0"
+        h.send_response(200)
+        h.end_headers()
+        for _ in range(1000):
+            h.wfile.write(big)
+
+    with _serve(unsized) as url:
+        with pytest.raises(ValueError, match=r"larger than 0\.1 MB"):
+            X.fetch_records(url, max_bytes=100_000)
+    assert 1 << 20 <= X.FETCH_MAX_BYTES <= 1 << 30 and 5 <= X.FETCH_DEADLINE_S <= 600
+    with _serve(lambda h: _answer(h, b"", length=X.FETCH_MAX_BYTES + 1)) as url:
+        assert eldr(["experiment", "report", "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert "larger than" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_blocks_without_tpot_name_the_cause(tmp_path, capsys):
+    """Non-streamed traffic: the router's blocks served requests but hold no TPOT (n = 0). The
+    report says in one line that TPOT is measured on streamed requests only, not that the run
+    has 0 arms."""
+    recs = [{"block": b, "arm": "ab"[b % 2], "complete": True, "requests": 90 + b, "warmup_n": 3, "n": 0,
+             "tpot_p50_s": None, "tpot_mean_s": None} for b in range(6)]
+    p = tmp_path / "experiment.json"
+    p.write_text(json.dumps({"experiment": {"arms": ["a", "b"]}, "blocks": recs}))
+    for extra in ([], ["--arms", "a,b"]):
+        assert eldr(["experiment", "report", str(p), *extra]) == 1
+        err = capsys.readouterr().err
+        assert "streamed requests only" in err and "0 arms" not in err and len(err.strip().splitlines()) == 1, err

@@ -290,3 +290,11 @@ def test_cli_missing_files(tmp_path, capsys):
     assert "nope.eldr" in err and "Traceback" not in err
     assert main(["fit", str(tmp_path / "x.npz"), "--workers", "2", "--out", str(tmp_path / "no/dir/c.eldr")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_progress_leaves_no_stray_step_line(toy, capsys):
+    """The steps' names (layer selection, scoring) are a status line the next step replaces
+    and the end clears, not lines left in the output (`eldr fit: scoring` was)."""
+    fit_trace(toy, workers=4, seed=3, layers="auto", progress=True)
+    err = capsys.readouterr().err
+    assert "eldr fit: scoring" not in err and "eldr fit: selecting layers" not in err, err

@@ -15,6 +15,8 @@ from eldr_sglang.cli import args as A
 
 
 def register(subparsers) -> None:
+    from eldr_sglang.experiment import FETCH_DEADLINE_S, FETCH_MAX_BYTES
+
     e = subparsers.add_parser("experiment", help="analyse a switchback experiment between decode policies",
                               description="Switchback experiments: the cluster alternates decode policies (arms) in time "
                                           "blocks; the blocks are compared.")
@@ -29,7 +31,8 @@ def register(subparsers) -> None:
                                    "/eldr/experiment). Blocks still running are left out.")
     r.add_argument("run", nargs="?", default=None, help="the run's records (JSON Lines or JSON)")
     r.add_argument("--url", default=None, metavar="URL",
-                   help="read the blocks from a router running --experiment (its base URL; GET URL/eldr/experiment)")
+                   help="read the blocks from a router running --experiment (its base URL; GET URL/eldr/experiment; the "
+                        f"whole answer within {FETCH_DEADLINE_S:g} s and at most {FETCH_MAX_BYTES >> 20} MiB)")
     r.add_argument("--arms", type=A.listed(lambda t: t.strip()), default=None, metavar="A,B",
                    help="the two arms to compare, arm 1 first (default: the run's two arms, in order of appearance)")
     r.add_argument("--warmup", type=A.real(0.0, 86400.0), default=0.0, metavar="S",
@@ -56,6 +59,7 @@ def run_report(args) -> int:
             raise ValueError(f"--arms takes two different arms, got {','.join(args.arms)}")
         arms = (args.arms[0], args.arms[1])
     kind, records = X.load_records(args.run) if args.run else X.fetch_records(args.url)
+    X.check_tpot(kind, records)
     if kind == "requests":
         blocks, short = X.blocks_from_requests(records, args.warmup, args.min_requests)
     else:

@@ -71,8 +71,9 @@ def _check_memory(args) -> None:
     from eldr_sglang.offline.fit import PROFILE_SAMPLE
     from eldr_sglang.offline.signatures import DEFAULT_CHUNK_TOKENS
     from eldr_sglang.offline.layers import middle_band, parse_layers
+    from eldr_sglang.traces import trace_meta
 
-    shape, meta = memory.trace_shape(args.trace), memory.trace_meta(args.trace)
+    shape, meta = memory.trace_shape(args.trace), trace_meta(args.trace)
     counts = memory.counts_shape(meta)
     if (shape is None and counts is None) or meta is None:
         return  # unreadable or invalid: open_trace says why

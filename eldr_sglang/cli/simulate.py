@@ -9,7 +9,7 @@ from eldr_sglang.cli import args as A
 from eldr_sglang.sim.policies import BASELINES
 from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES
 
-DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr"
+DEFAULT_POLICIES = "random,round_robin,shortest_queue,power_of_two,eldr,default"
 COST_MODELS = ("default", "paper-fixed", "paper-fixed+overhead", "band")
 
 

@@ -124,11 +124,6 @@ class _Data:
         return total
 
 
-def kmeanspp(X, K: int, rng: np.random.Generator) -> np.ndarray:
-    """k-means++ seeding under cosine distance (d = 2 - 2 cos = squared distance)."""
-    return _kmeanspp_many(_Data(X), K, [rng])[0]
-
-
 def _kmeanspp_many(data: "_Data", K: int, rngs: list) -> list[np.ndarray]:
     """k-means++ seeds of several restarts at once, restart r drawing from rngs[r] exactly as
     a run of its own would; each seeding step reads X once for all of them."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -72,11 +71,6 @@ class FitResult:
             list(self.worker_names),
             json.dumps(json_ready(self.provenance), sort_keys=True, allow_nan=False),
         )
-
-
-def trace_digest(trace) -> str:
-    """sha256 of the trace's routing content (see sources.TokenSource/CountsSource.digest)."""
-    return prefill_source(trace).digest()
 
 
 def _check_inputs(trace: TraceSource, workers, tau, requests):
@@ -152,12 +146,12 @@ def fit_trace(
         raise ValueError(f"{len(worker_names)} worker names for {K} workers")
     names = list(worker_names) if worker_names is not None else [f"decode-{k}" for k in range(K)]
     rng = np.random.default_rng([int(seed), 0xE1D2])  # drawn from in step order: layers, then scoring
-    say = (lambda m: print(f"eldr fit: {m}", file=sys.stderr)) if progress else (lambda m: None)
 
     src = prefill_source(trace, chunk_tokens)
     valid, df, idf = _document_frequencies(src, req, K, progress, idf_plus_one)
     t_after_raw = time.perf_counter()
-    weights, auto, mode = _layer_weights(layers, src, req, valid, idf, trace.num_layers, rng, say)
+    with status_line(desc="eldr fit", enabled=progress) as line:  # cleared at the step's end: no stray line
+        weights, auto, mode = _layer_weights(layers, src, req, valid, idf, trace.num_layers, rng, line.status)
     t_layers = time.perf_counter()
     spec = make_spec(weights, idf)
     X, S, valid, density = _fit_signatures(src, spec, req, valid, df, weights, K, progress, keep_signatures)
@@ -170,8 +164,9 @@ def fit_trace(
         )
     assignment = np.full(len(req), -1, dtype=np.int64)
     assignment[valid] = km.assignment
-    rep = _report(trace, src, req, valid, X, km, K, tau, seed, spec, idf, idf_plus_one, weights, mode, auto, density,
-                  rng, say)
+    with status_line(desc="eldr fit", enabled=progress) as line:
+        rep = _report(trace, src, req, valid, X, km, K, tau, seed, spec, idf, idf_plus_one, weights, mode, auto,
+                      density, rng, line.status)
     rep["seconds"] = {
         "signatures": t_sig - (t_layers - t_after_raw),
         "layer_selection": t_layers - t_after_raw,
@@ -356,11 +351,3 @@ def _provenance(trace, src, rep: dict, km, K, tau, layers, seed, n_init, max_ite
         provenance["trace_path"] = str(source_path)
         provenance["trace_file_sha256"] = src.file_digest(source_path)
     return provenance
-
-
-def load_and_fit(path: str | os.PathLike, **kw) -> FitResult:
-    """Fit a trace file of either version (a v2 file is read chunk by chunk)."""
-    from eldr_sglang.traces import open_trace
-
-    with open_trace(path) as trace:  # TraceError names what is wrong with the file
-        return fit_trace(trace, source_path=str(path), **kw)

@@ -218,10 +218,11 @@ def format_report(rep: dict) -> str:
         add("  Spearman rho: not computed (no decode tokens)")
     dl = rep["decode_locality"]
     for row in dl.get("batch_sizes", []):
+        red = row["reduction"]
         add(
             f"  distinct experts/layer per decode step, batch {row['batch_size']:>3}: cluster "
             f"{row['cluster_distinct_per_layer']:.2f} vs random {row['random_distinct_per_layer']:.2f} "
-            f"({100 * row['reduction']:+.1f}% fewer)"
+            f"({abs(100 * red):.1f}% {'fewer' if red >= 0 else 'more'} with the clusters)"
         )
     if rep.get("domain_purity"):
         d = rep["domain_purity"]

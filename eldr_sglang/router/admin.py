@@ -21,7 +21,12 @@ def denied(request: web.Request, token: str | None) -> web.Response | None:
                                             f"or ${ADMIN_TOKEN_ENV} to enable control endpoints"}}, status=403)
     got = request.headers.get("Authorization", "")
     scheme, _, value = got.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+    try:
+        # aiohttp reads header bytes that are not UTF-8 as lone surrogates: back to those bytes
+        sent = value.strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        sent = b""
+    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, token.encode()):
         return web.json_response({"error": {"message": "control endpoint: missing or wrong bearer token"}}, status=401,
                                  headers={"WWW-Authenticate": "Bearer"})
     return None

@@ -44,7 +44,7 @@ def build_app(cfg: RouterConfig, pd: ControlPlane | None = None) -> web.Applicat
 
     if cfg.policy in COUNTS_POLICIES and cfg.centroids:
         # drift monitor + online refits (eldr_sglang.drift): GET /eldr/drift, POST /eldr/refit
-        from eldr_sglang.drift.router_hook import install as install_drift
+        from eldr_sglang.router.drift_hook import install as install_drift
 
         install_drift(app, pd, admin_token=cfg.admin_token)
 
@@ -74,6 +74,9 @@ def add_experiment_routes(app: web.Application, pd: ControlPlane, admin_token: s
                 body = await request.json()
             except ValueError:
                 return web.json_response({"error": {"message": "the body must be JSON: {} or {\"arm\": LABEL}"}}, status=400)
+            except RecursionError:
+                return web.json_response({"error": {"message": "the body is nested too deeply: {} or {\"arm\": LABEL}"}},
+                                         status=400)
             if not isinstance(body, dict) or not isinstance(body.get("arm", ""), (str, type(None))):
                 return web.json_response({"error": {"message": "the body must be {} or {\"arm\": LABEL}"}}, status=400)
             arm = body.get("arm")

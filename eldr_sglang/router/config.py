@@ -176,7 +176,7 @@ class RouterConfig:
     prometheus_port: int | None = None
     log_level: str = "info"
     explain_headers: bool = True
-    drift: dict | None = None  # options of eldr_sglang.drift.router_hook.install ({"enabled": False}: off)
+    drift: dict | None = None  # options of eldr_sglang.router.drift_hook.install ({"enabled": False}: off)
     # Admission control (rust/dataplane/src/admission.rs): None = its defaults
     # (256 per decode worker, a queue as long; config.rs says why); 0 = no bound.
     max_concurrent_requests: int | None = None
@@ -392,7 +392,7 @@ def _client_flags(cl: argparse._ArgumentGroup) -> None:
     cl.add_argument(
         "--admin-token", default=None,
         help=f"token for POST /eldr/refit, /flush_cache and /eldr/experiment/switch (header 'Authorization: Bearer TOKEN'); "
-        f"default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
+        f"at least 16 characters of printable ASCII; default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
 
 
@@ -581,6 +581,12 @@ def _admin_token(flag: str | None) -> str | None:
         return None
     if len(token) < 16:
         raise ConfigError(f"the admin token (--admin-token or ${ADMIN_TOKEN_ENV}) must be at least 16 characters")
+    # a client sends it as `Authorization: Bearer TOKEN`: visible ASCII, inner spaces only (the
+    # value is compared with its ends stripped)
+    if token != token.strip(" \t") or any(not (" " <= c <= "~") for c in token):
+        raise ConfigError(f"the admin token (--admin-token or ${ADMIN_TOKEN_ENV}) holds a character a header cannot carry "
+                          "(a line break, another control character, a leading or trailing space, or non-ASCII): use "
+                          "printable ASCII, e.g. from `openssl rand -hex 24`")
     return token
 
 

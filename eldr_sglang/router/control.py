@@ -67,7 +67,7 @@ class ControlPlane:
         self.session: aiohttp.ClientSession | None = None
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
         self._reload_busy_since: float | None = None
-        self.drift = None  # eldr_sglang.drift.router_hook.DriftHook, set by the app when enabled
+        self.drift = None  # eldr_sglang.router.drift_hook.DriftHook, set by the app when enabled
         self._drift_dims: dict[int, int] = {}  # centroid generation -> signature dim
         self.metrics = RouterMetrics(self.state, self.dataplane.counters)
         self._log = RateLimitedLog(logger)

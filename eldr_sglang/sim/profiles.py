@@ -131,8 +131,7 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {
 }
 
 
-def _norm(name: str) -> str:
-    return name.strip().lower().replace("_", "-")
+from eldr_sglang.models import norm_name as _norm  # noqa: E402  (the one name lookup, shared with models)
 
 
 def get_hardware(name: str) -> HardwareProfile:

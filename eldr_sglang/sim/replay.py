@@ -21,8 +21,6 @@ Domain labels are not read here.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 import scipy.sparse as sp  # noqa: F401  (the prompt counts' type)
 
@@ -206,11 +204,6 @@ class TraceReplay:
 
     def decode_row(self, r: int, step: int) -> int:
         return int(self.dec_start[r] + step % self.dec_len[r])
-
-    def decode_iter(self, r: int, output_len: int) -> Iterator[np.ndarray]:
-        """Top-k ids [L, k] of each of the output_len-1 decode steps of request r."""
-        for s in range(max(int(output_len) - 1, 0)):
-            yield self.expert_ids[self.decode_row(r, s)]
 
     def step_rows(self, reqs: np.ndarray, steps: np.ndarray) -> np.ndarray:
         """Trace rows of a decode batch: request reqs[i] at decode step steps[i]."""

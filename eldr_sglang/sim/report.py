@@ -18,14 +18,21 @@ def pct_change(new: float, old: float) -> float:
     return (new / old - 1.0) * 100.0 if old and not math.isnan(old) else float("nan")
 
 
+def best_balancer(policies: dict[str, dict]) -> str | None:
+    """The baseline every dTPOT is against: the load balancer (random, round_robin,
+    shortest_queue, power_of_two) with the lowest median TPOT among those present."""
+    lbs = [p for p in policies if p in LOAD_BALANCERS]
+    return min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
+
+
 def format_table(policies: dict[str, dict], title: str | None = None) -> str:
     """One row per policy; the last columns compare each policy with the best load balancer
     (lowest median TPOT among random/round_robin/shortest_queue/power_of_two present)."""
-    lbs = [p for p in policies if p in LOAD_BALANCERS]
-    best = min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
+    best = best_balancer(policies)
+    vs = f" vs {best}" if best else ""
     head = [
         "policy", "TPOT mean", "TPOT p50", "TPOT p99", "TTFT p50", "TTFT p99", "ITL p99",
-        "tok/s", "experts/layer/step", "locality", "reuse", "imbal", "dTPOT p50", "dTPOT p99",
+        "tok/s", "experts/layer/step", "locality", "reuse", "imbal", f"dTPOT p50{vs}", f"dTPOT p99{vs}",
     ]
     rows = []
     for name, m in policies.items():
@@ -79,8 +86,7 @@ def format_workers(policies: dict[str, dict]) -> str:
 
 
 def markdown_table(policies: dict[str, dict]) -> str:
-    lbs = [p for p in policies if p in LOAD_BALANCERS]
-    best = min(lbs, key=lambda p: policies[p]["tpot_ms"]["p50"]) if lbs else None
+    best = best_balancer(policies)
     lines = [
         "| policy | TPOT mean | TPOT p50 | TPOT p99 | TTFT p50 | tok/s | experts/layer/step | locality | reuse | dTPOT p50 vs best LB |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -135,10 +141,12 @@ def _color(name: str):
     return _COLORS.get(base, "#8c564b")
 
 
-def _save(plt, fig, path: str | Path, title: str) -> None:
+def _save(plt, fig, path: str | Path, title: str, rect=(0, 0, 1, 1)) -> None:
+    """Every plot here is of simulated runs: the title says so."""
+    title = f"simulated: {title}" if title else "simulated"
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     from eldr_sglang.io_safe import atomic_output
 
     path = Path(path)
@@ -188,5 +196,8 @@ def plot_sweep(sweep: dict[str, list[tuple[float, dict]]], path: str | Path, xla
     a.set_ylabel("TPOT ms (solid p50, dashed p99)")
     b.set_xlabel(xlabel)
     b.set_ylabel("distinct experts / MoE layer / step")
-    a.legend(fontsize=7)
-    _save(plt, fig, path, title)
+    # one legend below both panels, so it covers no curve
+    handles, labels = a.get_legend_handles_labels()
+    rows = (len(labels) + 4) // 5
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=7, frameon=False)
+    _save(plt, fig, path, title, rect=(0, 0.05 + 0.05 * rows, 1, 1))

@@ -22,6 +22,7 @@ from .format import (  # noqa: F401
     check_meta,
     load_trace,
     save_trace,
+    trace_meta,
 )
 from .counts_file import open_trace  # noqa: F401
 from .source import TraceSource  # noqa: F401

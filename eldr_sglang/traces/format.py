@@ -204,6 +204,16 @@ class Trace:
         self.close()
 
 
+def trace_meta(path: str | os.PathLike) -> dict | None:
+    """A v1 trace's checked meta_json (only that small member is read); None when unreadable or
+    invalid (load_trace then reports what is wrong)."""
+    try:
+        with np.load(Path(path), allow_pickle=False) as z:
+            return check_meta(json.loads(str(z["meta_json"])))
+    except Exception:  # noqa: BLE001 - a TraceError or an unreadable file: load_trace reports it
+        return None
+
+
 def load_trace(path: str | os.PathLike, validate: bool = True) -> Trace:
     """Read an ELDR v1 trace (.npz). Raises TraceError with a clear message."""
     path = Path(path)

@@ -166,6 +166,8 @@ class DriftHook:
                 body = await request.json()
             except (json.JSONDecodeError, ValueError):
                 return web.json_response({"error": {"message": "the body must be JSON, e.g. {\"force\": true}"}}, status=400)
+            except RecursionError:
+                return web.json_response({"error": {"message": "the body is nested too deeply"}}, status=400)
             if not isinstance(body, dict):
                 return web.json_response({"error": {"message": "the body must be a JSON object"}}, status=400)
         force = body.get("force", False)
