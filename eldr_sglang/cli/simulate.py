@@ -27,6 +27,7 @@ def register(sub) -> None:
     p.add_argument("--centroids", help="centroid file from `eldr fit` (needed by eldr)")
     p.add_argument("--policies", type=A.policies, default=None,
                    help=f"comma list of {', '.join(BASELINES)}, eldr, eldr@TAU, eldr/F, locality/F, "
+                        "locality/F:rc=R (R: the locality cost's per-request term, distinct experts per layer), "
                         "oracle, default (the router's default), and the bounds perfect_overlap and clairvoyant[/F] "
                         f"(default {DEFAULT_POLICIES}; under --protocol strict the protocol's set)")
     p.add_argument("--protocol", choices=["none", "strict"], default="none",

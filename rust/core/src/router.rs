@@ -134,8 +134,9 @@ impl Router {
     /// (loads, health, in-flight counts), centroid store (a reload serves both) and tau; the
     /// policy and its own state (the locality balancer's expert loads) and the load factor
     /// are its own. A switchback experiment's arms (the data plane's `experiment`).
-    pub fn sibling(&self, policy: &str, load_factor: Option<f64>, seed: u64) -> Result<Router, BuildError> {
-        let config = PolicyConfig::parse(policy, seed)?;
+    /// The arm's policy is a typed [`PolicyConfig`], so it carries paged experts and the
+    /// request cost as the main router's does.
+    pub fn sibling(&self, config: PolicyConfig, load_factor: Option<f64>) -> Result<Router, ParamError> {
         let r = Router {
             config,
             policy: config.build(),

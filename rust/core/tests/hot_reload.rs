@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use eldr_core::distance::{from_counts, Counts};
-use eldr_core::{CentroidStore, CentroidWriter, Router};
+use eldr_core::{CentroidStore, CentroidWriter, PolicyConfig, Router};
 
 fn write(path: &Path, seed: u32, k: usize) {
     let (l, e) = (4usize, 8usize);
@@ -171,7 +171,7 @@ fn a_sibling_shares_workers_centroids_and_tau_not_its_policy() {
     let p = dir.path().join("c.eldr");
     write(&p, 1, 4);
     let main = Router::new("locality", Some(4), Some(&p), None, 0, 0, 0).unwrap();
-    let arm = main.sibling("round_robin", None, 0).unwrap();
+    let arm = main.sibling(PolicyConfig::RoundRobin, None).unwrap();
     assert_eq!((main.policy_name(), arm.policy_name()), ("locality", "round_robin"));
     // one tracker: a request held through one router is load the other sees
     let _held = arm.tracker().acquire(2, 0);
@@ -183,8 +183,10 @@ fn a_sibling_shares_workers_centroids_and_tau_not_its_policy() {
     // one tau; the load factor is each router's own
     main.set_tau(0.3).unwrap();
     assert_eq!(arm.tau(), 0.3);
-    let eldr = main.sibling("eldr", Some(0.2), 0).unwrap();
+    let eldr = main.sibling(PolicyConfig::Eldr, Some(0.2)).unwrap();
     assert_eq!((eldr.load_factor(), main.load_factor()), (Some(0.2), None));
-    assert!(main.sibling("nope", None, 0).is_err());
-    assert!(main.sibling("eldr", Some(f64::NAN), 0).is_err());
+    assert!(main.sibling(PolicyConfig::Eldr, Some(f64::NAN)).is_err());
+    // the typed config carries the locality costs to an arm
+    let paged = main.sibling(PolicyConfig::PagedLocality { resident: 4, request_cost: 0.4 }, Some(0.05)).unwrap();
+    assert_eq!((paged.policy_name(), paged.paged_experts(), paged.request_cost()), ("locality", Some(4), Some(0.4)));
 }

@@ -256,7 +256,9 @@ impl Experiment {
                 }
                 Arc::clone(main)
             } else {
-                Arc::new(main.sibling(&a.policy, a.load_factor, seed).map_err(|e| format!("experiment: arm {:?}: {e}", a.label))?)
+                let arm_err = |e: &dyn std::fmt::Display| format!("experiment: arm {:?}: {e}", a.label);
+                let config = eldr_core::PolicyConfig::parse(&a.policy, seed).map_err(|e| arm_err(&e))?;
+                Arc::new(main.sibling(config, a.load_factor).map_err(|e| arm_err(&e))?)
             };
             // bounded: one label per arm of each plane, for the metrics' 'static labels
             let label: &'static str = Box::leak(a.label.clone().into_boxed_str());

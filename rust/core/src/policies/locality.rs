@@ -529,26 +529,56 @@ impl Locality {
     /// The expert state for `workers` workers that `p` counts in; None when `p` does not fit
     /// it (another layout of an older or the same generation, or another worker count).
     pub fn load_for(&self, workers: usize, p: &ExpertProfile) -> Option<Arc<ExpertLoad>> {
-        if let Some(l) = self.load.load_full() {
-            if l.fits(p) {
-                return (l.num_workers() == workers).then_some(l);
-            }
-            if p.generation <= l.generation {
-                return None;
-            }
-        }
-        let fresh = Arc::new(ExpertLoad::with_layout(workers, Arc::clone(&p.layer_ids), p.experts, p.generation));
-        let prev = self.load.rcu(|cur| match cur {
-            Some(c) if c.fits(p) || p.generation <= c.generation => Some(Arc::clone(c)),
-            _ => Some(Arc::clone(&fresh)),
-        });
-        // rcu returns what it replaced: if another thread installed a fitting state first, use it
-        let now = match prev {
-            Some(c) if c.fits(p) || p.generation <= c.generation => c,
-            _ => fresh,
-        };
-        (now.fits(p) && now.num_workers() == workers).then_some(now)
+        state_for(&self.load, workers, p, || ExpertLoad::with_layout(workers, Arc::clone(&p.layer_ids), p.experts, p.generation))
     }
+}
+
+/// Per-worker state sized by a profile layout and tagged with the centroid generation it came
+/// from: the locality balancer's [`ExpertLoad`] and the paged cost's resident estimate.
+pub(crate) trait LayoutState {
+    fn fits(&self, p: &ExpertProfile) -> bool;
+    fn generation(&self) -> u64;
+    fn num_workers(&self) -> usize;
+}
+
+impl LayoutState for ExpertLoad {
+    fn fits(&self, p: &ExpertProfile) -> bool {
+        ExpertLoad::fits(self, p)
+    }
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+    fn num_workers(&self) -> usize {
+        ExpertLoad::num_workers(self)
+    }
+}
+
+/// The generation-slot install: the state in `slot` for `workers` workers that `p` fits. The
+/// first profile, or the first of a newer generation with another layout, installs `fresh()`
+/// (once, whatever threads race: a state another thread installed first is used). None when
+/// `p` does not fit the state (another layout of an older or the same generation, or another
+/// worker count).
+pub(crate) fn state_for<T: LayoutState>(slot: &ArcSwapOption<T>, workers: usize, p: &ExpertProfile, fresh: impl FnOnce() -> T) -> Option<Arc<T>> {
+    if let Some(cur) = slot.load_full() {
+        if cur.fits(p) {
+            return (cur.num_workers() == workers).then_some(cur);
+        }
+        if p.generation <= cur.generation() {
+            return None;
+        }
+    }
+    let fresh = Arc::new(fresh());
+    let keep = |c: &Arc<T>| c.fits(p) || p.generation <= c.generation();
+    let prev = slot.rcu(|cur| match cur {
+        Some(c) if keep(c) => Some(Arc::clone(c)),
+        _ => Some(Arc::clone(&fresh)),
+    });
+    // rcu returns what it replaced: if another thread installed a fitting state first, use it
+    let now = match prev {
+        Some(c) if keep(&c) => c,
+        _ => fresh,
+    };
+    (now.fits(p) && now.num_workers() == workers).then_some(now)
 }
 
 impl Policy for Locality {

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwapOption;
 
+use super::locality::{state_for, LayoutState};
 use super::{load_cap, shortest_healthy, Decision, ExpertGuard, ExpertProfile, Locality, Policy, ProfileError, Reason, RouteContext};
 use crate::signature::NoSignature;
 
@@ -152,24 +153,19 @@ impl PagedLocality {
     /// The estimate for `workers` workers that `p` fits; replaced by a profile of a newer
     /// centroid generation with another layout (as the locality state is).
     pub fn estimate_for(&self, workers: usize, p: &ExpertProfile) -> Option<Arc<ResidentEstimate>> {
-        if let Some(cur) = self.estimate.load_full() {
-            if cur.fits(p) {
-                return (cur.num_workers() == workers).then_some(cur);
-            }
-            if p.generation() <= cur.generation {
-                return None;
-            }
-        }
-        let fresh = Arc::new(ResidentEstimate::new(workers, p.layer_ids_arc(), p.experts(), p.generation(), self.capacity));
-        let prev = self.estimate.rcu(|cur| match cur {
-            Some(c) if c.fits(p) || p.generation() <= c.generation => Some(Arc::clone(c)),
-            _ => Some(Arc::clone(&fresh)),
-        });
-        let now = match prev {
-            Some(c) if c.fits(p) || p.generation() <= c.generation => c,
-            _ => fresh,
-        };
-        (now.fits(p) && now.num_workers() == workers).then_some(now)
+        state_for(&self.estimate, workers, p, || ResidentEstimate::new(workers, p.layer_ids_arc(), p.experts(), p.generation(), self.capacity))
+    }
+}
+
+impl LayoutState for ResidentEstimate {
+    fn fits(&self, p: &ExpertProfile) -> bool {
+        ResidentEstimate::fits(self, p)
+    }
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+    fn num_workers(&self) -> usize {
+        ResidentEstimate::num_workers(self)
     }
 }
 
