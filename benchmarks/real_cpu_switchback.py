@@ -1,7 +1,7 @@
 """The router's own switchback on one long-lived real SGLang cluster on this CPU: the data the
 simulator is checked against (benchmarks/sim_vs_engine.py reads what this keeps).
 
-    python benchmarks/real_cpu_switchback.py --keep WORK --minutes 35 --control-minutes 15
+    python benchmarks/real_cpu_switchback.py --keep WORK [--minutes 25] [--control-minutes 12] [--bind late]
 
 Per setting (the two-domain locality model, then the uniform control; both CONSTRUCTED models,
 eldr_sglang/testing/sglang_cpu/locality_model.py, with 2 domains so that 2 decode workers can
@@ -138,7 +138,7 @@ def run_setting(h: Harness, a, name: str, locality: float, arms: str, minutes: f
         router = h.start_router(f"{name}-router", [(prefill.url, boot)], [d.url for d in decodes],
                                 ["--experiment", arms, "--switch-every", f"{a.block_s:g}s", "--experiment-seed",
                                  str(a.seed), "--eldr-centroids", str(centroids), "--request-timeout-secs", "600",
-                                 "--eldr-signature-timeout-secs", "60", "--log-level", "warning"])
+                                 "--eldr-signature-timeout-secs", "60", "--eldr-bind", a.bind, "--log-level", "warning"])
         try:
             wait_ready([router], 120)
             offset = time.time() - time.perf_counter()  # unix = perf_counter + offset (CLOCK_MONOTONIC)
@@ -168,7 +168,7 @@ def run_setting(h: Harness, a, name: str, locality: float, arms: str, minutes: f
             "experiment": str(work / "experiment.json"), "step_logs": logs,
             "prefill_step_log": str(work / f"{prefill.name}.steps"), "layers": geo.spec["layers"],
             "trace": str(trace), "centroids": str(centroids), "model_dir": str(model),
-            "prefill_nice": a.prefill_nice, "seconds": round(time.monotonic() - t0)}
+            "prefill_nice": a.prefill_nice, "bind": a.bind, "seconds": round(time.monotonic() - t0)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -177,8 +177,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--locality", type=float, default=0.95, help="the two-domain model's locality knob (default 0.95)")
     ap.add_argument("--arms", default=MAIN_ARMS, help=f"experiment arms on the locality model (default {MAIN_ARMS})")
     ap.add_argument("--control-arms", default=CONTROL_ARMS, help=f"arms on the uniform control (default {CONTROL_ARMS})")
-    ap.add_argument("--minutes", type=float, default=35, help="length of the locality model's run (default 35)")
-    ap.add_argument("--control-minutes", type=float, default=15, help="length of the control's run (0: skip; default 15)")
+    ap.add_argument("--minutes", type=float, default=25, help="length of the locality model's run (0: skip; default 25)")
+    ap.add_argument("--control-minutes", type=float, default=12, help="length of the control's run (0: skip; default 12)")
+    ap.add_argument("--bind", choices=("auto", "late", "early"), default="auto",
+                    help="the router's --eldr-bind (default auto: each arm binds as it would alone, late for eldr and "
+                         "locality, early for the balancers; late: every arm binds late)")
     ap.add_argument("--block-s", type=float, default=10, help="switchback block length, seconds (default 10)")
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop streaming clients (default 8)")
     ap.add_argument("--input-len", type=int, default=24)
@@ -191,8 +194,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     a = _parser().parse_args()
-    if a.concurrency < 1 or a.block_s <= 0 or a.minutes <= 0 or a.control_minutes < 0:
-        print("error: need --concurrency >= 1, --block-s > 0, --minutes > 0, --control-minutes >= 0", file=sys.stderr)
+    if a.concurrency < 1 or a.block_s <= 0 or a.minutes < 0 or a.control_minutes < 0 or not (a.minutes or a.control_minutes):
+        print("error: need --concurrency >= 1, --block-s > 0, --minutes and --control-minutes >= 0, one of them > 0",
+              file=sys.stderr)
         return 2
     work = Path(a.keep)
     if (work / "run.json").exists():
@@ -206,8 +210,9 @@ def main() -> int:
     h = Harness(work)
     settings = []
     try:
-        settings.append(run_setting(h, a, "locality", a.locality, a.arms, a.minutes, log))
-        (work / "run.json").write_text(json.dumps({"settings": settings}, indent=1))
+        if a.minutes:
+            settings.append(run_setting(h, a, "locality", a.locality, a.arms, a.minutes, log))
+            (work / "run.json").write_text(json.dumps({"settings": settings}, indent=1))
         if a.control_minutes:
             settings.append(run_setting(h, a, "control", 0.0, a.control_arms, a.control_minutes, log))
     finally:
