@@ -417,6 +417,8 @@ def test_router_start_with_a_fifo_centroid_path_fails_fast(cluster, workdir):
      "a sparse payload claiming 4096 x 65536 counts"),
     ("deep:100000", "a payload nested 100,000 deep"),
     ("pad:20000000", "a 20 MB stream line"),
+    ('text:{"v": 1, "layers": [0], "E": 4, "n": NaN, "enc": "dense", "bits": 8, "d": "AAAA"}',
+     "a payload that is not JSON (n: NaN; issue 33)"),
 ])
 def test_hostile_signature_payloads_fall_back_to_shortest_queue(cluster, trace_files, workdir, signature, why):
     router, base = eldr_router(cluster, trace_files, workdir, [])
@@ -429,6 +431,7 @@ def test_hostile_signature_payloads_fall_back_to_shortest_queue(cluster, trace_f
         m1 = metrics(base)
         assert metric(m1, "eldr_router_fallbacks_total", reason="malformed") == metric(m0, "eldr_router_fallbacks_total",
                                                                                        reason="malformed") + 1
+        assert metric(m1, "eldr_router_malformed_signatures_total") == metric(m0, "eldr_router_malformed_signatures_total") + 1
         status, headers, _ = post(base + "/generate", {"text": "after", "sampling_params": {"max_new_tokens": 2},
                                                        "emulator": {"trace_request": 1}})
         assert status == 200 and headers["X-ELDR-Reason"] == "band"
