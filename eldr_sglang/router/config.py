@@ -162,6 +162,7 @@ class RouterConfig:
     max_payload_size: int = DEFAULT_MAX_PAYLOAD
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 60.0
+    decode_progress_timeout_s: float = 5.0
     stall_timeout_s: float = 60.0
     retries: int = 2
     eject_after_failures: int = 5
@@ -361,6 +362,12 @@ def _upstream_flags(up: argparse._ArgumentGroup) -> None:
         "non-streamed decode answer the decode taking the prefill's KV (default 60); a decode that misses it is "
         "charged and the request moves to another one",
     )
+    up.add_argument(
+        "--decode-progress-timeout-secs", type=float, default=5.0,
+        help="a streamed decode's response head, which a worker at work sends before it runs anything (default 5; "
+        "at most --first-byte-timeout-secs); a decode that misses it is hung: charged, and the request moves to "
+        "another one long before its client gives up",
+    )
     up.add_argument("--stall-timeout-secs", type=float, default=60.0,
                     help="longest silence between two chunks of a worker's stream (default 60)")
     up.add_argument("--retries", type=int, default=2,
@@ -466,7 +473,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         reload_interval_ms=a.eldr_reload_interval_ms,
         max_payload_size=a.max_payload_size,
         connect_timeout_s=a.upstream_connect_timeout_secs,
-        first_byte_timeout_s=a.first_byte_timeout_secs,
+        first_byte_timeout_s=a.first_byte_timeout_secs, decode_progress_timeout_s=a.decode_progress_timeout_secs,
         stall_timeout_s=a.stall_timeout_secs,
         retries=a.retries,
         eject_after_failures=a.eject_after_failures,
@@ -610,6 +617,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "late_binding": cfg.late_binding, "seed": cfg.seed,
         "signature_timeout_s": cfg.signature_timeout_s, "request_timeout_s": cfg.request_timeout_s,
         "connect_timeout_s": cfg.connect_timeout_s, "first_byte_timeout_s": cfg.first_byte_timeout_s,
+        "decode_progress_timeout_s": cfg.decode_progress_timeout_s,
         "stall_timeout_s": cfg.stall_timeout_s, "retries": cfg.retries,
         "eject_after_failures": cfg.eject_after_failures, "eject_base_s": cfg.eject_base_s, "eject_max_s": cfg.eject_max_s,
         "client_header_timeout_s": cfg.client_header_timeout_s, "client_body_timeout_s": cfg.client_body_timeout_s,

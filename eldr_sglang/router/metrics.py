@@ -79,7 +79,8 @@ REQUEST_COUNTERS = (
     ("eldr_router_retries_refused",
      "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)", ("role",)),
     ("eldr_router_upstream_timeouts",
-     "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total; client_gone: a decode "
+     "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, progress: a decode stream's "
+     "head, stall, total; client_gone: a decode "
      "silent for 10 s, or its first-byte timeout if shorter, when the client left)", ("role", "worker", "phase")),
     ("eldr_router_ejections", "Outlier ejections of a worker", ("role", "worker")),
     ("eldr_router_probation_trials", "Trial requests sent to an ejected worker whose ejection ended", ("role", "worker")),

@@ -77,6 +77,10 @@ pub struct Config {
     pub request_timeout_s: f64,
     pub connect_timeout_s: f64,
     pub first_byte_timeout_s: f64,
+    /// A streamed decode's response head must come within this (at most the first-byte
+    /// timeout): a worker at work sends it before anything runs, so one that has not is hung.
+    #[serde(default = "default_decode_progress")]
+    pub decode_progress_timeout_s: f64,
     pub stall_timeout_s: f64,
     pub retries: u32,
     pub eject_after_failures: u32,
@@ -129,6 +133,14 @@ pub const DEFAULT_SLOTS_PER_DECODE: usize = 256;
 pub const DEFAULT_QUEUE_TIMEOUT_S: f64 = 60.0;
 /// Largest admission bound or queue accepted (beyond it a bound means nothing).
 pub const MAX_ADMISSION: usize = 1 << 20;
+
+/// The default of `--decode-progress-timeout-secs`: far below a client's patience (a 12 s
+/// client lost requests to a hung decode when only the 60 s first-byte timeout bounded it).
+pub const DEFAULT_DECODE_PROGRESS_S: f64 = 5.0;
+
+fn default_decode_progress() -> f64 {
+    DEFAULT_DECODE_PROGRESS_S
+}
 
 fn default_queue_timeout() -> f64 {
     DEFAULT_QUEUE_TIMEOUT_S
@@ -229,7 +241,7 @@ const fn count(key: &'static str, flag: &'static str, lo: f64, hi: f64, zero_ok:
 /// The data plane's numeric settings, in the order they are checked. A timeout shorter than
 /// a millisecond cannot be met; longer than a day (a week for a whole request or stream) is
 /// a typo. MAX_ADMISSION bounds the admission settings.
-const BOUNDS: [Bound; 17] = [
+const BOUNDS: [Bound; 18] = [
     count("port", "--port", 1.0, 65535.0, false),
     secs_in("signature_timeout_s", "--eldr-signature-timeout-secs", DAY_S),
     count("seed", "--seed", 0.0, u64::MAX as f64, true),
@@ -237,6 +249,7 @@ const BOUNDS: [Bound; 17] = [
     count("max_payload_size", "--max-payload-size", 1.0, (1u64 << 31) as f64, false),
     secs_in("connect_timeout_s", "--upstream-connect-timeout-secs", DAY_S),
     secs_in("first_byte_timeout_s", "--first-byte-timeout-secs", WEEK_S),
+    secs_in("decode_progress_timeout_s", "--decode-progress-timeout-secs", DAY_S),
     secs_in("stall_timeout_s", "--stall-timeout-secs", WEEK_S),
     count("retries", "--retries", 0.0, 64.0, true),
     count("eject_after_failures", "--eject-after-failures", 1.0, 1_000_000.0, false),

@@ -164,8 +164,8 @@ impl Plane {
 
     /// POST to a worker (see `upstream::post`); a refused connection marks it down at once
     /// (the health check brings it back).
-    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: ReqBody, first_byte: Option<Duration>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
-        upstream::post(&self.client, leg, url, body, first_byte, deadline).await.map_err(|(e, refused)| {
+    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: ReqBody, head: Option<(Duration, &'static str)>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+        upstream::post(&self.client, leg, url, body, head, deadline).await.map_err(|(e, refused)| {
             if let Refused::Yes = refused {
                 self.pool(leg.role).set_health(leg.worker, false);
             }
