@@ -181,6 +181,7 @@ class RouterConfig:
     max_concurrent_requests: int | None = None
     queue_size: int | None = None
     queue_timeout_s: float = 60.0
+    max_buffered_bytes: int | None = None  # None: the data plane's default (1 GiB)
     # A switchback experiment over decode policies; `policy` and `load_factor` are then its
     # first arm's.
     experiment: Experiment | None = None
@@ -395,6 +396,12 @@ def _client_flags(cl: argparse._ArgumentGroup) -> None:
 def _admission_flags(adm: argparse._ArgumentGroup) -> None:
     """Admission control: requests in flight and the queue before it."""
     adm.add_argument(
+        "--max-buffered-bytes", type=int, default=None, metavar="N",
+        help="request-body bytes the router holds at once, over all connections (default 1 GiB, at least "
+        "--max-payload-size); a body that would pass it gets 503 at once, unread (a request is admitted before its "
+        "body is read)",
+    )
+    adm.add_argument(
         "--max-concurrent-requests", type=int, default=None, metavar="N",
         help="requests in flight through the router at once; past it they wait in the queue (default: 256 per decode "
         "worker, what a SGLang decode batch holds; 0: no bound)",
@@ -489,7 +496,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         drift={"enabled": False} if a.no_eldr_drift else None,
         max_concurrent_requests=a.max_concurrent_requests,
         queue_size=a.queue_size,
-        queue_timeout_s=a.queue_timeout_secs,
+        queue_timeout_s=a.queue_timeout_secs, max_buffered_bytes=a.max_buffered_bytes,
         experiment=experiment,
     )
 
@@ -626,7 +633,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "signature_reservoir": DRIFT_QUEUE if reservoir_config(cfg) else 0,
         "reservoir": reservoir_config(cfg),
         "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
-        "queue_timeout_s": cfg.queue_timeout_s,
+        "queue_timeout_s": cfg.queue_timeout_s, "max_buffered_bytes": cfg.max_buffered_bytes,
         "experiment": experiment_config(cfg),
     }))
 

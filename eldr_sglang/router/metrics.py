@@ -42,7 +42,8 @@ class _StateCollector:
         adm = s.get("admission")
         if adm is not None:
             for key, doc in (("in_flight", "Requests holding an admission slot"), ("waiting", "Requests waiting in the admission queue"),
-                             ("limit", "The admission bound (0: none)")):
+                             ("limit", "The admission bound (0: none)"),
+                             ("buffered_bytes", "Request-body bytes the router holds now (bound: --max-buffered-bytes)")):
                 g = GaugeMetricFamily(f"eldr_router_admission_{key}", doc)
                 g.add_metric([], adm[key])
                 yield g
@@ -93,7 +94,8 @@ REQUEST_COUNTERS = (
     ("eldr_router_admission_admitted", "Requests admitted, at once or after waiting in the queue", ("how",)),
     ("eldr_router_admission_queued", "Requests that had to wait in the admission queue", ()),
     ("eldr_router_admission_rejected",
-     "Requests refused by admission control: queue full (429) or queue timeout (503)", ("reason",)),
+     "Requests refused by admission control: queue full (429), queue timeout (503) or buffer full (503: the "
+     "request bodies held would pass --max-buffered-bytes)", ("reason",)),
     ("eldr_router_panic_routes", "Requests routed with no routable worker of the role (panic mode)", ("role",)),
     ("eldr_router_overload_timeouts",
      "Worker timeouts not charged to the worker: the other workers of its role were slow too (none answered meanwhile)",
