@@ -122,6 +122,7 @@ def test_running_from_v1_loads():
     (["--prometheus-port", "99999"], "--prometheus-port"),
     (["--worker-startup-timeout-secs", "-3"], "--worker-startup-timeout-secs"),
     (["--first-byte-timeout-secs", "0"], "--first-byte-timeout-secs"),
+    (["--decode-progress-timeout-secs", "nan"], "--decode-progress-timeout-secs"),
     (["--stall-timeout-secs", "nan"], "--stall-timeout-secs"),
     (["--upstream-connect-timeout-secs", "-1"], "--upstream-connect-timeout-secs"),
     (["--retries", "-1"], "--retries"),

@@ -64,7 +64,8 @@ def test_a_request_body_is_held_once(tmp_path, policy):
     cluster, urls = start_cluster(tpath, tmp_path, prefill=1, decode=2,
                                   extra=["--fault", "decode:0=hang", "--fault", "decode:1=hang"])
     args = ["--disagg-router", policy, "--health-check-interval-secs", "0", "--load-monitor-interval", "0",
-            "--max-payload-size", str((MB + 1) << 20), "--first-byte-timeout-secs", "120"]
+            "--max-payload-size", str((MB + 1) << 20), "--first-byte-timeout-secs", "120",
+            "--decode-progress-timeout-secs", "120"]
     if policy == "eldr":
         args += ["--eldr-centroids", str(cpath)]
     router, base = start_router(urls, tmp_path, args)

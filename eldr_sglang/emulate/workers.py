@@ -27,7 +27,7 @@ Test controls (a top-level "emulator" object in the request body, ignored otherw
   prefill_fail_delay seconds),
   decode_status: int, signature: "none" | "malformed" | "omit" | "delay:<seconds>" |
   "deep:<N>" (the payload is a list nested N deep) | "pad:<N>" (a line of N bytes) |
-  {"raw": <payload>} (sent as given).
+  "text:<T>" (the payload is the text T, JSON or not) | {"raw": <payload>} (sent as given).
 
 Worker faults (`--fault`, or at run time `POST /emulator/fault {"mode": MODE}`; "none" clears),
 the ways real workers fail short of refusing connections; /health keeps answering 200:
@@ -454,6 +454,8 @@ class PrefillWorker:
         if isinstance(mode, str) and mode.startswith("deep:"):  # [[[...]]] nested N deep
             depth = min(int(mode[5:]), 10_000_000)
             return _RawJSON("[" * depth + "]" * depth)
+        if isinstance(mode, str) and mode.startswith("text:"):  # a payload written as given, JSON or not
+            return _RawJSON(mode[5:])
         if isinstance(mode, str) and mode.startswith("pad:"):  # one stream line of N bytes
             return {**self.payload(r), "pad": "x" * min(int(mode[4:]), 1 << 30)}
         return self.payload(r)

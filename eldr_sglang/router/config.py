@@ -164,6 +164,7 @@ class RouterConfig:
     max_payload_size: int = DEFAULT_MAX_PAYLOAD
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 60.0
+    decode_progress_timeout_s: float = 5.0
     stall_timeout_s: float = 60.0
     retries: int = 2
     eject_after_failures: int = 5
@@ -182,6 +183,7 @@ class RouterConfig:
     max_concurrent_requests: int | None = None
     queue_size: int | None = None
     queue_timeout_s: float = 60.0
+    max_buffered_bytes: int | None = None  # None: the data plane's default (1 GiB)
     # A switchback experiment over decode policies; `policy` and `load_factor` are then its
     # first arm's.
     experiment: Experiment | None = None
@@ -372,6 +374,12 @@ def _upstream_flags(up: argparse._ArgumentGroup) -> None:
         "non-streamed decode answer the decode taking the prefill's KV (default 60); a decode that misses it is "
         "charged and the request moves to another one",
     )
+    up.add_argument(
+        "--decode-progress-timeout-secs", type=float, default=5.0,
+        help="a streamed decode's response head, which a worker at work sends before it runs anything (default 5; "
+        "at most --first-byte-timeout-secs); a decode that misses it is hung: charged, and the request moves to "
+        "another one long before its client gives up",
+    )
     up.add_argument("--stall-timeout-secs", type=float, default=60.0,
                     help="longest silence between two chunks of a worker's stream (default 60)")
     up.add_argument("--retries", type=int, default=2,
@@ -398,6 +406,12 @@ def _client_flags(cl: argparse._ArgumentGroup) -> None:
 
 def _admission_flags(adm: argparse._ArgumentGroup) -> None:
     """Admission control: requests in flight and the queue before it."""
+    adm.add_argument(
+        "--max-buffered-bytes", type=int, default=None, metavar="N",
+        help="request-body bytes the router holds at once, over all connections (default 1 GiB, at least "
+        "--max-payload-size); a body that would pass it gets 503 at once, unread (a request is admitted before its "
+        "body is read)",
+    )
     adm.add_argument(
         "--max-concurrent-requests", type=int, default=None, metavar="N",
         help="requests in flight through the router at once; past it they wait in the queue (default: 256 per decode "
@@ -468,7 +482,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         reload_interval_ms=a.eldr_reload_interval_ms,
         max_payload_size=a.max_payload_size,
         connect_timeout_s=a.upstream_connect_timeout_secs,
-        first_byte_timeout_s=a.first_byte_timeout_secs,
+        first_byte_timeout_s=a.first_byte_timeout_secs, decode_progress_timeout_s=a.decode_progress_timeout_secs,
         stall_timeout_s=a.stall_timeout_secs,
         retries=a.retries,
         eject_after_failures=a.eject_after_failures,
@@ -484,7 +498,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         drift={"enabled": False} if a.no_eldr_drift else None,
         max_concurrent_requests=a.max_concurrent_requests,
         queue_size=a.queue_size,
-        queue_timeout_s=a.queue_timeout_secs,
+        queue_timeout_s=a.queue_timeout_secs, max_buffered_bytes=a.max_buffered_bytes,
         experiment=experiment,
     )
 
@@ -636,6 +650,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "late_binding": cfg.late_binding, "seed": cfg.seed,
         "signature_timeout_s": cfg.signature_timeout_s, "request_timeout_s": cfg.request_timeout_s,
         "connect_timeout_s": cfg.connect_timeout_s, "first_byte_timeout_s": cfg.first_byte_timeout_s,
+        "decode_progress_timeout_s": cfg.decode_progress_timeout_s,
         "stall_timeout_s": cfg.stall_timeout_s, "retries": cfg.retries,
         "eject_after_failures": cfg.eject_after_failures, "eject_base_s": cfg.eject_base_s, "eject_max_s": cfg.eject_max_s,
         "client_header_timeout_s": cfg.client_header_timeout_s, "client_body_timeout_s": cfg.client_body_timeout_s,
@@ -644,7 +659,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "signature_reservoir": DRIFT_QUEUE if reservoir_config(cfg) else 0,
         "reservoir": reservoir_config(cfg),
         "max_concurrent_requests": cfg.max_concurrent_requests, "queue_size": cfg.queue_size,
-        "queue_timeout_s": cfg.queue_timeout_s,
+        "queue_timeout_s": cfg.queue_timeout_s, "max_buffered_bytes": cfg.max_buffered_bytes,
         "experiment": experiment_config(cfg),
     }))
 

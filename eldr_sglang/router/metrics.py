@@ -42,7 +42,8 @@ class _StateCollector:
         adm = s.get("admission")
         if adm is not None:
             for key, doc in (("in_flight", "Requests holding an admission slot"), ("waiting", "Requests waiting in the admission queue"),
-                             ("limit", "The admission bound (0: none)")):
+                             ("limit", "The admission bound (0: none)"),
+                             ("buffered_bytes", "Request-body bytes the router holds now (bound: --max-buffered-bytes)")):
                 g = GaugeMetricFamily(f"eldr_router_admission_{key}", doc)
                 g.add_metric([], adm[key])
                 yield g
@@ -79,7 +80,8 @@ REQUEST_COUNTERS = (
     ("eldr_router_retries_refused",
      "Re-sends not made because the retry budget was spent (20% of active requests, at least 10)", ("role",)),
     ("eldr_router_upstream_timeouts",
-     "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, stall, total; client_gone: a decode "
+     "Worker calls cut by a timeout, by role, worker and phase (connect, first_byte, progress: a decode stream's "
+     "head, stall, total; client_gone: a decode "
      "silent for 10 s, or its first-byte timeout if shorter, when the client left)", ("role", "worker", "phase")),
     ("eldr_router_ejections", "Outlier ejections of a worker", ("role", "worker")),
     ("eldr_router_probation_trials", "Trial requests sent to an ejected worker whose ejection ended", ("role", "worker")),
@@ -92,7 +94,8 @@ REQUEST_COUNTERS = (
     ("eldr_router_admission_admitted", "Requests admitted, at once or after waiting in the queue", ("how",)),
     ("eldr_router_admission_queued", "Requests that had to wait in the admission queue", ()),
     ("eldr_router_admission_rejected",
-     "Requests refused by admission control: queue full (429) or queue timeout (503)", ("reason",)),
+     "Requests refused by admission control: queue full (429), queue timeout (503) or buffer full (503: the "
+     "request bodies held would pass --max-buffered-bytes)", ("reason",)),
     ("eldr_router_panic_routes", "Requests routed with no routable worker of the role (panic mode)", ("role",)),
     ("eldr_router_overload_timeouts",
      "Worker timeouts not charged to the worker: the other workers of its role were slow too (none answered meanwhile)",

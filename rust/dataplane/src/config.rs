@@ -77,6 +77,10 @@ pub struct Config {
     pub request_timeout_s: f64,
     pub connect_timeout_s: f64,
     pub first_byte_timeout_s: f64,
+    /// A streamed decode's response head must come within this (at most the first-byte
+    /// timeout): a worker at work sends it before anything runs, so one that has not is hung.
+    #[serde(default = "default_decode_progress")]
+    pub decode_progress_timeout_s: f64,
     pub stall_timeout_s: f64,
     pub retries: u32,
     pub eject_after_failures: u32,
@@ -105,6 +109,9 @@ pub struct Config {
     pub queue_size: Option<usize>,
     #[serde(default = "default_queue_timeout")]
     pub queue_timeout_s: f64,
+    /// The bytes of request bodies held at once (None: [`Config::buffer_limit`]'s default).
+    #[serde(default)]
+    pub max_buffered_bytes: Option<usize>,
     /// A switchback experiment over decode policies (see [`crate::experiment`]); `policy`
     /// is then its first arm's.
     #[serde(default)]
@@ -125,10 +132,20 @@ pub struct ReservoirShape {
 /// 256); a router that lets more through only moves the queue into the workers, where the
 /// requests time out, get their workers ejected and can no longer be refused cleanly.
 pub const DEFAULT_SLOTS_PER_DECODE: usize = 256;
+/// The default bound on request-body bytes held at once (128 bodies of the default 8 MiB).
+pub const DEFAULT_MAX_BUFFERED: usize = 1 << 30;
 /// The SGLang gateway's `--queue-timeout-secs` default.
 pub const DEFAULT_QUEUE_TIMEOUT_S: f64 = 60.0;
 /// Largest admission bound or queue accepted (beyond it a bound means nothing).
 pub const MAX_ADMISSION: usize = 1 << 20;
+
+/// The default of `--decode-progress-timeout-secs`: far below a client's patience (a 12 s
+/// client lost requests to a hung decode when only the 60 s first-byte timeout bounded it).
+pub const DEFAULT_DECODE_PROGRESS_S: f64 = 5.0;
+
+fn default_decode_progress() -> f64 {
+    DEFAULT_DECODE_PROGRESS_S
+}
 
 fn default_queue_timeout() -> f64 {
     DEFAULT_QUEUE_TIMEOUT_S
@@ -180,6 +197,9 @@ impl Config {
                 return bad("experiment: the drift feed must be off (a refit would change the centroids between blocks)".into());
             }
         }
+        if self.max_buffered_bytes.is_some_and(|b| b < self.max_payload_size) {
+            return bad(format!("--max-buffered-bytes ({}) must be >= --max-payload-size ({})", self.buffer_limit(), self.max_payload_size));
+        }
         if self.threads == 0 || self.threads > 64 {
             return bad(format!("threads must be 1..=64, got {}", self.threads));
         }
@@ -196,6 +216,12 @@ impl Config {
     /// waits about one request's time per slot ahead of it, not an unbounded backlog).
     pub fn queue(&self) -> usize {
         self.queue_size.unwrap_or_else(|| self.max_concurrent())
+    }
+
+    /// The bound on request-body bytes held at once: the configured one, else 1 GiB (at
+    /// least one largest body).
+    pub fn buffer_limit(&self) -> usize {
+        self.max_buffered_bytes.unwrap_or(DEFAULT_MAX_BUFFERED.max(self.max_payload_size))
     }
 
     /// Whether the decode policy routes on the prefill's expert counts (it counts fallbacks).
@@ -229,7 +255,7 @@ const fn count(key: &'static str, flag: &'static str, lo: f64, hi: f64, zero_ok:
 /// The data plane's numeric settings, in the order they are checked. A timeout shorter than
 /// a millisecond cannot be met; longer than a day (a week for a whole request or stream) is
 /// a typo. MAX_ADMISSION bounds the admission settings.
-const BOUNDS: [Bound; 17] = [
+const BOUNDS: [Bound; 19] = [
     count("port", "--port", 1.0, 65535.0, false),
     secs_in("signature_timeout_s", "--eldr-signature-timeout-secs", DAY_S),
     count("seed", "--seed", 0.0, u64::MAX as f64, true),
@@ -237,6 +263,7 @@ const BOUNDS: [Bound; 17] = [
     count("max_payload_size", "--max-payload-size", 1.0, (1u64 << 31) as f64, false),
     secs_in("connect_timeout_s", "--upstream-connect-timeout-secs", DAY_S),
     secs_in("first_byte_timeout_s", "--first-byte-timeout-secs", WEEK_S),
+    secs_in("decode_progress_timeout_s", "--decode-progress-timeout-secs", DAY_S),
     secs_in("stall_timeout_s", "--stall-timeout-secs", WEEK_S),
     count("retries", "--retries", 0.0, 64.0, true),
     count("eject_after_failures", "--eject-after-failures", 1.0, 1_000_000.0, false),
@@ -247,6 +274,7 @@ const BOUNDS: [Bound; 17] = [
     count("max_concurrent_requests", "--max-concurrent-requests", 0.0, MAX_ADMISSION as f64, true),
     count("queue_size", "--queue-size", 0.0, MAX_ADMISSION as f64, true),
     secs_in("queue_timeout_s", "--queue-timeout-secs", DAY_S),
+    count("max_buffered_bytes", "--max-buffered-bytes", 1.0, (1u64 << 40) as f64, false),
 ];
 
 /// A JSON value as a number: Python writes a NaN or infinite float as the string "nan",

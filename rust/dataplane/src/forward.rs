@@ -22,12 +22,13 @@ pub async fn forward(plane: Arc<Plane>, req: Request<Incoming>) -> Response<Body
     let pq = parts.uri.path_and_query().map_or("/", |x| x.as_str());
     let url = format!("{}{}", plane.cfg.control_url, pq);
     let clen = parts.headers.get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok());
-    let data = if parts.method == Method::GET || parts.method == Method::HEAD {
-        Bytes::new()
+    // the body's share of the buffered-bytes bound is held until it is forwarded
+    let (data, _held) = if parts.method == Method::GET || parts.method == Method::HEAD {
+        (Bytes::new(), None)
     } else {
         match read_body(&plane, body, clen).await {
-            Ok(b) => b,
-            Err(e) => return error_response(e.into()),
+            Ok((b, held)) => (b, Some(held)),
+            Err(e) => return error_response(e),
         }
     };
     let mut b = Request::builder().method(parts.method).uri(url);

@@ -12,7 +12,7 @@ use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignatu
 use hyper::body::Incoming;
 use hyper::Response;
 
-use crate::admission::Admission;
+use crate::admission::{Admission, BodyBudget};
 use crate::config::{secs, Config, ConfigError, Role};
 use crate::counters::{names, Counters};
 use crate::errors::UpstreamError;
@@ -38,6 +38,8 @@ pub struct Plane {
     pub rng: AtomicRng,
     pub budget: RetryBudget,
     pub admission: Admission,
+    /// The bound on request-body bytes held at once.
+    pub bodies: BodyBudget,
     epoch: Instant,
     last_warn_ms: AtomicU64,
     /// Decisions for the Python drift monitor (None: drift handling off).
@@ -126,6 +128,7 @@ impl Plane {
         let admission = Admission::new(cfg.max_concurrent(), cfg.queue(), secs(cfg.queue_timeout_s), Arc::clone(&counters));
         Ok(Plane {
             admission,
+            bodies: BodyBudget::new(cfg.buffer_limit()),
             client: upstream::client(secs(cfg.connect_timeout_s)),
             prefill_signs: cfg.prefill.iter().map(|_| AtomicU8::new(0)).collect(),
             rng: AtomicRng::new(entropy()),
@@ -164,8 +167,8 @@ impl Plane {
 
     /// POST to a worker (see `upstream::post`); a refused connection marks it down at once
     /// (the health check brings it back).
-    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: ReqBody, first_byte: Option<Duration>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
-        upstream::post(&self.client, leg, url, body, first_byte, deadline).await.map_err(|(e, refused)| {
+    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: ReqBody, head: Option<(Duration, &'static str)>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+        upstream::post(&self.client, leg, url, body, head, deadline).await.map_err(|(e, refused)| {
             if let Refused::Yes = refused {
                 self.pool(leg.role).set_health(leg.worker, false);
             }

@@ -95,7 +95,8 @@ fn from_payload(r: Result<Payload, PayloadError>) -> Found {
 /// Look at one event's JSON. `last` keeps the latest event that parsed, so the error of a
 /// stream that ends without a signature can say why.
 pub fn inspect(data: &[u8], limits: &DecodeLimits, last: &mut Option<Value>) -> Option<Found> {
-    if contains(data, KEY) {
+    let signed = contains(data, KEY);
+    if signed {
         match payload::decode_event(data, limits) {
             Ok(Some(p)) => return Some(from_payload(Ok(p))),
             Err(e) => return Some(Found::Malformed(e)),
@@ -107,6 +108,10 @@ pub fn inspect(data: &[u8], limits: &DecodeLimits, last: &mut Option<Value>) -> 
         Err(e) if e.to_string().contains("recursion limit") => {
             return Some(Found::Malformed(PayloadError::NotJson("event nested too deeply".into())))
         }
+        // an event that names the signature but is no JSON (`"n": NaN`) is a malformed
+        // signature, as any other (the fallback); passed over, the stream would end "without
+        // a signature" and its prefill be charged for it
+        Err(e) if signed => return Some(Found::Malformed(PayloadError::NotJson(format!("signature event: {e}")))),
         Err(_) => return None,
     };
     let obj = event.as_object()?;
@@ -186,5 +191,20 @@ mod tests {
         assert!(matches!(inspect(bad, &lim, &mut last), Some(Found::Malformed(_))));
         let deep = [b"[".repeat(300), b"]".repeat(300)].concat();
         assert!(inspect(&deep, &lim, &mut last).is_some_and(|f| matches!(f, Found::Malformed(_))));
+    }
+
+    #[test]
+    fn a_signature_event_that_is_not_json_is_malformed() {
+        // issue 33: `"n": NaN` made the event fail to parse, and it was passed over as a
+        // plain event: the stream ended "without a signature" and the prefill was charged
+        let lim = DecodeLimits::default();
+        let mut last = None;
+        let nan = br#"{"text": "", "meta_info": {"eldr_signature": {"v": 1, "layers": [0], "E": 4, "n": NaN, "enc": "dense", "bits": 8, "d": "AAAA"}}}"#;
+        assert!(matches!(inspect(nan, &lim, &mut last), Some(Found::Malformed(_))));
+        let cut = br#"{"sglext": {"eldr_signature": {"v": 1, "layers": [0"#;
+        assert!(matches!(inspect(cut, &lim, &mut last), Some(Found::Malformed(_))));
+        // an event that is not JSON and names no signature is still no business of the route
+        assert!(inspect(br#"{"text": NaN}"#, &lim, &mut last).is_none());
+        assert!(last.is_none());
     }
 }

@@ -116,14 +116,15 @@ pub enum Refused {
     No,
 }
 
-/// POST `body` to `url`; the response once its head is in, within `first_byte` (None: no
-/// bound but the deadline). Connect errors, timeouts and 5xx are retryable; other non-200
-/// statuses are the client's fault and passed on.
-pub async fn post(client: &HttpClient, leg: Leg<'_>, url: &str, body: ReqBody, first_byte: Option<Duration>, deadline: Instant) -> Result<Response<Incoming>, (UpstreamError, Refused)> {
+/// POST `body` to `url`; the response once its head is in, within `head`'s limit, named by
+/// its phase in the timeout counters and the cause (None: no bound but the deadline).
+/// Connect errors, timeouts and 5xx are retryable; other non-200 statuses are the client's
+/// fault and passed on.
+pub async fn post(client: &HttpClient, leg: Leg<'_>, url: &str, body: ReqBody, head: Option<(Duration, &'static str)>, deadline: Instant) -> Result<Response<Incoming>, (UpstreamError, Refused)> {
     let (role, i) = (leg.role, leg.worker);
     let budget = deadline.saturating_duration_since(Instant::now());
-    let (limit, phase) = match first_byte {
-        Some(fb) if fb < budget => (fb, "first_byte"),
+    let (limit, phase) = match head {
+        Some((fb, phase)) if fb < budget => (fb, phase),
         _ => (budget, "total"),
     };
     let req = Request::post(url).header("content-type", "application/json").body(body.into_full()).expect("request");

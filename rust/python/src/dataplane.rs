@@ -168,7 +168,8 @@ impl PyDataPlane {
         self.plane.drift.as_ref().map(|f| (f.sampler.per_bucket(), f.sampler.span()))
     }
     /// Admission control now: {"limit", "queue_size", "queue_timeout_s", "in_flight",
-    /// "waiting"} (limit 0: no bound).
+    /// "waiting", "buffered_bytes", "buffer_limit"} (limit 0: no bound; the last two: the
+    /// request-body bytes held now and their bound).
     fn admission<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let a = &self.plane.admission;
         let d = PyDict::new(py);
@@ -177,6 +178,8 @@ impl PyDataPlane {
         d.set_item("queue_timeout_s", self.plane.cfg.queue_timeout_s)?;
         d.set_item("in_flight", a.in_flight())?;
         d.set_item("waiting", a.waiting())?;
+        d.set_item("buffered_bytes", self.plane.bodies.used())?;
+        d.set_item("buffer_limit", self.plane.bodies.limit())?;
         Ok(d)
     }
     /// The switchback experiment as JSON (None: no experiment): with `blocks`, GET

@@ -189,7 +189,12 @@ async fn decode_streamed(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, d: DecodeLeg<'
     let (w, prefill) = (d.choice.worker, d.prefill);
     let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
     let first_byte = secs(plane.cfg.first_byte_timeout_s);
-    let resp = match plane.open(leg, &d.url, ctx.dbody.clone(), Some(first_byte), ctx.deadline).await {
+    // its response head first, within the short progress timeout: a decode at work sends it
+    // before it runs anything (SGLang's StreamingResponse), so one that has not is hung, and
+    // the request moves on long before a client gives up (issue 33: the 60 s first-byte
+    // timeout outlasted 12 s clients, and a hung decode cost every request it met)
+    let head = (secs(plane.cfg.decode_progress_timeout_s).min(first_byte), "progress");
+    let resp = match plane.open(leg, &d.url, ctx.dbody.clone(), Some(head), ctx.deadline).await {
         Ok(r) => r,
         Err(e) => {
             plane.blame(&mut attempt, e.cause.as_deref().unwrap_or("error"), prefill).await?;

@@ -18,8 +18,8 @@
 //!
 //! One module per stage, in the order a request meets them; each calls only the stages
 //! after it (and [`drain`], which the prefill stage starts and the decode stage watches):
-//! 1. [`request`]: the client's body read and validated ([`body`]), admission, the answer
-//!    counted;
+//! 1. [`request`]: admission, the client's body read (within the bound on body bytes held)
+//!    and validated ([`body`]), the answer counted;
 //! 2. [`prefill`]: the prefill leg, its re-sends, and the wait for the signature;
 //! 3. [`route`]: the decode choice with the core router, and its queue slot (`Lease`);
 //! 4. [`decode`]: the decode leg, with failover to another decode until the first byte;

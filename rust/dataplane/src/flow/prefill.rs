@@ -193,7 +193,7 @@ async fn late_bound(plane: &Arc<Plane>, ctx: &DecodeCtx<'_>, send: PrefillSend) 
     let (p, deadline) = (ctx.p, ctx.deadline);
     let leg = Leg { role: Role::Prefill, worker: p, counters: &plane.counters };
     let t0 = Instant::now();
-    let presp = match plane.open(leg, &url, pbody, Some(secs(plane.cfg.first_byte_timeout_s)), deadline).await {
+    let presp = match plane.open(leg, &url, pbody, Some((secs(plane.cfg.first_byte_timeout_s), "first_byte")), deadline).await {
         Ok(r) => r,
         Err(e) => {
             if let Some(c) = &e.cause {

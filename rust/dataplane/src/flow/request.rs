@@ -1,6 +1,7 @@
-//! Stage 1, the client's request: its body read within the body timeout and the size
-//! limit, parsed and validated ([`super::body`]), then admitted (the bound on requests in
-//! flight); the answer, or the refusal, counted by endpoint and status.
+//! Stage 1, the client's request: admitted (the bound on requests in flight), then its body
+//! read within the body timeout, the size limit and the bound on body bytes held at once,
+//! parsed and validated ([`super::body`]); the answer, or the refusal, counted by endpoint
+//! and status.
 
 use std::sync::Arc;
 
@@ -12,7 +13,7 @@ use tokio::time::timeout;
 
 use super::body::{parse_body, Kind};
 use super::prefill::route_request;
-use crate::admission::{PermitBody, Rejected};
+use crate::admission::{PermitBody, Rejected, Reserved};
 use crate::config::secs;
 use crate::counters::names;
 use crate::errors::{error_json, BadRequest, FlowError};
@@ -40,7 +41,17 @@ pub async fn handle(plane: Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Re
 async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>, t0: tokio::time::Instant) -> Result<Response<Body>, FlowError> {
     let path = req.uri().path().to_owned();
     let clen = req.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok());
-    let raw = read_body(plane, req.into_body(), clen).await?;
+    let body = req.into_body();
+    // Admitted before the body is read (issue 33): a refused request's body is never held;
+    // it is read and dropped behind the answer, so the client can read it.
+    let permit = match plane.admission.admit().await {
+        Ok(p) => p,
+        Err(why) => {
+            discard(plane, body);
+            return Err(FlowError::Overloaded(why));
+        }
+    };
+    let (raw, _held) = read_body(plane, body, clen).await?;
     let (base, client_stream) = if raw.len() > LARGE_BODY_BYTES {
         tokio::task::spawn_blocking(move || parse_body(kind, &raw)).await.map_err(|_| BadRequest::with_status(503, "the request body could not be parsed"))??
     } else {
@@ -48,9 +59,6 @@ async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>, t0: tokio
         drop(raw); // the client's bytes go now, not when the request ends
         parsed?
     };
-    // Admitted after the body is read: a bad request gets its 4xx whatever the load, and a
-    // refused one has nothing left unread (closing on an unread body can reset the answer).
-    let permit = plane.admission.admit().await.map_err(FlowError::Overloaded)?;
     // the decode policy it is routed by (under an experiment, its block's arm, to its end)
     let arm = plane.arm();
     let resp = route_request(plane, &arm, &path, &base, client_stream, t0, kind.label()).await?;
@@ -110,6 +118,9 @@ fn overloaded_response(plane: &Plane, why: Rejected) -> Response<Body> {
         Rejected::QueueTimeout => format!(
             "the router is overloaded: no request slot of {} came free within the queue timeout of {} s; retry later (--queue-timeout-secs)",
             a.limit(), plane.cfg.queue_timeout_s),
+        Rejected::BufferFull => format!(
+            "the router is overloaded: the request bodies it holds would pass {} bytes; retry later (--max-buffered-bytes)",
+            plane.bodies.limit()),
     };
     refusal(why, msg)
 }
@@ -128,13 +139,21 @@ fn refusal(why: Rejected, msg: String) -> Response<Body> {
 /// its 413; past it the connection is closed on the client.
 const MAX_DISCARD_BYTES: usize = 64 << 20;
 
-/// The client's body, within the body timeout and the size limit.
-pub async fn read_body(plane: &Plane, mut body: Incoming, content_length: Option<u64>) -> Result<Bytes, BadRequest> {
+/// The client's body, within the body timeout, the size limit and the bound on the bytes of
+/// bodies held at once (its share of that bound is held with it, by the returned guard).
+pub async fn read_body(plane: &Plane, mut body: Incoming, content_length: Option<u64>) -> Result<(Bytes, Reserved), FlowError> {
     let max = plane.cfg.max_payload_size;
     let limit = secs(plane.cfg.client_body_timeout_s);
-    let mut buf: Vec<u8> = Vec::with_capacity(content_length.map_or(0, |n| n.min(max as u64) as usize));
+    let mut held = plane.bodies.start();
     let mut over = content_length.is_some_and(|n| n > max as u64);
-    let mut seen = 0usize;
+    // a declared length is taken from the bound at once (the buffer is allocated for it)
+    let declared = content_length.filter(|_| !over).map_or(0, |n| n as usize);
+    if !held.grow(declared) {
+        discard(plane, body);
+        return Err(FlowError::Overloaded(plane.admission.reject(Rejected::BufferFull)));
+    }
+    let mut buf: Vec<u8> = Vec::with_capacity(declared);
+    let (mut seen, mut taken, mut full) = (0usize, declared, false);
     let read = async {
         while let Some(chunk) = next_chunk(&mut body).await? {
             seen += chunk.len();
@@ -147,15 +166,48 @@ pub async fn read_body(plane: &Plane, mut body: Incoming, content_length: Option
                     break;
                 }
             } else {
+                // bytes past the declared length (or a chunked body's) are taken as they come
+                if seen > taken {
+                    if !held.grow(seen - taken) {
+                        full = true;
+                        break;
+                    }
+                    taken = seen;
+                }
                 buf.extend_from_slice(&chunk);
             }
         }
         Ok::<(), hyper::Error>(())
     };
-    match timeout(limit, read).await {
-        Err(_) => Err(BadRequest::with_status(408, format!("the request body did not arrive within {} s", plane.cfg.client_body_timeout_s))),
-        _ if over => Err(BadRequest::with_status(413, format!("the request body is larger than {max} bytes (the router's --max-payload-size)"))),
-        Ok(Err(_)) => Err(BadRequest::with_status(499, "the client went away while sending its body")),
-        Ok(Ok(())) => Ok(Bytes::from(buf)),
+    let r = timeout(limit, read).await;
+    if full {
+        drop(buf);
+        discard(plane, body);
+        return Err(FlowError::Overloaded(plane.admission.reject(Rejected::BufferFull)));
     }
+    match r {
+        Err(_) => Err(BadRequest::with_status(408, format!("the request body did not arrive within {} s", plane.cfg.client_body_timeout_s)).into()),
+        _ if over => Err(BadRequest::with_status(413, format!("the request body is larger than {max} bytes (the router's --max-payload-size)")).into()),
+        Ok(Err(_)) => Err(BadRequest::with_status(499, "the client went away while sending its body").into()),
+        Ok(Ok(())) => Ok((Bytes::from(buf), held)),
+    }
+}
+
+/// Read and drop the rest of a refused request's body behind its answer (at most
+/// MAX_DISCARD_BYTES, within the body timeout): the client can finish sending and read its
+/// answer, and no byte of it is held.
+fn discard(plane: &Plane, mut body: Incoming) {
+    let limit = secs(plane.cfg.client_body_timeout_s);
+    tokio::spawn(async move {
+        let _ = timeout(limit, async {
+            let mut seen = 0usize;
+            while let Ok(Some(c)) = next_chunk(&mut body).await {
+                seen += c.len();
+                if seen > MAX_DISCARD_BYTES {
+                    break;
+                }
+            }
+        })
+        .await;
+    });
 }
