@@ -73,7 +73,7 @@ def run_workload(w: dict, seed: int, requests: int | None, log) -> dict:
     t0 = time.perf_counter()
     trace = w["make"]()
     em = execution_model(w, trace)
-    prompt = float(np.mean(trace.prompt_len))
+    prompt = float(np.mean(trace.prefill_len))
     ratio = em.request_cost_ratio(batch=w["batch"], context=int(prompt + FIXED_OUTPUT_LEN / 2))
     rc_label = f"{TODAY}:rc={ratio:.4g}"
     policies = f"{BALANCERS},{TODAY},{rc_label}"

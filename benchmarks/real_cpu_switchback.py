@@ -42,38 +42,23 @@ from eldr_sglang.testing.sglang_cpu import locality_model as lm
 from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
 from eldr_sglang.testing.sglang_cpu.harness import Harness
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_cpu_tpot  # noqa: E402  (the same collect and fit as the per-run benchmark)
+
 REPO = Path(__file__).resolve().parent.parent
 MAIN_ARMS = "round_robin,eldr/none,locality/0.05"
 CONTROL_ARMS = "round_robin,locality/0.05"
 
 
-def _run(cmd: list[str]) -> None:
-    import subprocess
-
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{p.stderr[-2000:]}")
-
-
 def collect_and_fit(h: Harness, model: Path, geo, work: Path, a, rng) -> tuple[Path, Path]:
     """The calibration trace from a reference server, and 2 centroids fitted on it."""
-    L, K, E, D = (geo.spec[k] for k in ("layers", "top_k", "experts", "domains"))
     ref = h.start(f"reference-{work.name}", model, ["--enable-return-routed-experts", "--random-seed", "0"], cpus={0})
     try:
         wait_ready([ref], 900)
-        calib = work / "calibration.jsonl"
-        calib.write_text("".join(json.dumps({"prompt": lm.domain_prompt(geo, i % D, a.input_len, rng),
-                                             "domain": str(i % D)}) + "\n" for i in range(a.calibration_prompts)))
-        trace = work / "trace.npz"
-        _run([sys.executable, "-m", "eldr_sglang", "collect", str(calib), "--url", ref.url, "--out", str(trace),
-              "--num-hidden-layers", str(L), "--top-k", str(K), "--num-experts", str(E), "--max-new-tokens",
-              str(a.output_len), "--ignore-eos", "--keep-decode", str(a.calibration_prompts), "--no-progress"])
+        trace = real_cpu_tpot.collect_trace(ref, geo, work, a, rng)
     finally:
         h.stop([ref])
-    centroids = work / "centroids.eldr"
-    _run([sys.executable, "-m", "eldr_sglang", "fit", str(trace), "--workers", "2", "--layers", "all",
-          "--out", str(centroids), "--quiet"])
-    return trace, centroids
+    return trace, real_cpu_tpot.fit_centroids(trace, work)
 
 
 async def _closed_loop(url: str, geo, a, seconds: float, seed: int) -> dict:

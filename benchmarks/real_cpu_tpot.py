@@ -334,6 +334,28 @@ def summarize(cell: dict, rng) -> dict:
 
 
 # ------------------------------------------------------------------ one locality setting
+def collect_trace(ref, geo: lm.Geometry, work: Path, a, rng) -> Path:
+    """`eldr collect` of `a.calibration_prompts` domain prompts (domains in turn) against a running
+    reference server, decode routing kept: WORK/trace.npz."""
+    L, K, E, D = (geo.spec[k] for k in ("layers", "top_k", "experts", "domains"))
+    calib = work / "calibration.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": lm.domain_prompt(geo, i % D, a.input_len, rng), "domain": str(i % D)})
+                             + "\n" for i in range(a.calibration_prompts)))
+    trace = work / "trace.npz"
+    _run([sys.executable, "-m", "eldr_sglang", "collect", str(calib), "--url", ref.url, "--out", str(trace),
+          "--num-hidden-layers", str(L), "--top-k", str(K), "--num-experts", str(E), "--max-new-tokens",
+          str(a.output_len), "--ignore-eos", "--keep-decode", str(a.calibration_prompts), "--no-progress"])
+    return trace
+
+
+def fit_centroids(trace: Path, work: Path) -> Path:
+    """`eldr fit` of one centroid per decode worker (2) over all layers: WORK/centroids.eldr."""
+    centroids = work / "centroids.eldr"
+    _run([sys.executable, "-m", "eldr_sglang", "fit", str(trace), "--workers", "2", "--layers", "all",
+          "--out", str(centroids), "--quiet"])
+    return centroids
+
+
 def run_setting(h: Harness, a, locality: float, policies: list[str], log) -> dict:
     t0 = time.monotonic()
     model = h.locality_model(locality, seed=a.seed)
@@ -351,18 +373,10 @@ def run_setting(h: Harness, a, locality: float, policies: list[str], log) -> dic
         startup = {"reference": round(ref.ready_s or 0)}
         checks = engine_checks(h, ref, geo, rng, a.output_len, a.input_len)
         log(f"   engine checks: {json.dumps(checks)}")
-        calib = work / "calibration.jsonl"
-        calib.write_text("".join(json.dumps({"prompt": lm.domain_prompt(geo, i % D, a.input_len, rng), "domain": str(i % D)})
-                                 + "\n" for i in range(a.calibration_prompts)))
-        trace = work / "trace.npz"
-        _run([sys.executable, "-m", "eldr_sglang", "collect", str(calib), "--url", ref.url, "--out", str(trace),
-              "--num-hidden-layers", str(L), "--top-k", str(K), "--num-experts", str(E), "--max-new-tokens",
-              str(a.output_len), "--ignore-eos", "--keep-decode", str(a.calibration_prompts), "--no-progress"])
+        trace = collect_trace(ref, geo, work, a, rng)
     finally:
         h.stop([ref])
-    centroids = work / "centroids.eldr"
-    _run([sys.executable, "-m", "eldr_sglang", "fit", str(trace), "--workers", "2", "--layers", "all",
-          "--out", str(centroids), "--quiet"])
+    centroids = fit_centroids(trace, work)
     log(f"   collected {a.calibration_prompts} prompts and fitted 2 centroids ({time.monotonic() - t0:.0f} s)")
 
     prefill, boot, decodes = h.start_pd(model, 2, prefill_extra=["--enable-eldr-signature", "--enable-eldr-late-binding"],
