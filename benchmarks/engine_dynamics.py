@@ -18,6 +18,8 @@ benchmarks/sim_vs_engine.py runs the same analysis and puts it in its result.
   of the servers' time that is stall excess, how much of it overlaps a prefill forward (the
   prefill shares the cores), and the lag-1 autocorrelation of each 1 s window's stall share
   (0: stalls come i.i.d., not in episodes).
+- **The other server.** The mean step by this server's batch and the other server's batch at
+  its start: on a shared host a step slows as the other server steps faster.
 - **Imbalance within a block.** |batch of decode 0 - batch of decode 1|, sampled every 10 ms,
   averaged per second of the arm's blocks: a balancer holds it flat; a rule that lets
   imbalance grow shows it rising after the block starts from the previous arm's state.
@@ -152,10 +154,27 @@ def imbalance_by_second(setting: dict, servers: list[dict], block_s: float) -> d
     return out
 
 
+def by_other_batch(servers: list[dict], min_steps: int = 40) -> dict[str, float]:
+    """Mean step interval (ms) by this server's batch and the other server's batch at the step's
+    start ('own,other'; cells with fewer than `min_steps` steps left out): the shared host's
+    signature is a step that slows as the other server steps faster (smaller batches)."""
+    if len(servers) != 2:
+        return {}
+    cells: dict[str, list] = {}
+    for k in (0, 1):
+        me, ot = servers[k], servers[1 - k]
+        j = np.maximum(np.searchsorted(ot["t"], me["t0"]) - 1, 0)
+        other = np.where(me["t0"] - ot["t"][j] > IDLE_GAP_S, 0, ot["b"][j])
+        for b, o, y in zip(me["batch"], other, me["interval"]):
+            cells.setdefault(f"{min(int(b), BATCH_MAX)},{min(int(o), BATCH_MAX)}", []).append(y)
+    return {key: round(float(np.mean(v)) * 1e3, 1) for key, v in sorted(cells.items()) if len(v) >= min_steps}
+
+
 def analyse_setting(setting: dict, fit: dict, arm_of_time=None) -> dict:
     servers = server_steps(setting)
     res = {"by_batch": by_batch(servers, fit), "stalls": stalls(servers, fit, prefill_spans(setting)),
-           "imbalance_by_second": imbalance_by_second(setting, servers, float(setting.get("block_s", 10)))}
+           "imbalance_by_second": imbalance_by_second(setting, servers, float(setting.get("block_s", 10))),
+           "step_ms_by_own_and_other_batch": by_other_batch(servers)}
     if arm_of_time is not None:  # the balancer's steps alone, as the fit
         res["by_batch_round_robin"] = by_batch(servers, fit, lambda s: arm_of_time(s["t0"]) == "round_robin")
     return res
@@ -175,6 +194,15 @@ def table(res: dict) -> list[str]:
         lines += [f"| {i} | {s['stall_share_of_time']:.3f} | {s['stalls_per_s']:.2f} | {s['excess_p50_ms']:.0f} | "
                   f"{s['prefill_overlap_in_stalls']:.3f} | {s['prefill_overlap_in_normal_steps']:.3f} | "
                   f"{s['window_autocorr_lag1']:+.3f} |" for i, s in enumerate(r["stalls"]["per_server"])]
+        cells = r.get("step_ms_by_own_and_other_batch") or {}
+        if cells:
+            lines += ["", "Mean step ms by this server's batch (rows) and the other server's batch at its start (columns; "
+                          "- : under 40 steps)", "", "| own \\ other | " + " | ".join(str(o) for o in range(BATCH_MAX + 1)) + " |",
+                      "|---|" + "---|" * (BATCH_MAX + 1)]
+            for b in range(1, BATCH_MAX + 1):
+                row = [str(cells.get(f"{b},{o}", "-")) for o in range(BATCH_MAX + 1)]
+                if any(x != "-" for x in row):
+                    lines.append(f"| {b} | " + " | ".join(row) + " |")
         if r["imbalance_by_second"]:
             lines += ["", "| arm | mean abs(batch0 - batch1), by second of its blocks |", "|---|---|"]
             lines += [f"| {arm} | {' '.join(f'{x:.2f}' for x in v)} |" for arm, v in r["imbalance_by_second"].items()]

@@ -11,8 +11,9 @@ default cost model, closed loop at 8 and 32 clients per worker, fixed outputs, t
 shuffled order, 1 split. r comes from the profile's cost model
 (`ExecutionModel.request_cost_ratio` at a batch of 16 and the workload's mean context), one
 ratio per profile, never from the results. Not here: the CPU engine's setting (its recorded
-trace is v2, prompt counts, which the protocol's per-token replay cannot take; its r from the
-engine fit is 0.95, benchmarks/results/engine_step_fit_cpu.json). The rule that picks the default is
+trace is v2, prompt counts, which the protocol's per-token replay cannot take; the engine fit,
+benchmarks/results/engine_step_fit_cpu.json, has no per-request term once its shared host CPU
+is modelled, so its r is 0). The rule that picks the default is
 fixed in advance (issue 34): fewest runs losing to the best load balancer on p50 or p99 TPOT,
 ties broken by the median p50 change.
 """
