@@ -285,3 +285,48 @@ def test_discovery_first_membership_waits_for_both_roles():
         assert changes == [kd.membership]
 
     run(fake, body)
+
+
+def test_discovery_hook_starts_from_kubernetes_and_waits_out_a_hanging_server():
+    """The hook with Kubernetes alone starts from the first full LIST; beside --prefill/--decode,
+    a hanging API server delays start-up by the grace period only."""
+    from eldr_sglang.router.discovery.flags import DiscoverySettings
+    from eldr_sglang.router.discovery.hook import MembershipHook
+    from eldr_sglang.router.discovery.membership import Membership
+
+    fake = FakeKube()
+
+    async def main():
+        server = TestServer(fake.app())
+        await server.start_server()
+        s = KubeSettings(prefill_selector={"component": "prefill"}, decode_selector={"component": "decode"},
+                         selector={}, namespace="default", port=PORT, api_url=str(server.make_url("")).rstrip("/"))
+        opts = {"timeout_s": 0.2, "backoff_s": 0.05, "backoff_max_s": 0.1}
+        try:
+            await fake.put(make_pod("prefill-0", "10.1.0.1", "prefill"))
+            await fake.put(make_pod("decode-0", "10.1.1.1", "decode"))
+            hook = MembershipHook(Membership(), DiscoverySettings(kube=s), kube_options=opts)
+            await hook.start()
+            try:
+                m = await asyncio.wait_for(hook.first(), 5)
+            finally:
+                await hook.stop()
+            assert m.prefill == (PrefillSpec(url("10.1.0.1"), 8998),) and m.decode == (url("10.1.1.1"),)
+
+            fake.mode = "hang"
+            static = Membership((PrefillSpec("http://p:1", None),), ("http://d:1",))
+            hook = MembershipHook(static, DiscoverySettings(kube=s), kube_options=opts)
+            await hook.start()
+            t0 = time.monotonic()
+            try:
+                m = await asyncio.wait_for(hook.first(grace_s=0.5), 5)
+                took = time.monotonic() - t0
+                st = hook.status()
+            finally:
+                await hook.stop()
+            assert m == static and 0.45 <= took < 2.0
+            assert "timed out" in st["sources"]["kubernetes"]["roles"]["decode"]["last_error"]
+        finally:
+            await server.close()
+
+    asyncio.run(main())

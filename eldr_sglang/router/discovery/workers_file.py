@@ -65,7 +65,7 @@ def parse(data: bytes, path: str, need_prefill: bool = True) -> Membership:
     except UnicodeDecodeError:
         raise WorkersFileError(f"{source}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
-        what = "ends early (half-written?)" if exc.pos >= len(data.rstrip()) else "is not valid JSON"
+        what = "ends early (half-written?)" if _unclosed(data) else "is not valid JSON"
         raise WorkersFileError(f"{source}: {what}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise WorkersFileError(f"{source}: nested too deeply") from None
@@ -73,6 +73,21 @@ def parse(data: bytes, path: str, need_prefill: bool = True) -> Membership:
         return from_json(obj, source, need_prefill=need_prefill)
     except MembershipError as exc:
         raise WorkersFileError(str(exc)) from None
+
+
+def _unclosed(data: bytes) -> bool:
+    """Whether the text ends inside a string or an open [ or { (or is empty): a file cut short."""
+    depth, in_str, esc = 0, False, False
+    for c in data.decode("utf-8", "replace"):
+        if in_str:
+            esc, in_str = (False, True) if esc else (c == "\\", c != '"')
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+    return in_str or depth > 0 or not data.strip()
 
 
 class WorkersFile:
