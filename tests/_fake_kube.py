@@ -129,6 +129,7 @@ class FakeKube:
     async def pods_handler(self, request: web.Request) -> web.StreamResponse:
         q = dict(request.query)
         q["path"] = request.path
+        q["auth"] = request.headers.get("Authorization")
         self.calls.append(q)
         if self.mode == "hang":
             await asyncio.sleep(3600)

@@ -82,6 +82,7 @@ def test_discovery_lists_then_watches_adds_and_deletes():
         assert [c["labelSelector"] for c in fake.calls if "watch" not in c] == [
             "app=sglang,component=prefill", "app=sglang,component=decode"]
         assert all(c["path"] == "/api/v1/namespaces/default/pods" for c in fake.calls)
+        assert all(c["auth"] is None for c in fake.calls)  # --kube-api: no token sent
 
     run(fake, body)
 
@@ -328,5 +329,62 @@ def test_discovery_hook_starts_from_kubernetes_and_waits_out_a_hanging_server():
             assert "timed out" in st["sources"]["kubernetes"]["roles"]["decode"]["last_error"]
         finally:
             await server.close()
+
+    asyncio.run(main())
+
+
+def test_discovery_in_cluster_uses_the_service_account_token_and_ca(tmp_path, monkeypatch):
+    """Without --kube-api: https to $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, the server
+    checked against the service account's ca.crt, its token sent and re-read (tokens rotate)."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key.pem"),
+                    "-out", str(sa / "ca.crt")], check=True, capture_output=True)
+    (sa / "token").write_text("token-one\n")
+    other = tmp_path / "other"  # a service account whose CA did not sign the server's certificate
+    other.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key2.pem"),
+                    "-out", str(other / "ca.crt")], check=True, capture_output=True)
+    (other / "token").write_text("token-x\n")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(sa / "ca.crt", tmp_path / "key.pem")
+    fake = FakeKube()
+
+    async def main():
+        server = TestServer(fake.app())
+        await server.start_server(ssl=server_ctx)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.port))
+        s = KubeSettings(prefill_selector={"component": "prefill"}, decode_selector={"component": "decode"},
+                         selector={}, namespace="default", port=PORT, api_url=None, resync_s=0.3)
+        untrusted = KubeDiscovery(s, lambda m: None, timeout_s=1.0, backoff_s=0.05, sa_dir=str(other))
+        task = asyncio.ensure_future(untrusted.run())
+        await until(lambda: untrusted.stats["decode"]["errors"] >= 1, what="TLS refusal")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert untrusted.membership is None and "certificate" in untrusted.last_error["decode"].lower()
+        assert fake.calls == []  # no request reached the server
+        kd = KubeDiscovery(s, lambda m: None, timeout_s=1.0, backoff_s=0.05, sa_dir=str(sa))
+        task = asyncio.ensure_future(kd.run())
+        try:
+            await fake.put(make_pod("prefill-0", "10.1.0.1", "prefill"))
+            await fake.put(make_pod("decode-0", "10.1.1.1", "decode"))
+            await until(lambda: kd.membership is not None, what="membership over TLS")
+            (sa / "token").write_text("token-two\n")
+            await until(lambda: fake.calls[-1]["auth"] == "Bearer token-two", what="rotated token")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.close()
+        assert fake.calls[0]["auth"] == "Bearer token-one"
+        assert kd.membership.decode == (url("10.1.1.1"),)
 
     asyncio.run(main())

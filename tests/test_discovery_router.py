@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 
 import pytest
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from eldr_sglang.testing.pd_cluster import get_json, post, start_router  # noqa: E402
+from eldr_sglang.testing.pd_cluster import get_json, metric, post, start_router  # noqa: E402
 
 TIME_SCALE = 0.05
 TRACE = dict(requests=40, seed=5, workers=2)
@@ -83,6 +84,10 @@ def test_discovery_router_starts_from_the_workers_file_and_shows_changes_pending
     assert [w["url"] for w in m["applied"]["decode"]] == cluster["decode"][:1]
     # honest: not applied, so the router still routes to the one decode worker it started with
     assert len(st["decode_workers"]) == 1 and served_by(base) == {"0"}
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    assert metric(text, "eldr_router_membership_pending") == 1
+    assert metric(text, "eldr_router_membership_workers", role="decode", state="desired") == 2
+    assert metric(text, "eldr_router_membership_workers", role="decode", state="applied") == 1
 
     # garbage: refused, the last good (desired) membership stays
     write(path, "{\"prefill\": [")
@@ -91,6 +96,8 @@ def test_discovery_router_starts_from_the_workers_file_and_shows_changes_pending
     assert src["ok"] is False and "ends early" in src["last_error"] and src["refused"] >= 1
     assert [w["url"] for w in st["membership"]["desired"]["decode"]] == cluster["decode"]
     assert served_by(base, 2) == {"0"}
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    assert metric(text, "eldr_router_discovery_source_ok", source="workers_file") == 0
 
     # back to the started membership: nothing pending any more
     write(path, doc(cluster, cluster["decode"][:1]))

@@ -65,7 +65,8 @@ class KubeDiscovery:
         self.listed = {r: False for r in ROLES}
         self.rv: dict[str, str | None] = {r: None for r in ROLES}
         self.stats = {r: {"lists": 0, "gone": 0, "events": 0, "errors": 0} for r in ROLES}
-        self.last_error: dict[str, str | None] = {r: None for r in ROLES}
+        self.last_error: dict[str, str | None] = {r: None for r in ROLES}  # None: the last LIST was good
+        self._logged: dict[str, str | None] = {r: None for r in ROLES}  # the failure last logged, until a clean cycle
         self.membership: Membership | None = None
         self.changed_at: float | None = None
         self._warned_annotation: set[tuple] = set()
@@ -244,7 +245,8 @@ class KubeDiscovery:
     def _failed(self, role: str, exc: Exception) -> None:
         msg = str(exc)
         self.stats[role]["errors"] += 1
-        if msg != self.last_error[role]:
+        if msg != self._logged[role]:
+            self._logged[role] = msg
             kept = "keeping the last good membership" if self.listed[role] else "no membership yet"
             logger.warning("kubernetes discovery (%s): %s; %s, retrying with back-off", role, msg, kept)
         self.last_error[role] = msg
@@ -270,6 +272,7 @@ class KubeDiscovery:
                 self.last_error[role] = None
                 delay = self.backoff_s
                 await self._watch_until_resync(role, loop.time() + self.s.resync_s)
+                self._logged[role] = None  # a whole cycle went well: the next failure is news
             except Gone as exc:
                 self.stats[role]["gone"] += 1
                 logger.info("kubernetes discovery (%s): %s; re-listing", role, exc)
