@@ -356,7 +356,9 @@ def _experiment_flags(exp: argparse._ArgumentGroup) -> None:
 def _request_flags(req: argparse._ArgumentGroup) -> None:
     """Request limits and the control plane's polls of the workers."""
     req.add_argument("--request-timeout-secs", type=float, default=1800.0)
-    req.add_argument("--worker-startup-timeout-secs", type=float, default=0.0, help="wait for workers' /health at start (0: no)")
+    req.add_argument("--worker-startup-timeout-secs", type=float, default=0.0,
+                     help="wait for workers' /health at start (0: no); with discovery and no --prefill/--decode, also the "
+                     "longest wait for the first workers found (0: no limit)")
     req.add_argument("--health-check-interval-secs", type=float, default=10.0)
     req.add_argument("--health-failure-threshold", type=int, default=3)
     req.add_argument(
