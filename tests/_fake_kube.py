@@ -11,7 +11,8 @@ and WATCH protocol with the real response shapes, on an aiohttp test server.
   history gets an ERROR event whose object is a v1 Status with code 410 (Expired), as the watch
   cache answers, and the stream ends.
 
-Scripted faults: `hang` (every call waits forever), `garbage` (LIST answers an HTML page, a
+Scripted faults: `hang` (every call waits forever), `hang_watch` (a WATCH never answers, as
+behind a proxy that buffers streams; LIST works), `garbage` (LIST answers an HTML page, a
 WATCH a line that is not JSON), `not_podlist` (LIST answers JSON that is not a PodList),
 `delete(..., event=False)` (the pod goes without a DELETED event: the missed DELETE),
 `expire()` (history dropped and every open watch told 410).
@@ -78,7 +79,7 @@ class FakeKube:
         self.pods: dict[tuple, dict] = {}
         self.history: list[tuple[int, dict | None, dict | None]] = []  # (rv, old, new)
         self.oldest = self.rv  # a watch from before this gets 410
-        self.mode = "ok"  # ok | hang | garbage | not_podlist
+        self.mode = "ok"  # ok | hang | hang_watch | garbage | not_podlist
         self.calls: list[dict] = []  # every request's query
         self._changed = asyncio.Condition()
         self._expired = 0
@@ -131,7 +132,7 @@ class FakeKube:
         q["path"] = request.path
         q["auth"] = request.headers.get("Authorization")
         self.calls.append(q)
-        if self.mode == "hang":
+        if self.mode == "hang" or (self.mode == "hang_watch" and q.get("watch")):
             await asyncio.sleep(3600)
         ns = request.match_info.get("ns")
         sel = _selector(q.get("labelSelector", ""))

@@ -231,24 +231,45 @@ def test_discovery_hanging_api_server_keeps_the_last_good_membership(caplog):
         await until(lambda: kd.membership is not None)
         good = kd.membership
         fake.mode = "hang"
-        await until(lambda: kd.stats["decode"]["errors"] >= 3, timeout=5, what="timeouts on the hanging server")
+        await until(lambda: min(kd.stats[r]["errors"] for r in ("prefill", "decode")) >= 4, timeout=5,
+                    what="timeouts on the hanging server")
         assert kd.membership == good and len(changes) == 1
         assert "timed out" in kd.last_error["decode"]
-        # back-off: attempts grow apart (0.05, 0.1, 0.2, 0.2 s after each 0.3 s timeout), not a busy loop
+        # back-off: after 4 failures each role waits 0.4 s between 0.1 s time-outs, so at most
+        # 5 calls per role in 2 s (without it: 20)
         n0, t0 = len(fake.calls), time.monotonic()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2.0)
         per_s = (len(fake.calls) - n0) / (time.monotonic() - t0)
-        assert per_s < 2 * 2.5  # two roles, each at most one call per 0.5 s
+        assert per_s <= 5.0, per_s
         fake.mode = "ok"
         await fake.put(make_pod("decode-1", "10.1.1.2", "decode"))
         await until(lambda: decode_urls(kd) == [url("10.1.1.1"), url("10.1.1.2")], what="recovery")
         assert kd.last_error["decode"] is None
 
     with caplog.at_level(logging.WARNING, logger="eldr.router.discovery"):
-        run(fake, body, resync_s=0.4)
+        run(fake, body, resync_s=0.4, timeout_s=0.1, backoff_max_s=0.4)
     logged = [r.getMessage() for r in caplog.records if "timed out" in r.getMessage()]
     # one line per role for the whole outage, however many retries
     assert 1 <= len([m for m in logged if "(decode)" in m]) <= 2
+
+
+def test_discovery_watch_that_never_answers_falls_back_to_relisting():
+    fake = FakeKube()
+    fake.mode = "hang_watch"
+
+    async def body(kd, changes):
+        await fake.put(make_pod("prefill-0", "10.1.0.1", "prefill"))
+        await fake.put(make_pod("decode-0", "10.1.1.1", "decode"))
+        await until(lambda: kd.membership is not None, what="membership from LIST alone")
+        await until(lambda: kd.stats["decode"]["errors"] >= 1, what="WATCH time-out")
+        assert "WATCH timed out" in kd.last_error["decode"]
+        await fake.put(make_pod("decode-1", "10.1.1.2", "decode"))
+        await until(lambda: decode_urls(kd) == [url("10.1.1.1"), url("10.1.1.2")], what="change seen by re-LIST")
+        await fake.delete("decode-0")
+        await until(lambda: decode_urls(kd) == [url("10.1.1.2")], what="delete seen by re-LIST")
+        assert all(kd.stats[r]["events"] == 0 for r in ("prefill", "decode"))  # no watch ever delivered
+
+    run(fake, body, timeout_s=0.2, backoff_max_s=0.2)
 
 
 @pytest.mark.parametrize("mode", ["garbage", "not_podlist"])
