@@ -375,6 +375,17 @@ def test_discovery_in_cluster_uses_the_service_account_token_and_ca(tmp_path, mo
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key2.pem"),
                     "-out", str(other / "ca.crt")], check=True, capture_output=True)
     (other / "token").write_text("token-x\n")
+    import aiohttp
+
+    sessions = []
+    real_session = aiohttp.ClientSession
+
+    def CountedSession(*a, **kw):
+        sessions.append(real_session(*a, **kw))
+        return sessions[-1]
+
+    # both roles open the session at once; the CA is loaded in a thread meanwhile: one session each
+    monkeypatch.setattr("eldr_sglang.router.discovery.kube.aiohttp.ClientSession", CountedSession)
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(sa / "ca.crt", tmp_path / "key.pem")
     fake = FakeKube()
@@ -406,6 +417,7 @@ def test_discovery_in_cluster_uses_the_service_account_token_and_ca(tmp_path, mo
             await asyncio.gather(task, return_exceptions=True)
             await server.close()
         assert fake.calls[0]["auth"] == "Bearer token-one"
+        assert len(sessions) == 2 and all(x.closed for x in sessions)  # one per discovery, closed at the end
         assert kd.membership.decode == (url("10.1.1.1"),)
 
     asyncio.run(main())

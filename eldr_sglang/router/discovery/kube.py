@@ -71,6 +71,7 @@ class KubeDiscovery:
         self.changed_at: float | None = None
         self._warned_annotation: set[tuple] = set()
         self._session: aiohttp.ClientSession | None = None
+        self._session_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ what it has found
     def state(self) -> dict:
@@ -121,7 +122,10 @@ class KubeDiscovery:
         if self.s.api_url is not None:
             return {"Accept": "application/json"}
         # bound service-account tokens rotate: read it for every call (a small file, off the loop)
-        token = await asyncio.to_thread(_read_text, os.path.join(self.sa_dir, "token"))
+        try:
+            token = await asyncio.to_thread(_read_text, os.path.join(self.sa_dir, "token"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KubeError(f"cannot read the service-account token: {exc}") from None
         return {"Accept": "application/json", "Authorization": f"Bearer {token.strip()}"}
 
     def _base(self) -> str:
@@ -136,10 +140,17 @@ class KubeDiscovery:
         return f"{self._base()}{path}?{urlencode(query)}"
 
     async def _session_get(self) -> aiohttp.ClientSession:
+        async with self._session_lock:  # both roles start at once: one session, not two
+            return await self._open_session()
+
+    async def _open_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             ctx = None
             if self.s.api_url is None:
-                ctx = await asyncio.to_thread(ssl.create_default_context, cafile=os.path.join(self.sa_dir, "ca.crt"))
+                try:
+                    ctx = await asyncio.to_thread(ssl.create_default_context, cafile=os.path.join(self.sa_dir, "ca.crt"))
+                except (OSError, ssl.SSLError) as exc:
+                    raise KubeError(f"cannot load the service-account CA: {exc}") from None
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx) if ctx else None)
         return self._session
 
@@ -266,17 +277,30 @@ class KubeDiscovery:
     async def run_role(self, role: str) -> None:
         loop = asyncio.get_running_loop()
         delay = self.backoff_s
+        gone_streak = 0  # 410s with no event between them: past the first, a server that always says 410
         while True:
             try:
                 await self.list_pods(role)
                 self.last_error[role] = None
                 delay = self.backoff_s
-                await self._watch_until_resync(role, loop.time() + self.s.resync_s)
+                events = self.stats[role]["events"]
+                try:
+                    await self._watch_until_resync(role, loop.time() + self.s.resync_s)
+                finally:
+                    if self.stats[role]["events"] != events:
+                        gone_streak = 0
                 self._logged[role] = None  # a whole cycle went well: the next failure is news
+                gone_streak = 0
             except Gone as exc:
                 self.stats[role]["gone"] += 1
+                gone_streak += 1
                 logger.info("kubernetes discovery (%s): %s; re-listing", role, exc)
-            except KubeError as exc:
+                if gone_streak > 1:  # the first 410 re-lists at once; a run of them backs off
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff_max_s)
+            except Exception as exc:  # KubeError, or a bug: the loop must not die
+                if not isinstance(exc, KubeError):
+                    logger.exception("kubernetes discovery (%s): unexpected error", role)
                 self._failed(role, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff_max_s)
