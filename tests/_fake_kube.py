@@ -12,7 +12,7 @@ and WATCH protocol with the real response shapes, on an aiohttp test server.
   cache answers, and the stream ends.
 
 Scripted faults: `hang` (every call waits forever), `hang_watch` (a WATCH never answers, as
-behind a proxy that buffers streams; LIST works), `garbage` (LIST answers an HTML page, a
+behind a proxy that buffers streams; LIST works), `always_410` (every WATCH answers 410), `garbage` (LIST answers an HTML page, a
 WATCH a line that is not JSON), `not_podlist` (LIST answers JSON that is not a PodList),
 `delete(..., event=False)` (the pod goes without a DELETED event: the missed DELETE),
 `expire()` (history dropped and every open watch told 410).
@@ -79,7 +79,7 @@ class FakeKube:
         self.pods: dict[tuple, dict] = {}
         self.history: list[tuple[int, dict | None, dict | None]] = []  # (rv, old, new)
         self.oldest = self.rv  # a watch from before this gets 410
-        self.mode = "ok"  # ok | hang | hang_watch | garbage | not_podlist
+        self.mode = "ok"  # ok | hang | hang_watch | always_410 | garbage | not_podlist
         self.calls: list[dict] = []  # every request's query
         self._changed = asyncio.Condition()
         self._expired = 0
@@ -170,7 +170,7 @@ class FakeKube:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while True:
-            if since < self.oldest or self._expired != expired_at_start:
+            if since < self.oldest or self._expired != expired_at_start or self.mode == "always_410":
                 status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                           "message": f"too old resource version: {since} ({self.oldest})", "reason": "Expired", "code": 410}
                 await resp.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")

@@ -128,6 +128,24 @@ def test_discovery_410_gone_relists_and_catches_up():
     run(fake, body)
 
 
+def test_discovery_a_server_that_always_answers_410_is_backed_off():
+    fake = FakeKube()
+    fake.mode = "always_410"
+
+    async def body(kd, changes):
+        await fake.put(make_pod("prefill-0", "10.1.0.1", "prefill"))
+        await fake.put(make_pod("decode-0", "10.1.1.1", "decode"))
+        await until(lambda: kd.membership is not None)
+        await asyncio.sleep(0.5)  # back-off reaches its 0.2 s ceiling
+        n0 = kd.stats["decode"]["lists"]
+        await asyncio.sleep(1.0)
+        # a re-list at once after each 410 would be hundreds a second; backed off: at most ~6
+        assert kd.stats["decode"]["lists"] - n0 <= 7
+        assert kd.membership.decode == (url("10.1.1.1"),)  # the LISTs still keep it right
+
+    run(fake, body)
+
+
 def test_discovery_missed_delete_heals_at_the_next_relist():
     fake = FakeKube()
     resync = 0.6

@@ -12,8 +12,10 @@ server by its label selector:
 
 Any other failure (a timeout on a call, a connection refused, a non-200 answer, a body or an
 event that is not what the protocol says) keeps the store as it was (the last good membership)
-and retries after a back-off that doubles from `backoff_s` to `backoff_max_s`, reset by the
-next good LIST. One log line per distinct failure in a row.
+and retries after a back-off that doubles from `backoff_s` to `backoff_max_s`, reset once a
+watch delivers events or a whole resync period goes well (so a LIST that works beside a watch
+that always fails still backs off). A 410 re-lists at once; a run of them backs off too. One
+log line per distinct failure in a row.
 
 After every change the pods that count (pods.Pod.counts) become a Membership; it is handed to
 `on_change` once both roles have been listed and only when it differs from the last one.
@@ -282,15 +284,14 @@ class KubeDiscovery:
             try:
                 await self.list_pods(role)
                 self.last_error[role] = None
-                delay = self.backoff_s
                 events = self.stats[role]["events"]
                 try:
                     await self._watch_until_resync(role, loop.time() + self.s.resync_s)
                 finally:
-                    if self.stats[role]["events"] != events:
-                        gone_streak = 0
+                    if self.stats[role]["events"] != events:  # the watch worked for a while
+                        gone_streak, delay = 0, self.backoff_s
                 self._logged[role] = None  # a whole cycle went well: the next failure is news
-                gone_streak = 0
+                gone_streak, delay = 0, self.backoff_s
             except Gone as exc:
                 self.stats[role]["gone"] += 1
                 gone_streak += 1
