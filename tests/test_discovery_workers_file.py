@@ -182,7 +182,7 @@ def test_workers_file_change_applies_within_the_interval(tmp_path):
             assert changes[-1].decode[-1] == f"http://d{k + 1}:30001"
 
     run_file(path, body, interval=interval)
-    assert max(delays) <= interval + 0.15, delays
+    assert max(delays) <= interval + 0.3, delays  # a poll every interval, plus a loaded machine's slack
 
 
 def test_workers_file_same_size_rewrite_is_seen(tmp_path):
