@@ -42,7 +42,7 @@ def started(cluster, workdir):
     proc, base = start_router({"prefill": [], "decode": []}, workdir, [
         "--workers-file", str(path), "--workers-file-interval", str(INTERVAL), "--disagg-router", "round_robin",
         "--load-monitor-interval", "0.2", "--health-check-interval-secs", "0.5"])
-    yield path, base
+    yield path, base, proc
     proc.stop()
 
 
@@ -65,7 +65,7 @@ def served_by(base, n=6):
 
 
 def test_discovery_router_starts_from_the_workers_file_and_shows_changes_pending(started, cluster):
-    path, base = started
+    path, base, proc = started
     st = get_json(base + "/eldr/status")
     m = st["membership"]
     assert m["applied"] == m["desired"] == doc(cluster, cluster["decode"][:1]) and m["pending"] is False
@@ -88,6 +88,9 @@ def test_discovery_router_starts_from_the_workers_file_and_shows_changes_pending
     assert metric(text, "eldr_router_membership_pending") == 1
     assert metric(text, "eldr_router_membership_workers", role="decode", state="desired") == 2
     assert metric(text, "eldr_router_membership_workers", role="decode", state="applied") == 1
+
+    log = proc.log.read_text()
+    assert f"membership changed (+decode {cluster['decode'][1]}) but is NOT applied" in log
 
     # garbage: refused, the last good (desired) membership stays
     write(path, "{\"prefill\": [")

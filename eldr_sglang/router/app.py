@@ -128,10 +128,11 @@ async def running(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str
     from eldr_sglang.router.discovery.hook import discovered, pending_apply
 
     async with discovered(cfg) as (cfg, hook):
+        if hook is not None:  # set before the router is built, so no change goes unlogged
+            hook.apply_cb = functools.partial(pending_apply, hook)
         async with _serving(cfg) as (app, url):
             if hook is not None:
                 app[PD_KEY].membership = hook
-                hook.apply_cb = functools.partial(pending_apply, hook)
             yield app, url
 
 
