@@ -7,9 +7,10 @@
 R router replicas (eldr_sglang/sim/replicas.py) in front of one simulated cluster, K = 8
 decode workers; each client request reaches a replica at random. Every replica is its own
 Rust Router with its own in-flight counts and expert view, reading the workers' loads every
-load-monitor interval (1 s). Two modes: `own_view` (today: each replica's expert view holds
-only its own requests) and `worker_reports` (the workers report their expert occupancy beside
-their load; each replica sees the others' requests as of the last poll). The balancers run
+load-monitor interval (1 s). Three modes: `own_view` (today: each replica's expert view holds
+only its own requests), `worker_reports` (the workers report their expert occupancy beside
+their load; each replica sees the others' requests as of the last poll) and `no_polls` (the
+service with `--load-monitor-interval 0`: each replica balances its own share alone). The balancers run
 behind the same replicas, so each change is against the best balancer of the same R and mode.
 
 Workloads: GPT-OSS-20B's real trace (../shared, H100) and DeepSeek-V3 synthetic (8xH200), the
@@ -32,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPLICAS = (1, 2, 4, 8)
+MODES = ("own_view", "worker_reports", "no_polls")  # eldr_sglang/sim/replicas.py
 BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
 
 
@@ -90,7 +92,7 @@ def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0) ->
     rows = []
     for per_worker in (8, 32):
         for R in REPLICAS:
-            for mode in ("own_view", "worker_reports"):
+            for mode in MODES:
                 t0 = time.perf_counter()
                 r = run_cell(replay, em, w["K"], idx, per_worker * w["K"], R, mode, seed, poll_s)
                 rows.append({"workload": w["name"], "per_worker": per_worker, "R": R, "mode": mode, **r})
@@ -106,8 +108,8 @@ def summary(rows: list[dict]) -> dict:
         out["by_R"][str(R)] = {mode: {"p50_change_median": float(np.median([r["p50_change"] for r in rows if r["R"] == R and r["mode"] == mode])),
                                       "p99_change_median": float(np.median([r["p99_change"] for r in rows if r["R"] == R and r["mode"] == mode])),
                                       "runs": sum(r["R"] == R and r["mode"] == mode for r in rows)}
-                               for mode in ("own_view", "worker_reports")}
-    for mode in ("own_view", "worker_reports"):
+                               for mode in MODES}
+    for mode in MODES:
         out[f"gap_points_r4_{mode}"] = out["by_R"]["4"][mode]["p50_change_median"] - out["by_R"]["1"][mode]["p50_change_median"]
     return out
 
@@ -118,12 +120,10 @@ def table(rows: list[dict], s: dict) -> list[str]:
     lines += [f"| {r['workload']} | {r['per_worker']} | {r['R']} | {r['mode']} | {r['p50_change']:+.1f}% | {r['p99_change']:+.1f}% | "
               f"{r['distinct']:.2f} | {r['herding']:.2f} | {r['best_balancer']} |" for r in rows]
     lines += ["", "Changes: the default against the best balancer behind the same replicas (negative: faster).", "",
-              "| R | own_view p50 (median) | own_view p99 | worker_reports p50 | worker_reports p99 |", "|---|---|---|---|---|"]
+              "| R | " + " | ".join(f"{m} p50 (median) | {m} p99" for m in MODES) + " |", "|---|" + "---|---|" * len(MODES)]
     for R, v in s["by_R"].items():
-        lines.append(f"| {R} | {v['own_view']['p50_change_median']:+.2f}% | {v['own_view']['p99_change_median']:+.2f}% | "
-                     f"{v['worker_reports']['p50_change_median']:+.2f}% | {v['worker_reports']['p99_change_median']:+.2f}% |")
-    lines += ["", f"gap_points_r4_own_view: {s['gap_points_r4_own_view']:+.2f}; "
-                  f"gap_points_r4_worker_reports: {s['gap_points_r4_worker_reports']:+.2f}"]
+        lines.append(f"| {R} | " + " | ".join(f"{v[m]['p50_change_median']:+.2f}% | {v[m]['p99_change_median']:+.2f}%" for m in MODES) + " |")
+    lines += ["", "; ".join(f"gap_points_r4_{m}: {s[f'gap_points_r4_{m}']:+.2f}" for m in MODES)]
     return lines
 
 

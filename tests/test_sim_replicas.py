@@ -71,3 +71,13 @@ def test_bad_arguments_are_refused():
         Replicas(_sq, 0, 2)
     with pytest.raises(ValueError, match="mode must be one of"):
         Replicas(_sq, 2, 2, mode="gossip")
+
+
+def test_no_polls_ignores_the_load_report():
+    reps = Replicas(_sq, 2, 2, mode="no_polls", seed=1)
+    reps.route(0)
+    lease = reps.acquire(1, 10)
+    reps.report_load(1, 9)
+    assert sorted(rep.loads()[1] for rep in reps.reps) == [0, 1]  # only the routing replica's own request
+    lease.release()
+    assert [rep.loads()[1] for rep in reps.reps] == [0, 0]

@@ -13,6 +13,8 @@ requests:
   on that worker with the worker's current set: it holds one lease per such request, with the
   request's expert profile, until the next poll. Between polls the picture goes stale exactly
   as a report would (finished requests linger, new ones are missing).
+- `no_polls`: the service with `--load-monitor-interval 0`: no replica reads the workers'
+  loads, so each bounds and balances its own share of the traffic alone.
 
 The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `acquire`
 (right after `route`, for the same request), `report_load`, `loads`.
@@ -24,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-MODES = ("own_view", "worker_reports")
+MODES = ("own_view", "worker_reports", "no_polls")
 
 
 class _Lease:
@@ -70,6 +72,8 @@ class Replicas:
 
     def report_load(self, worker: int, running: int) -> None:
         """A poll of decode worker `worker`: its load, and in `worker_reports` its occupancy."""
+        if self.mode == "no_polls":
+            return
         if self.mode == "own_view":
             for rep in self.reps:
                 rep.report_load(worker, running)
