@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 # The default decode policy and bounded-load factor are the ones the protocol study supports
@@ -124,8 +124,8 @@ def parse_arms(text: str, default_load_factor: float | None = None) -> list[Arm]
                 lf = _load_factor(factor)
             except argparse.ArgumentTypeError as exc:
                 raise ValueError(f"arm {label!r}: {exc}") from None
-            if lf is not None and not (math.isfinite(lf) and 0 <= lf <= 1e6):
-                raise ValueError(f"arm {label!r}: the load factor must be between 0 and 1e6")
+            if lf is not None and not (math.isfinite(lf) and 0 <= lf <= _core.MAX_LOAD_FACTOR):  # the core's bound
+                raise ValueError(f"arm {label!r}: the load factor must be between 0 and {_core.MAX_LOAD_FACTOR:g}")
         if any(a.label == label for a in arms):
             raise ValueError(f"arm {label!r} is given twice")
         arms.append(Arm(label, name, lf))
@@ -187,6 +187,9 @@ class RouterConfig:
     # A switchback experiment over decode policies; `policy` and `load_factor` are then its
     # first arm's.
     experiment: Experiment | None = None
+    # the router's spec (policy, costs, tau, load factor, binding), built and checked once by
+    # the core (rust/core/src/policies/spec.rs); the control plane's router is made from it
+    spec: _core.RouterSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike (the data plane's: _check_plane)
@@ -213,15 +216,15 @@ class RouterConfig:
                                       "centroid file is fitted for)")
                 seen[key] = url
         _check_plane(self)
-
-    def binds_late(self, policy: str) -> bool:
-        return self.bind == "late" or (self.bind == "auto" and policy in COUNTS_POLICIES)
+        self.spec = _spec(lambda: _core.RouterSpec(self.policy, tau=self.tau, load_factor=self.load_factor,
+                                                   paged_experts=self.paged_experts, request_cost=self.request_cost,
+                                                   bind=self.bind, seed=self.seed))
 
     @property
     def late_binding(self) -> bool:
-        """Whether any request binds late (under an experiment: any arm)."""
-        policies = [a.policy for a in self.experiment.arms] if self.experiment else [self.policy]
-        return any(self.binds_late(p) for p in policies)
+        """Whether any request binds late (under an experiment: any arm), as the core's spec
+        of each policy under --eldr-bind says (the data plane reads it from the router)."""
+        return any(_core.RouterSpec(p, bind=self.bind).binds_late for p in self.policies)
 
     @property
     def policies(self) -> list[str]:
@@ -454,7 +457,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     a.policy = a.policy or DEFAULT_POLICY
     if experiment is not None:
         a.policy, a.eldr_load_factor = experiment.arms[0].policy, experiment.arms[0].load_factor
-    _check_policy_flags(a, experiment)
+    check_centroids(a.policy, experiment, a.eldr_centroids)
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -503,21 +506,22 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     )
 
 
-def _check_policy_flags(a: argparse.Namespace, experiment: Experiment | None) -> None:
-    """What the decode policy (or every arm) needs from the other routing flags."""
+def check_centroids(policy: str, experiment: Experiment | None, centroids: str | None) -> None:
+    """A centroid file for the decode policy (or every arm) that routes on counts: the core's
+    spec says which do and in what words (ConfigError). The other routing rules (ranges, which
+    policy takes paged experts or a request cost) are the spec's too, checked when
+    RouterConfig builds it."""
     for arm in experiment.arms if experiment else []:
-        if arm.policy in COUNTS_POLICIES and not a.eldr_centroids:
-            raise ConfigError(f"--experiment arm {arm.label} needs --eldr-centroids (a centroid file from `eldr fit`: eldr "
-                              "routes on its centroids, locality tracks experts on the layers it selected)")
-    if a.policy == "eldr" and not a.eldr_centroids:
-        raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
-    if a.policy == "locality" and not a.eldr_centroids:
-        raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
-                          "the balancer tracks experts on the layers it selected)")
-    if a.eldr_paged_experts is not None and a.policy != "locality":
-        raise ConfigError(f"--eldr-paged-experts is a cost of the locality policy, not of --disagg-router {a.policy}")
-    if a.eldr_request_cost != 0 and experiment is None and a.policy != "locality":
-        raise ConfigError(f"--eldr-request-cost is a cost of the locality policy, not of --disagg-router {a.policy}")
+        _spec(lambda: _core.RouterSpec(arm.policy).check_centroids(bool(centroids), arm.label))
+    _spec(lambda: _core.RouterSpec(policy).check_centroids(bool(centroids)))
+
+
+def _spec(make):
+    """`make()`, its ValueError (the core spec's check, in the flag's words) a ConfigError."""
+    try:
+        return make()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _experiment(a: argparse.Namespace) -> Experiment | None:
@@ -543,12 +547,10 @@ def _experiment(a: argparse.Namespace) -> Experiment | None:
 # flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0):
 # the control plane's own settings. The data plane's (ports, timeouts, retries, ejection,
 # admission, the seed) are checked by rust/dataplane/src/config.rs alone, through
-# `_core.DataPlane.check_numbers` (see _check_plane), with messages in the same words.
+# `_core.DataPlane.check_numbers` (see _check_plane), and the routing flags (--eldr-tau,
+# --eldr-load-factor, --eldr-paged-experts, --eldr-request-cost) by the core's RouterSpec
+# (rust/core/src/policies/spec.rs), with messages in the same words.
 _NUMERIC_FLAGS = {
-    "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
-    "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
-    "--eldr-paged-experts": ("paged_experts", 1, 2**20, True, False),
-    "--eldr-request-cost": ("request_cost", 0.0, 1e6, False, True),
     "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
     "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),
     "--worker-startup-timeout-secs": ("worker_startup_timeout_s", 0.0, DAY_S, False, True),
@@ -647,7 +649,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "prefill": [{"url": w.url, "host": w.host, "bootstrap_port": w.bootstrap_port} for w in cfg.prefill],
         "decode": list(cfg.decode),
         "control_url": control_url,
-        "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "late_binding": cfg.late_binding, "seed": cfg.seed,
+        "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "seed": cfg.seed,
         "signature_timeout_s": cfg.signature_timeout_s, "request_timeout_s": cfg.request_timeout_s,
         "connect_timeout_s": cfg.connect_timeout_s, "first_byte_timeout_s": cfg.first_byte_timeout_s,
         "decode_progress_timeout_s": cfg.decode_progress_timeout_s,
@@ -676,10 +678,9 @@ def _finite_or_named(v):
 
 def experiment_config(cfg: RouterConfig) -> dict | None:
     """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): each
-    arm with its binding (late for the counts policies under --eldr-bind auto)."""
+    arm's policy and load factor (its binding is the spec's, under the router's --eldr-bind)."""
     x = cfg.experiment
     if x is None:
         return None
-    return {"arms": [{"label": a.label, "policy": a.policy, "load_factor": a.load_factor, "late_binding": cfg.binds_late(a.policy)}
-                     for a in x.arms],
+    return {"arms": [{"label": a.label, "policy": a.policy, "load_factor": a.load_factor} for a in x.arms],
             "switch_every_s": x.switch_every_s, "seed": x.seed}

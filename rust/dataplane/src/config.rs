@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use hyper::Uri;
 use serde::Deserialize;
+use eldr_core::fmt_g;
 use thiserror::Error;
 
 /// A bad data-plane configuration; the message says which setting and why.
@@ -71,7 +72,6 @@ pub struct Config {
     pub control_url: String,
     pub policy: String,
     pub prefill_policy: String,
-    pub late_binding: bool,
     pub seed: u64,
     pub signature_timeout_s: f64,
     pub request_timeout_s: f64,
@@ -326,29 +326,6 @@ fn check_numbers(raw: &serde_json::Value) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// A number as Python's `format(v, "g")` writes it (the router's messages have always used
-/// it): six significant digits, the exponent form below 1e-4 and from 1e6.
-fn fmt_g(v: f64) -> String {
-    if v.is_nan() {
-        return "nan".into();
-    }
-    if v.is_infinite() {
-        return if v > 0.0 { "inf" } else { "-inf" }.into();
-    }
-    if v == 0.0 {
-        return if v.is_sign_negative() { "-0" } else { "0" }.into();
-    }
-    let trim = |s: &str| if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s.to_string() };
-    let sci = format!("{v:.5e}");
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    if (-4..6).contains(&exp) {
-        trim(&format!("{:.*}", (5 - exp) as usize, v))
-    } else {
-        format!("{}e{}{:02}", trim(mantissa), if exp < 0 { '-' } else { '+' }, exp.abs())
-    }
 }
 
 pub fn secs(s: f64) -> Duration {

@@ -40,15 +40,14 @@ const SAMPLE_PER_BLOCK: usize = 8192;
 /// Blocks whose statistics are kept (the oldest finished ones go first).
 const MAX_BLOCKS: usize = 100_000;
 
-/// An arm as the launcher gives it: its label (`locality/0.05`), policy, load factor and
-/// binding.
+/// An arm as the launcher gives it: its label (`locality/0.05`), policy and load factor; its
+/// binding is its router spec's (the main router's `--eldr-bind` over the arm's policy).
 #[derive(Debug, Clone, Deserialize)]
 pub struct ArmConfig {
     pub label: String,
     pub policy: String,
     #[serde(default)]
     pub load_factor: Option<f64>,
-    pub late_binding: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -257,12 +256,14 @@ impl Experiment {
                 Arc::clone(main)
             } else {
                 let arm_err = |e: &dyn std::fmt::Display| format!("experiment: arm {:?}: {e}", a.label);
-                let config = eldr_core::PolicyConfig::parse(&a.policy, seed).map_err(|e| arm_err(&e))?;
-                Arc::new(main.sibling(config, a.load_factor).map_err(|e| arm_err(&e))?)
+                let policy = eldr_core::PolicyConfig::parse(&a.policy, seed).map_err(|e| arm_err(&e))?;
+                let spec = eldr_core::RouterSpec { policy, tau: None, load_factor: a.load_factor, bind: main.spec().bind };
+                Arc::new(main.sibling(spec).map_err(|e| arm_err(&e))?)
             };
             // bounded: one label per arm of each plane, for the metrics' 'static labels
             let label: &'static str = Box::leak(a.label.clone().into_boxed_str());
-            arms.push(Arm { label, router, late: a.late_binding });
+            let late = router.binds_late();
+            arms.push(Arm { label, router, late });
         }
         let first = arm_of(cfg.seed, arms.len(), 0);
         let mut list = VecDeque::new();
@@ -414,7 +415,7 @@ mod tests {
 
     fn cfg(arms: &[&str], every: f64) -> ExperimentConfig {
         ExperimentConfig {
-            arms: arms.iter().map(|a| ArmConfig { label: a.to_string(), policy: a.split('/').next().unwrap().to_string(), load_factor: None, late_binding: false }).collect(),
+            arms: arms.iter().map(|a| ArmConfig { label: a.to_string(), policy: a.split('/').next().unwrap().to_string(), load_factor: None }).collect(),
             switch_every_s: every,
             seed: 7,
         }
@@ -450,7 +451,7 @@ mod tests {
     }
 
     fn exp(every: f64) -> Arc<Experiment> {
-        let main = Arc::new(Router::new("round_robin", Some(2), None, None, 0, 0, 0).unwrap());
+        let main = Arc::new(Router::new(eldr_core::RouterSpec::of(eldr_core::PolicyConfig::RoundRobin), Some(2), None, 0, 0).unwrap());
         Arc::new(Experiment::new(&cfg(&["round_robin", "shortest_queue"], every), &main, 0).unwrap())
     }
 

@@ -149,7 +149,7 @@ impl Plane {
     /// The arm a request starting now is routed by (see [`ArmRef`]).
     pub fn arm(&self) -> ArmRef {
         match &self.experiment {
-            None => ArmRef { router: Arc::clone(&self.router), label: self.router.policy_name(), late: self.cfg.late_binding, tag: None },
+            None => ArmRef { router: Arc::clone(&self.router), label: self.router.policy_name(), late: self.router.binds_late(), tag: None },
             Some(x) => {
                 let tag = x.begin();
                 let a = &x.arms[tag.arm];

@@ -15,9 +15,10 @@ mod power_of_two;
 mod random;
 mod round_robin;
 mod shortest_queue;
+mod spec;
 
 pub use config::{
-    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PagedExpertsError, PolicyConfig, PolicyInfo, RequestCostError, UnknownPolicy,
+    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PolicyConfig, PolicyInfo, UnknownPolicy,
     DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use eldr::{band_size, Eldr};
@@ -27,6 +28,7 @@ pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use shortest_queue::ShortestQueue;
+pub use spec::{check_float, fmt_g, Bind, RouterSpec, RouterSpecError, MAX_LOAD_FACTOR, MAX_REQUEST_COST, MAX_TAU, PAGED_EXPERTS_FLAG};
 
 use std::sync::Arc;
 
