@@ -133,5 +133,5 @@ def add_max_memory(parser) -> None:
 
 seed = integer(0, MAX_SEED)
 workers = integer(1, MAX_WORKERS)
-tau = real(0.0, 2.0)  # a cosine distance band: 1 - cos lies in [0, 2]
+tau = real(0.0, _core.MAX_TAU)  # a cosine distance band: 1 - cos lies in [0, 2] (the core's bound, the router's)
 load_factor = real(0.0, 1000.0)
