@@ -69,8 +69,8 @@ def test_the_control_planes_router_is_made_from_the_spec_and_carries_the_binding
     assert cfg.spec.binds_late == cfg.late_binding == late
     cp = ControlPlane(cfg)
     assert (cp.router.spec.policy, cp.router.spec.bind, cp.router.spec.binds_late) == ("random", bind, late)
-    # the data plane is told no binding: it reads the router's
-    assert "late_binding" not in json.loads(plane_config(cfg, UNSTARTED_CONTROL_URL))
+    # the data plane is told neither the binding nor the policy: it reads the router's
+    assert not {"late_binding", "policy"} & set(json.loads(plane_config(cfg, UNSTARTED_CONTROL_URL)))
 
 
 def test_a_config_built_in_code_needs_a_centroid_file_for_a_counts_policy():

@@ -649,7 +649,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "prefill": [{"url": w.url, "host": w.host, "bootstrap_port": w.bootstrap_port} for w in cfg.prefill],
         "decode": list(cfg.decode),
         "control_url": control_url,
-        "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "seed": cfg.seed,
+        "prefill_policy": cfg.prefill_policy, "seed": cfg.seed,  # the decode policy: the router's
         "signature_timeout_s": cfg.signature_timeout_s, "request_timeout_s": cfg.request_timeout_s,
         "connect_timeout_s": cfg.connect_timeout_s, "first_byte_timeout_s": cfg.first_byte_timeout_s,
         "decode_progress_timeout_s": cfg.decode_progress_timeout_s,

@@ -70,6 +70,9 @@ pub struct Config {
     pub decode: Vec<String>,
     /// Every path the data plane does not serve itself goes here (the Python control plane).
     pub control_url: String,
+    /// The decode policy: the router's (its spec's), which `from_json` sets; the launcher's
+    /// JSON does not repeat it.
+    #[serde(default)]
     pub policy: String,
     pub prefill_policy: String,
     pub seed: u64,
@@ -152,12 +155,15 @@ fn default_queue_timeout() -> f64 {
 }
 
 impl Config {
-    pub fn from_json(text: &str) -> Result<Config, ConfigError> {
+    /// `router_policy`: the decode policy of the router the plane routes on (the policy
+    /// reaches the data plane once, through the router's spec).
+    pub fn from_json(text: &str, router_policy: &str) -> Result<Config, ConfigError> {
         // the numbers are checked on the JSON as given, so that a negative count or a NaN
         // timeout is named by its flag instead of failing the typed read
         let raw: serde_json::Value = serde_json::from_str(text)?;
         check_numbers(&raw).map_err(ConfigError::Invalid)?;
-        let cfg: Config = serde_json::from_value(raw)?;
+        let mut cfg: Config = serde_json::from_value(raw)?;
+        cfg.policy = router_policy.to_owned();
         cfg.check()?;
         Ok(cfg)
     }

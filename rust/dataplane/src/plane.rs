@@ -105,9 +105,6 @@ impl Plane {
         if router.num_workers() != cfg.decode.len() {
             return Err(ConfigError::Invalid(format!("the router has {} decode workers, the config {}", router.num_workers(), cfg.decode.len())));
         }
-        if router.policy_name() != cfg.policy {
-            return Err(ConfigError::Invalid(format!("the router's policy is {}, the config's {}", router.policy_name(), cfg.policy)));
-        }
         let counters = Arc::new(Counters::default());
         let purls: Vec<String> = cfg.prefill.iter().map(|p| p.url.clone()).collect();
         let prefill = WorkerPool::new(Role::Prefill, &purls, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, None, Arc::clone(&counters));

@@ -5,7 +5,8 @@
 //! testable on constructed cases and shared verbatim by the router service and simulator.
 //! [`config`] holds the one list of policies, their capabilities and the defaults, and the
 //! factory ([`PolicyConfig`], [`make_policy`]); the router's config and CLI, the data plane
-//! and the simulator read them from here.
+//! and the simulator read them from here. [`spec`] is a router's typed spec ([`RouterSpec`]:
+//! the policy with its costs, tau, load factor, binding), built and checked once.
 
 mod config;
 mod eldr;
