@@ -95,3 +95,14 @@ def test_set_healthy_is_refused_on_a_router_a_data_plane_holds():
     assert router.healthy() == [True, True]
     dp.set_healthy("decode", 0, False)  # through the worker set
     assert router.healthy() == [False, True]
+
+
+def test_experiment_arms_are_parsed_by_the_core():
+    """--experiment's labels have one parser, the core's (rust/core/src/policies/label.rs)."""
+    want = [("locality/0.05", "locality", 0.05), ("eldr", "eldr", 0.2), ("eldr/none", "eldr", None), ("random", "random", None)]
+    assert _core.parse_arms("locality/0.05, eldr,eldr/none,random", 0.2) == want
+    assert [(a.label, a.policy, a.load_factor) for a in config.parse_arms("locality/0.05, eldr,eldr/none,random", 0.2)] == want
+    with pytest.raises(ValueError, match=r"^arm 'eldr/x': expected a number >= 0 or 'none', got 'x'$"):
+        _core.parse_arms("eldr/x,random")
+    with pytest.raises(ConfigError, match=r"^--experiment: arm 'eldr/2e6': the load factor must be between 0 and 1e6$"):
+        parse_config(BASE + ["--eldr-centroids", "c.eldr", "--experiment", "eldr/2e6,random"])

@@ -105,33 +105,9 @@ def parse_duration(text: str) -> float:
 def parse_arms(text: str, default_load_factor: float | None = None) -> list[Arm]:
     """'locality/0.05,round_robin' -> arms: each a --disagg-router policy, optionally /F (the
     bounded-load factor of eldr and locality; /none: the paper's rule); a plain eldr or
-    locality takes `default_load_factor` (--eldr-load-factor). Raises ValueError."""
-    arms: list[Arm] = []
-    for raw in (text or "").split(","):
-        label = raw.strip()
-        if not label:
-            raise ValueError(f"expected arms like locality/0.05,round_robin, got {text!r}")
-        name, slash, factor = label.partition("/")
-        if "@" in name:
-            raise ValueError(f"arm {label!r}: tau is the router's (--eldr-tau), the same for every arm")
-        if name not in DECODE_POLICIES:
-            raise ValueError(f"arm {label!r}: unknown policy {name!r}; choose from {', '.join(DECODE_POLICIES)}")
-        lf = default_load_factor if name in COUNTS_POLICIES else None
-        if slash:
-            if name not in COUNTS_POLICIES:
-                raise ValueError(f"arm {label!r}: /F (a load factor) applies to {' and '.join(COUNTS_POLICIES)} only")
-            try:
-                lf = _load_factor(factor)
-            except argparse.ArgumentTypeError as exc:
-                raise ValueError(f"arm {label!r}: {exc}") from None
-            if lf is not None and not (math.isfinite(lf) and 0 <= lf <= _core.MAX_LOAD_FACTOR):  # the core's bound
-                raise ValueError(f"arm {label!r}: the load factor must be between 0 and {_core.MAX_LOAD_FACTOR:g}")
-        if any(a.label == label for a in arms):
-            raise ValueError(f"arm {label!r} is given twice")
-        arms.append(Arm(label, name, lf))
-    if not 2 <= len(arms) <= 16:
-        raise ValueError(f"an experiment needs 2 to 16 arms, got {len(arms)}")
-    return arms
+    locality takes `default_load_factor` (--eldr-load-factor). Parsed by the core
+    (rust/core/src/policies/label.rs). Raises ValueError."""
+    return [Arm(label, policy, lf) for label, policy, lf in _core.parse_arms(text or "", default_load_factor)]
 
 
 @dataclass

@@ -108,3 +108,13 @@ impl PyRouterSpec {
         format!("RouterSpec(policy={:?}, tau={:?}, load_factor={:?}, bind={:?})", s.name(), s.tau, s.load_factor, s.bind.as_str())
     }
 }
+
+/// `"locality/0.05,round_robin"` -> the arms of a switchback experiment, each (label, policy,
+/// load factor), parsed by the core (rust/core/src/policies/label.rs); a plain counts policy
+/// takes `default_load_factor`. ValueError with the command line's message.
+#[pyfunction]
+#[pyo3(signature = (text, default_load_factor=None))]
+pub(crate) fn parse_arms(text: &str, default_load_factor: Option<f64>) -> PyResult<Vec<(String, &'static str, Option<f64>)>> {
+    let arms = eldr_core::policies::parse_arms(text, default_load_factor).map_err(PyValueError::new_err)?;
+    Ok(arms.into_iter().map(|a| (a.label, a.policy, a.load_factor)).collect())
+}

@@ -10,6 +10,7 @@
 
 mod config;
 mod eldr;
+mod label;
 mod locality;
 mod paged;
 mod power_of_two;
@@ -23,6 +24,7 @@ pub use config::{
     DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use eldr::{band_size, Eldr};
+pub use label::{parse_arms, py_repr, ArmLabel, MAX_ARMS};
 pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
 pub use paged::{PagedLocality, ResidentEstimate};
 pub use power_of_two::PowerOfTwo;
