@@ -81,6 +81,8 @@ class Experiment:
     arms: list[Arm]
     switch_every_s: float = 600.0
     seed: int = 0
+    # --eldr-load-factor: a plain eldr or locality arm's (the data plane parses the labels too)
+    default_load_factor: float | None = None
 
 
 # Blocks shorter than this cannot drain a decode batch; longer than a week is a typo.
@@ -517,7 +519,7 @@ def _experiment(a: argparse.Namespace) -> Experiment | None:
         raise ConfigError(f"--switch-every: {exc}") from None
     if not 0 <= a.experiment_seed < 2**64:
         raise ConfigError(f"--experiment-seed must be between 0 and 2^64 - 1, got {a.experiment_seed}")
-    return Experiment(arms, every, a.experiment_seed)
+    return Experiment(arms, every, a.experiment_seed, a.eldr_load_factor)
 
 
 # flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0):
@@ -653,10 +655,11 @@ def _finite_or_named(v):
 
 
 def experiment_config(cfg: RouterConfig) -> dict | None:
-    """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): each
-    arm's policy and load factor (its binding is the spec's, under the router's --eldr-bind)."""
+    """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): the arms'
+    labels, which it parses with the core's parser (parse_arms), and --eldr-load-factor for a
+    plain counts policy; each arm's binding is its spec's, under the router's --eldr-bind."""
     x = cfg.experiment
     if x is None:
         return None
-    return {"arms": [{"label": a.label, "policy": a.policy, "load_factor": a.load_factor} for a in x.arms],
+    return {"arms": ",".join(a.label for a in x.arms), "default_load_factor": x.default_load_factor,
             "switch_every_s": x.switch_every_s, "seed": x.seed}
