@@ -11,8 +11,9 @@ default cost model, closed loop at 8 and 32 clients per worker, fixed outputs, t
 shuffled order, 1 split. r comes from the profile's cost model
 (`ExecutionModel.request_cost_ratio` at a batch of 16 and the workload's mean context), one
 ratio per profile, never from the results. Not here: the CPU engine's setting (its recorded
-trace is v2, prompt counts, which the protocol's per-token replay cannot take; its r from the
-engine fit is 0.95, benchmarks/results/engine_step_fit_cpu.json). The rule that picks the default is
+trace is v2, prompt counts, which the protocol's per-token replay cannot take; the engine fit,
+benchmarks/results/engine_step_fit_cpu.json, has no per-request term once its shared host CPU
+is modelled, so its r is 0). The rule that picks the default is
 fixed in advance (issue 34): fewest runs losing to the best load balancer on p50 or p99 TPOT,
 ties broken by the median p50 change.
 """
@@ -42,10 +43,10 @@ def _synth():
                     output_len=FIXED_OUTPUT_LEN)
 
 
-def workloads() -> list[dict]:
-    from eldr_sglang.sim.protocol import Cell
+def workloads(full: bool = False) -> list[dict]:
+    from eldr_sglang.sim.protocol import Cell, strict_cells
 
-    cells = [Cell(o, "closed", float(c), "fixed") for o in ("shuffle", "trace") for c in (8, 32)]
+    cells = strict_cells() if full else [Cell(o, "closed", float(c), "fixed") for o in ("shuffle", "trace") for c in (8, 32)]
     w = []
     real = SHARED / "gptoss20b.npz"
     if real.exists():
@@ -59,26 +60,29 @@ def workloads() -> list[dict]:
     return w
 
 
-def execution_model(w: dict, trace):
+def execution_models(w: dict, trace, full: bool) -> dict:
+    """{cost-model variant: ExecutionModel}: the default alone, or the whole sensitivity band."""
     from eldr_sglang.models import get_model
-    from eldr_sglang.sim.cost_model import ExecutionModel
+    from eldr_sglang.sim.cost_model import SENSITIVITY_VARIANTS, sensitivity_model
     from eldr_sglang.sim.profiles import get_hardware
 
-    return ExecutionModel(get_model(trace.model), get_hardware(w["hardware"]))
+    model, hw = get_model(trace.model), get_hardware(w["hardware"])
+    return {v: sensitivity_model(v, model, hw) for v in (SENSITIVITY_VARIANTS if full else ("default",))}
 
 
-def run_workload(w: dict, seed: int, requests: int | None, log) -> dict:
+def run_workload(w: dict, seed: int, requests: int | None, log, full: bool = False, fixed_r: float | None = None) -> dict:
     from eldr_sglang.sim.protocol import FIXED_OUTPUT_LEN, STRICT_MIN_REQUESTS, random_splits, run_protocol
 
     t0 = time.perf_counter()
     trace = w["make"]()
-    em = execution_model(w, trace)
+    models = execution_models(w, trace, full)
+    em = models["default"]  # r: one ratio per profile, from its default cost model
     prompt = float(np.mean(trace.prefill_len))
-    ratio = em.request_cost_ratio(batch=w["batch"], context=int(prompt + FIXED_OUTPUT_LEN / 2))
+    ratio = em.request_cost_ratio(batch=w["batch"], context=int(prompt + FIXED_OUTPUT_LEN / 2)) if fixed_r is None else fixed_r
     rc_label = f"{TODAY}:rc={ratio:.4g}"
     policies = f"{BALANCERS},{TODAY},{rc_label}"
     log(f"== {w['name']}: r = {ratio:.4g} ({rc_label})")
-    recs = run_protocol(trace, {"default": em}, w["K"], w["cells"], random_splits(trace.num_requests, 1, seed),
+    recs = run_protocol(trace, models, w["K"], w["cells"], random_splits(trace.num_requests, 2 if full else 1, seed),
                         policies=policies, bounds=False, requests=requests or STRICT_MIN_REQUESTS, seed=seed)
     return {"name": w["name"], "request_cost": ratio, "label": rc_label, "K": w["K"], "records": recs,
             "model": em.describe(), "runtime_s": round(time.perf_counter() - t0, 1)}
@@ -101,12 +105,12 @@ def score(docs: list[dict]) -> list[dict]:
 def table(docs: list[dict], rows: list[dict]) -> list[str]:
     from eldr_sglang.sim.protocol import versus_best
 
-    lines = ["| workload | r | cell | today p50 | today p99 | with r p50 | with r p99 | best balancer |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | r | split | cost model | cell | today p50 | today p99 | with r p50 | with r p99 | best balancer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for d in docs:
         for r in d["records"]:
             a, b = versus_best(r["policies"], TODAY), versus_best(r["policies"], d["label"])
-            lines.append(f"| {d['name']} | {d['request_cost']:.3g} | {r['cell']} | {a['tpot_p50']:+.1f}% | "
+            lines.append(f"| {d['name']} | {d['request_cost']:.3g} | {r['split']} | {r['variant']} | {r['cell']} | {a['tpot_p50']:+.1f}% | "
                          f"{a['tpot_p99']:+.1f}% | {b['tpot_p50']:+.1f}% | {b['tpot_p99']:+.1f}% | {a['best_lb_p50']} |")
     lines += ["", "Changes are against the best load balancer of each run (negative: faster).", "",
               "| candidate | runs losing on p50 or p99 | runs | median p50 | median p99 |", "|---|---|---|---|---|"]
@@ -120,6 +124,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: the strict protocol's minimum)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--full", action="store_true",
+                    help="the whole strict protocol: 2 splits, every cell (open loop and recorded outputs too), the "
+                         "three cost models of the sensitivity band (default: 1 split, 4 closed-loop cells, default model)")
+    ap.add_argument("--request-cost", type=float, default=None, metavar="R",
+                    help="one r for every workload (a router default) instead of each profile's own")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
     a = ap.parse_args(argv)
@@ -132,7 +141,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     try:
-        docs = [run_workload(w, a.seed, a.requests or None, log) for w in workloads()]
+        docs = [run_workload(w, a.seed, a.requests or None, log, a.full, a.request_cost) for w in workloads(a.full)]
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -142,7 +151,7 @@ def main(argv=None) -> int:
     from eldr_sglang import io_safe
 
     if a.json:
-        io_safe.write_json({"workloads": docs, "score": rows, "chosen": rows[0]["candidate"],
+        io_safe.write_json({"workloads": docs, "score": rows, "chosen": rows[0]["candidate"], "full": a.full, "fixed_request_cost": a.request_cost,
                             "runtime_s": round(time.perf_counter() - t0, 1)}, a.json, indent=1)
     if a.md:
         io_safe.write_text(a.md, "\n".join(lines) + "\n", what="--md")

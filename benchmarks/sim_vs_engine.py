@@ -14,15 +14,19 @@ model directory.
    its start to the same server's next step (MoE, the rest of the forward, the scheduler, any
    stall). Steps are tagged with the arm of the block they ran in (the first `--settle` seconds
    of a block, when the previous arm's requests still decode, are left out; so are intervals
-   over 3x their batch size's median, idle time). The model
+   across which the batch shrank, when the server may have sat idle). The model
+   (eldr_sglang/sim/host.py: the two decode servers share the host CPU)
 
-       step = fixed + per_request * batch + per_expert * (distinct experts summed over layers)
+       step = (fixed + per_request * batch + per_expert * sum_l distinct_l)
+              / (1 - steal * the other server's steps per second)       [+ scatter + stalls]
 
-   is fitted by least squares on round robin's steps of every other round-robin block, and
-   tested on the held-out round-robin blocks and on every other arm's steps: the median
-   absolute relative error per setting and arm. Only the balancer's steps enter the fit, so it
-   cannot lean toward a locality policy. The fit is written as a CPU calibration file
-   (`--calibration-out`) that the simulator reads (`--calibration` of `eldr simulate`).
+   is fitted by least squares on round robin's steps of every other round-robin block that do
+   not stall (a stall: over twice the model), with the stall hazard and excess per bin of the
+   other server's step rate; it is tested on the held-out round-robin blocks and on every
+   other arm's steps: the median absolute relative error per setting and arm. Only the
+   balancer's steps enter the fit, so it cannot lean toward a locality policy. The fit is
+   written as a CPU calibration file with its `host` section (`--calibration-out`) that the
+   simulator reads (`--calibration` of `eldr simulate`).
 2. **Distinct experts, replayed.** The simulator replays the engine's own recorded decode
    routing (the calibration trace's kept decode rows) on the same cluster (1 prefill, 2
    decode workers), closed-loop clients, output length and policies; per arm, its mean
@@ -30,7 +34,9 @@ model directory.
    weighted by the engine's steps at it).
 3. **TPOT change per arm against round robin**: the router's own switchback figures (ratio of
    the blocks' geometric mean TPOT p50, Welch interval over blocks) beside the simulator's
-   steady-state change of TPOT p50 for the same arm on the same cluster with the fitted terms.
+   steady-state change of TPOT p50 for the same arm on the same cluster with the fitted terms,
+   with the shared host and, beside it, with the same line alone.
+4. **What the engine's steps do** (benchmarks/engine_dynamics.py on the same run).
 """
 
 from __future__ import annotations
@@ -44,12 +50,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import engine_dynamics as ed  # noqa: E402
 from eldr_sglang.experiment import blocks_from_records, compare, load_records  # noqa: E402
-from eldr_sglang.testing.sglang_cpu.step_log import read_steps  # noqa: E402
+from eldr_sglang.sim.host import SharedHost, fit_shared_host, predict  # noqa: E402
 
 FORMAT = "eldr-moe-calibration/1"
 SIM_LABEL = {"eldr/none": "eldr"}  # the router's experiment arm -> the simulator's label
-IDLE_FACTOR = 3.0
 HIST_MAX = 8  # batch sizes 1..8 in the batch histograms (larger ones are counted at 8)
 
 
@@ -67,60 +73,60 @@ def block_records(setting: dict) -> list[dict]:
     return records
 
 
-def tagged_steps(setting: dict, settle_s: float) -> list[dict]:
+def tagged_steps(setting: dict, settle_s: float, window_s: float = 1.0) -> list[dict]:
     """Every decode step with a complete interval, tagged with its block's arm:
-    {arm, block, server, batch, sum_distinct, mean_distinct, interval_s}."""
+    {arm, block, server, batch, sum_distinct, mean_distinct, other_rate, interval_s}. Intervals
+    across which the batch shrank are left out (the server may have sat idle:
+    engine_dynamics.server_steps); `other_rate` is the steps per second the other decode
+    servers started in the `window_s` before this one (the shared host's regressor)."""
     records = block_records(setting)
     spans = sorted((float(b["start_unix_s"]) + settle_s, float(b["end_unix_s"] or 0) or float("inf"), b["block"], b["arm"])
                    for b in records)
     starts = np.array([s[0] for s in spans])
-    off = setting["clock_offset_s"]
+    servers = ed.server_steps(setting)
     out = []
-    for si, path in enumerate(setting["step_logs"]):
-        steps = read_steps(Path(path), setting["layers"])
-        for st, nxt in zip(steps, steps[1:]):
-            t = st.t0 + off
+    for si, sv in enumerate(servers):
+        rate = sum((np.searchsorted(o["t"], sv["t0"]) - np.searchsorted(o["t"], sv["t0"] - window_s)) / window_s
+                   for oi, o in enumerate(servers) if oi != si)
+        mean_d = sv["sum_distinct"] / setting["layers"]
+        for j, t in enumerate(sv["t0"]):
             i = int(np.searchsorted(starts, t, side="right")) - 1
-            if i < 0 or not (t < spans[i][1] and nxt.t0 + off <= spans[i][1]):
+            if i < 0 or not (t < spans[i][1] and t + sv["interval"][j] <= spans[i][1]):
                 continue
-            out.append({"arm": spans[i][3], "block": spans[i][2], "server": si, "batch": st.tokens,
-                        "sum_distinct": float(sum(st.distinct)), "mean_distinct": float(np.mean(st.distinct)),
-                        "interval_s": nxt.t0 - st.t0})
+            out.append({"arm": spans[i][3], "block": spans[i][2], "server": si, "batch": int(sv["batch"][j]),
+                        "sum_distinct": float(sv["sum_distinct"][j]), "mean_distinct": float(mean_d[j]),
+                        "other_rate": float(np.asarray(rate)[j]) if np.ndim(rate) else 0.0,
+                        "interval_s": float(sv["interval"][j])})
     return out
 
 
-def drop_idle(steps: list[dict]) -> list[dict]:
-    """Leave out intervals over IDLE_FACTOR x the median of their batch size (idle time)."""
-    by_b: dict[int, list[float]] = {}
-    for s in steps:
-        by_b.setdefault(s["batch"], []).append(s["interval_s"])
-    med = {b: float(np.median(v)) for b, v in by_b.items()}
-    return [s for s in steps if s["interval_s"] <= IDLE_FACTOR * med[s["batch"]]]
-
-
 # ------------------------------------------------------------------ 1. the fit
-def fit_step(steps: list[dict]) -> dict:
-    x = np.array([[1.0, s["batch"], s["sum_distinct"]] for s in steps])
-    y = np.array([s["interval_s"] for s in steps])
-    from scipy.optimize import nnls
-
-    coef, _ = nnls(x, y)  # every term is a cost: none may be negative
-    return {"fixed_s": float(coef[0]), "per_request_s": float(coef[1]), "per_expert_s": float(coef[2]),
-            "steps": int(y.size)}
+def fit_step(steps: list[dict]) -> tuple[dict, SharedHost, dict]:
+    """The line and the shared host (eldr_sglang/sim/host.py) fitted on these steps."""
+    return fit_shared_host([s["batch"] for s in steps], [s["sum_distinct"] for s in steps],
+                           [s["other_rate"] for s in steps], [s["interval_s"] for s in steps])
 
 
-def predict_step(fit: dict, batch, sum_distinct):
-    return fit["fixed_s"] + fit["per_request_s"] * np.asarray(batch) + fit["per_expert_s"] * np.asarray(sum_distinct)
-
-
-def step_errors(fit: dict, steps: list[dict]) -> dict:
+def step_errors(fit: dict, host: SharedHost | None, steps: list[dict]) -> dict:
+    """Median absolute relative error of the model's step (line and shared host, without the
+    random scatter and stalls), and the mean measured against the mean modelled with its
+    stalls and scatter at their expected values."""
     if not steps:
         return {"steps": 0}
     y = np.array([s["interval_s"] for s in steps])
-    p = predict_step(fit, [s["batch"] for s in steps], [s["sum_distinct"] for s in steps])
+    r = np.array([s["other_rate"] for s in steps])
+    p = predict(fit, host, [s["batch"] for s in steps], [s["sum_distinct"] for s in steps], r)
     rel = np.abs(p - y) / y
-    return {"steps": int(y.size), "median_abs_error": float(np.median(rel)), "mean_measured_ms": float(y.mean() * 1e3),
-            "mean_predicted_ms": float(p.mean() * 1e3), "bias": float(p.mean() / y.mean() - 1)}
+    out = {"steps": int(y.size), "median_abs_error": float(np.median(rel)), "mean_measured_ms": float(y.mean() * 1e3),
+           "mean_predicted_ms": float(p.mean() * 1e3)}
+    if host is not None:  # E[step] = p * E[scatter] + P(stall) * E[excess], per rate bin
+        k = np.searchsorted(host.rate_edges, r, side="right") - 1
+        scatter = float(np.mean(host.scatter))
+        haz = np.asarray(host.hazard_per_s)[k]
+        exc = np.array([np.mean(q) for q in host.excess_s])[k]
+        mean = p * scatter + -np.expm1(-haz * p * scatter) * exc
+        out["mean_expected_ms"] = float(mean.mean() * 1e3)
+    return out
 
 
 def split_train(steps: list[dict], balancer: str = "round_robin") -> tuple[list, list]:
@@ -130,9 +136,10 @@ def split_train(steps: list[dict], balancer: str = "round_robin") -> tuple[list,
     return [s for s in steps if s["block"] in train_blocks], [s for s in steps if s["block"] not in train_blocks]
 
 
-def write_calibration(path: Path, fit: dict, model_dir: str, source: str) -> None:
+def write_calibration(path: Path, fit: dict, model_dir: str, source: str, host: SharedHost | None = None) -> None:
     """The fit as a CPU calibration the simulator reads: per batch B, a_s = 0, b_s = per
-    expert, other_s = fixed + per_request * B (exactly the fitted line at every B written)."""
+    expert, other_s = fixed + per_request * B (exactly the fitted line at every B written);
+    with `host`, its shared-host section (`eldr simulate --calibration` applies it)."""
     from eldr_sglang import io_safe
     from eldr_sglang.models import get_model
 
@@ -146,6 +153,8 @@ def write_calibration(path: Path, fit: dict, model_dir: str, source: str) -> Non
            "note": "fitted on real SGLang 0.5.23's decode steps under round robin (benchmarks/sim_vs_engine.py); "
                    "step = fixed + per_request * batch + per_expert * sum over MoE layers of distinct experts",
            "entries": entries}
+    if host is not None:
+        doc["host"] = host.to_dict()
     io_safe.write_text(path, json.dumps(doc, indent=1), what="--calibration-out")
 
 
@@ -166,8 +175,9 @@ def matched_distinct(sim: dict, eng: dict) -> tuple[float, float]:
             float(np.dot(w, [eng[b][0] for b in common]) / w.sum()))
 
 
-def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: int) -> dict:
-    """Per arm: the simulated TPOT p50, its change against round robin, and distinct by batch."""
+def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: int, host: SharedHost | None = None) -> dict:
+    """Per arm: the simulated TPOT p50, its change against round robin, and distinct by batch
+    (with `host`, the decode workers share the host CPU as the engine's did)."""
     import real_cpu_sim as rcs
     from eldr_sglang.sim.cluster import ClusterConfig
     from eldr_sglang.sim.runner import parse_policies, run_comparison
@@ -185,7 +195,7 @@ def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: i
         for rep in range(repeats):
             wl = replay_workload(replay, requests=requests, order="shuffle", output_len=setting["output_len"],
                                  arrival="closed", concurrency=conc, seed=rep)
-            _, res = run_comparison(replay, wl, specs, em, ClusterConfig(num_decode=2, num_prefill=1),
+            _, res = run_comparison(replay, wl, specs, em, ClusterConfig(num_decode=2, num_prefill=1, host=host, host_seed=rep),
                                     centroids=setting["centroids"], seed=rep, keep_results=True)
             for arm, spec in zip(arms, specs):
                 r = res[spec.label]
@@ -206,34 +216,40 @@ def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: i
 # ------------------------------------------------------------------ the whole comparison
 def analyse(run: dict, settle_s: float, calibration_out: Path | None, requests: int, repeats: int, log) -> dict:
     settings = run["settings"]
-    tagged = {s["name"]: drop_idle(tagged_steps(s, settle_s)) for s in settings}
+    tagged = {s["name"]: tagged_steps(s, settle_s) for s in settings}
     train, held = [], {}
     for name, steps in tagged.items():
         tr, ho = split_train(steps)
         train += [s for s in tr if s["arm"] == "round_robin"]
         held[name] = ho
-    fit = fit_step(train)
-    log(f"fit on {fit['steps']} round-robin steps: fixed {fit['fixed_s'] * 1e3:.2f} ms, per request "
-        f"{fit['per_request_s'] * 1e3:.3f} ms, per expert {fit['per_expert_s'] * 1e3:.3f} ms")
-    errors = {name: {arm: step_errors(fit, [s for s in held[name] if s["arm"] == arm]) for arm in st["arms"]}
+    fit, host, diag = fit_step(train)
+    log(f"fit on {len(train)} round-robin steps ({fit['steps']} not stalling): fixed {fit['fixed_s'] * 1e3:.2f} ms, "
+        f"per request {fit['per_request_s'] * 1e3:.3f} ms, per expert {fit['per_expert_s'] * 1e3:.3f} ms; "
+        f"shared host: {host.steal_s * 1e3:.2f} ms per step of the other server, stalls "
+        f"{diag['stall_share_of_time']:.0%} of the time")
+    errors = {name: {arm: step_errors(fit, host, [s for s in held[name] if s["arm"] == arm]) for arm in st["arms"]}
               for name, st in ((s["name"], s) for s in settings)}
     cal = calibration_out
     if cal is None:
         import tempfile
 
         cal = Path(tempfile.mkdtemp()) / "engine_step_fit_cpu.json"
-    write_calibration(cal, fit, settings[0]["model_dir"], source=str(run.get("source", "real_cpu_switchback.py")))
-    out = {"fit": fit, "calibration": str(cal), "step_errors": errors, "settings": {}}
+    write_calibration(cal, fit, settings[0]["model_dir"], source=str(run.get("source", "real_cpu_switchback.py")), host=host)
+    out = {"fit": fit, "host": {"steal_s": host.steal_s, "rate_edges": list(host.rate_edges),
+                                "hazard_per_s": list(host.hazard_per_s), **diag},
+           "calibration": str(cal), "step_errors": errors, "settings": {},
+           "engine_dynamics": {s["name"]: ed.analyse_setting(s, fit) for s in settings}}
     for s in settings:
         name = s["name"]
         blocks, short = blocks_from_records(block_records(s), min_requests=5)
-        sim = simulate_setting(s, cal, requests, repeats)
+        sim = simulate_setting(s, cal, requests, repeats, host)
+        sim_line = simulate_setting(s, cal, requests, repeats, None)  # the same line, no shared host
         arms = {}
         for arm in s["arms"]:
             eng = distinct_by_batch([t["batch"] for t in tagged[name] if t["arm"] == arm],
                                     [t["mean_distinct"] for t in tagged[name] if t["arm"] == arm])
-            sd, ed = matched_distinct(sim[arm]["distinct_by_batch"], eng)
-            row = {"distinct_sim": sd, "distinct_engine": ed, "distinct_error": sd / ed - 1,
+            sd, e_d = matched_distinct(sim[arm]["distinct_by_batch"], eng)
+            row = {"distinct_sim": sd, "distinct_engine": e_d, "distinct_error": sd / e_d - 1,
                    "mean_batch_sim": sim[arm]["mean_batch"],
                    "mean_batch_engine": float(np.mean([t["batch"] for t in tagged[name] if t["arm"] == arm])),
                    "sim_tpot_p50_ms": sim[arm]["tpot_p50_ms"],
@@ -248,7 +264,8 @@ def analyse(run: dict, settle_s: float, calibration_out: Path | None, requests: 
                     arms[arm] = row
                     continue
                 row.update(value=c["diff"], ci_low=c["ci_low"], ci_high=c["ci_high"], blocks_per_arm=min(c["blocks"]),
-                           engine_geo_mean_ms=[g * 1e3 for g in c["geo_mean_s"]], sim=sim[arm]["change_vs_round_robin"])
+                           engine_geo_mean_ms=[g * 1e3 for g in c["geo_mean_s"]], sim=sim[arm]["change_vs_round_robin"],
+                           sim_line=sim_line[arm]["change_vs_round_robin"])
                 row["sim_inside"] = bool(c["ci_low"] - 0.02 <= row["sim"] <= c["ci_high"] + 0.02)
             arms[arm] = row
         out["settings"][name] = {"locality": s["locality"], "blocks_left_out": short, "arms": arms,
@@ -262,41 +279,46 @@ def analyse(run: dict, settle_s: float, calibration_out: Path | None, requests: 
     for key, arms, arm in (("eldr", loc, "eldr/none"), ("default", loc, "locality/0.05"), ("control", ctl, "locality/0.05")):
         if arm in arms and "value" in arms[arm]:
             r = arms[arm]
-            sw[key] = {k: r[k] for k in ("value", "ci_low", "ci_high", "sim", "blocks_per_arm", "sim_inside")}
+            sw[key] = {k: r[k] for k in ("value", "ci_low", "ci_high", "sim", "sim_line", "blocks_per_arm", "sim_inside")}
     out["switchback"] = sw
     return out
 
 
 def table(res: dict) -> list[str]:
-    f = res["fit"]
-    lines = [f"Step model fitted on {f['steps']} round-robin decode steps: fixed {f['fixed_s'] * 1e3:.2f} ms + "
-             f"{f['per_request_s'] * 1e3:.3f} ms per request + {f['per_expert_s'] * 1e3:.3f} ms per distinct expert "
-             "(summed over MoE layers)", "",
-             "| setting | arm | held-out steps | median abs error | mean measured ms | mean predicted ms |",
-             "|---|---|---|---|---|---|"]
+    f, h = res["fit"], res["host"]
+    lines = [f"Step model fitted on round robin's decode steps ({f['steps']} not stalling): "
+             f"(fixed {f['fixed_s'] * 1e3:.2f} ms + {f['per_request_s'] * 1e3:.3f} ms per request + "
+             f"{f['per_expert_s'] * 1e3:.3f} ms per distinct expert summed over MoE layers) / "
+             f"(1 - {h['steal_s'] * 1e3:.2f} ms x the other server's steps per second); stalls "
+             f"{h['stall_share_of_time']:.0%} of round robin's time, hazard "
+             + ", ".join(f"{z:.1f}/s from {e:.0f} steps/s" for e, z in zip(h["rate_edges"], h["hazard_per_s"])), "",
+             "| setting | arm | held-out steps | median abs error | mean measured ms | mean modelled ms (no stalls) | "
+             "mean expected ms (with stalls) |", "|---|---|---|---|---|---|---|"]
     for name, arms in res["step_errors"].items():
         for arm, e in arms.items():
             if e.get("steps"):
                 lines.append(f"| {name} | {arm} | {e['steps']} | {e['median_abs_error']:.3f} | "
-                             f"{e['mean_measured_ms']:.1f} | {e['mean_predicted_ms']:.1f} |")
+                             f"{e['mean_measured_ms']:.1f} | {e['mean_predicted_ms']:.1f} | {e.get('mean_expected_ms', 0):.1f} |")
     lines += ["", "| setting | arm | distinct/layer-step engine | simulated | error | batch engine | batch sim | "
-                  "TPOT p50 change vs RR, engine (95% CI) | blocks/arm | simulated | sim inside CI +-2 pt |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "TPOT p50 change vs RR, engine (95% CI) | blocks/arm | simulated, shared host | sim inside CI +-2 pt | "
+                  "simulated, line alone |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, st in res["settings"].items():
         for arm, r in st["arms"].items():
             ch = (f"{r['value']:+.1%} ({r['ci_low']:+.1%} .. {r['ci_high']:+.1%}) | {r['blocks_per_arm']} | "
-                  f"{r['sim']:+.1%} | {'yes' if r['sim_inside'] else 'NO'}" if "value" in r
-                  else f"{r.get('error', 'baseline')} | | |")
+                  f"{r['sim']:+.1%} | {'yes' if r['sim_inside'] else 'NO'} | {r['sim_line']:+.1%}" if "value" in r
+                  else f"{r.get('error', 'baseline')} | | | |")
             lines.append(f"| {name} | {arm} | {r['distinct_engine']:.2f} | {r['distinct_sim']:.2f} | "
                          f"{r['distinct_error']:+.1%} | {r['mean_batch_engine']:.2f} | {r['mean_batch_sim']:.2f} | {ch} |")
-    lines += ["", "Share of decode steps at batch 1, 2, ... 8 (8: 8 or more), engine against simulator:", "",
+    lines += ["", "Share of decode steps at batch 1, 2, ... 8 (8: 8 or more), engine against simulator (shared host):", "",
               "| setting | arm | engine | simulated |", "|---|---|---|---|"]
     for name, st in res["settings"].items():
         for arm, r in st["arms"].items():
             lines.append(f"| {name} | {arm} | {' '.join(f'{x:.2f}' for x in r['batch_share_engine'])} | "
                          f"{' '.join(f'{x:.2f}' for x in r['batch_share_sim'])} |")
     lines += ["", f"step_time_error_median (worst setting and arm): {res['step_time_error_median']:.3f}; "
-                  f"distinct_error_max: {res['distinct_error_max']:.3f}"]
+                  f"distinct_error_max: {res['distinct_error_max']:.3f}", "", "## What the engine's steps do",
+              "", *ed.table(res["engine_dynamics"])]
     return lines
 
 

@@ -40,7 +40,9 @@ def register(sub) -> None:
                         "reproduces the paper's 4.7x), paper-fixed+overhead (+ a 2 ms step overhead), band (all three)")
     p.add_argument("--ep", type=A.integer(1, 4096), default=1, help="expert-parallel ranks per decode worker (default 1: experts sharded over TP)")
     p.add_argument("--calibration", help="calibration file from benchmarks/gpu_calibrate.py: replaces the roofline expert time; "
-                                         "one with other_s (--device cpu) replaces the whole decode step")
+                                         "one with other_s (--device cpu) replaces the whole decode step; one written by "
+                                         "benchmarks/sim_vs_engine.py also makes the decode workers share the host CPU "
+                                         "as its engine's did (sim/host.py)")
     p.add_argument("--context-len", type=A.integer(0, A.MAX_TOKENS), default=0, help="simulated prompt tokens per request (default: as recorded)")
     p.add_argument("--tau", type=A.tau, default=None, help="ELDR band width (default: the centroid file's)")
     p.add_argument("--eldr-load-factor", type=A.load_factor, default=None, metavar="F",
@@ -160,7 +162,7 @@ def _simulate(args, source) -> int:
     if any(s.policy == "eldr" for s in specs) and not args.centroids:
         raise ValueError("policy eldr needs --centroids (make one with `eldr fit`)")
     cfg = ClusterConfig(num_decode=K, num_prefill=args.prefill_workers, max_running=args.max_running,
-                        prefill_policy=args.prefill_policy)
+                        prefill_policy=args.prefill_policy, host=_shared_host(args), host_seed=args.seed)
     points = _load_points(args, trace, K)
     print(f"model {model.name} on {K} decode workers x tp={em.tp} {hw.name}; trace {args.trace}: "
           f"{trace.num_requests} requests, {trace.num_layers} MoE layers x {trace.num_experts} experts, top-{trace.top_k}")
@@ -257,6 +259,13 @@ def _write_outputs(args, meta, sweep, runs, last_policies, last_distinct, title:
         print(f"wrote {args.plot}")
 
 
+def _shared_host(args):
+    """The calibration's shared host CPU (sim/host.py), if it has one."""
+    from eldr_sglang.sim.host import load_shared_host
+
+    return load_shared_host(args.calibration) if args.calibration else None
+
+
 def _models(args, model, hw) -> dict:
     """{variant: ExecutionModel} for --cost-model (one, or the three of the band)."""
     from eldr_sglang.sim.cost_model import SENSITIVITY_VARIANTS, load_calibration, sensitivity_model
@@ -280,6 +289,8 @@ def run_strict(args, replay, models: dict) -> int:
         raise ValueError("--protocol strict sets arrivals, order and output lengths itself; drop --rate/--arrival/--order/--output-len")
     if args.splits < 1:
         raise ValueError("--splits must be at least 1")
+    if _shared_host(args) is not None:
+        raise ValueError("--protocol strict does not model a shared host CPU; its --calibration must have no 'host' section")
     requests = args.requests or STRICT_MIN_REQUESTS
     if requests < STRICT_MIN_REQUESTS:
         raise ValueError(f"--protocol strict needs --requests >= {STRICT_MIN_REQUESTS}")

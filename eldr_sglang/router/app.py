@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from typing import AsyncIterator
@@ -120,8 +121,25 @@ async def _lifecycle(pd: ControlPlane, cfg: RouterConfig):
 @contextlib.asynccontextmanager
 async def running(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str]]:
     """The router, serving in this process until the block ends: (the control app, the
-    public base URL). The control plane's socket is bound first, so the data plane is built
-    knowing where to forward, and the start-up checks report straight into it."""
+    public base URL). With a discovery source (--workers-file, --service-discovery) the
+    router is built with its first membership, and the source keeps running beside it: each
+    later membership goes to `apply`, which today can only log it and show it pending in
+    /eldr/status (the core does not take workers added or removed while it serves yet)."""
+    from eldr_sglang.router.discovery.hook import discovered, pending_apply
+
+    async with discovered(cfg) as (cfg, hook):
+        if hook is not None:  # set before the router is built, so no change goes unlogged
+            hook.apply_cb = functools.partial(pending_apply, hook)
+        async with _serving(cfg) as (app, url):
+            if hook is not None:
+                app[PD_KEY].membership = hook
+            yield app, url
+
+
+@contextlib.asynccontextmanager
+async def _serving(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str]]:
+    """The router on its workers. The control plane's socket is bound first, so the data plane
+    is built knowing where to forward, and the start-up checks report straight into it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

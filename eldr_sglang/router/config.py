@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 # cost of locality at DeepSeek-V3 shape is in benchmarks/results/bench_router_locality.md.
 from eldr_sglang import _core
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY
+from eldr_sglang.router.discovery.flags import DiscoverySettings, add_flags as _discovery_flags, settings_from_args
 
 # seconds between polls of the decode workers' /v1/loads (--load-monitor-interval); the
 # simulator's cluster polls its replicas as often (sim/cluster.py)
@@ -165,6 +166,9 @@ class RouterConfig:
     # A switchback experiment over decode policies; `policy` and `load_factor` are then its
     # first arm's.
     experiment: Experiment | None = None
+    # Worker discovery (--workers-file, --service-discovery; router/discovery/): the router is
+    # built with its first membership; None = the workers above only
+    discovery: DiscoverySettings | None = None
     # the router's spec (policy, costs, tau, load factor, binding), built and checked once by
     # the core (rust/core/src/policies/spec.rs); the control plane's router is made from it
     spec: _core.RouterSpec = field(init=False, repr=False, compare=False)
@@ -238,6 +242,7 @@ def build_parser(prog: str = "python -m eldr_sglang.launch_router") -> argparse.
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
     _worker_flags(ap.add_argument_group("PD disaggregation"))
+    _discovery_flags(ap)
     pol = ap.add_argument_group("Routing")
     _routing_flags(pol)
     _experiment_flags(ap.add_argument_group("Switchback experiment (docs/experiments.md, 'Proving it on your cluster')"))
@@ -259,9 +264,11 @@ def _worker_flags(pd: argparse._ArgumentGroup) -> None:
     pd.add_argument("--pd-disaggregation", action="store_true", help="PD mode (required: the only mode)")
     pd.add_argument(
         "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
-        help="prefill worker URL and optional bootstrap port ('none' or omitted: none); repeat per worker",
+        help="prefill worker URL and optional bootstrap port ('none' or omitted: none); repeat per worker "
+        "(or find them: --workers-file, --service-discovery)",
     )
-    pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL", help="decode worker URL; repeat per worker")
+    pd.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL",
+                    help="decode worker URL; repeat per worker (or find them: --workers-file, --service-discovery)")
 
 
 def _routing_flags(pol: argparse._ArgumentGroup) -> None:
@@ -330,7 +337,9 @@ def _experiment_flags(exp: argparse._ArgumentGroup) -> None:
 def _request_flags(req: argparse._ArgumentGroup) -> None:
     """Request limits and the control plane's polls of the workers."""
     req.add_argument("--request-timeout-secs", type=float, default=1800.0)
-    req.add_argument("--worker-startup-timeout-secs", type=float, default=0.0, help="wait for workers' /health at start (0: no)")
+    req.add_argument("--worker-startup-timeout-secs", type=float, default=0.0,
+                     help="wait for workers' /health at start (0: no); with discovery and no --prefill/--decode, also the "
+                     "longest wait for the first workers found (0: no limit)")
     req.add_argument("--health-check-interval-secs", type=float, default=10.0)
     req.add_argument("--health-failure-threshold", type=int, default=3)
     req.add_argument(
@@ -414,23 +423,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
     if not a.pd_disaggregation:
         raise ConfigError("--pd-disaggregation is required: this router serves PD-disaggregated clusters only")
-    prefill = []
-    for item in a.prefill:
-        if len(item) > 2:
-            raise ConfigError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(item)}")
-        url = _url(item[0], "--prefill")
-        port: int | None = None
-        if len(item) == 2 and item[1].lower() != "none":
-            try:
-                port = int(item[1])
-            except ValueError:
-                raise ConfigError(f"--prefill {item[0]}: bootstrap port {item[1]!r} is not a number or 'none'") from None
-            if not 0 < port < 65536:
-                raise ConfigError(f"--prefill {item[0]}: bootstrap port {port} out of range")
-        prefill.append(PrefillWorker(url=url, bootstrap_port=port, host=urlparse(url).hostname))
-    decode = [_url(d[0], "--decode") for d in a.decode]
-    if not prefill or not decode:
-        raise ConfigError("at least one --prefill and one --decode worker are needed")
+    prefill, decode, discovery = _workers_from_args(a)
     experiment = _experiment(a)
     a.policy = a.policy or DEFAULT_POLICY
     if experiment is not None:
@@ -481,7 +474,35 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         queue_size=a.queue_size,
         queue_timeout_s=a.queue_timeout_secs, max_buffered_bytes=a.max_buffered_bytes,
         experiment=experiment,
+        discovery=discovery,
     )
+
+
+def _workers_from_args(a: argparse.Namespace) -> tuple[list[PrefillWorker], list[str], DiscoverySettings | None]:
+    """--prefill and --decode, and the discovery sources that may add to them or stand in for them."""
+    prefill = []
+    for item in a.prefill:
+        if len(item) > 2:
+            raise ConfigError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(item)}")
+        url = _url(item[0], "--prefill")
+        port: int | None = None
+        if len(item) == 2 and item[1].lower() != "none":
+            try:
+                port = int(item[1])
+            except ValueError:
+                raise ConfigError(f"--prefill {item[0]}: bootstrap port {item[1]!r} is not a number or 'none'") from None
+            if not 0 < port < 65536:
+                raise ConfigError(f"--prefill {item[0]}: bootstrap port {port} out of range")
+        prefill.append(PrefillWorker(url=url, bootstrap_port=port, host=urlparse(url).hostname))
+    decode = [_url(d[0], "--decode") for d in a.decode]
+    try:
+        discovery = settings_from_args(a)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if discovery is None and (not prefill or not decode):
+        raise ConfigError("at least one --prefill and one --decode worker are needed (or a discovery source: "
+                          "--workers-file, --service-discovery)")
+    return prefill, decode, discovery
 
 
 def check_centroids(policy: str, experiment: Experiment | None, centroids: str | None) -> None:

@@ -58,6 +58,7 @@ class ControlPlane:
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
         self._reload_busy_since: float | None = None
         self.drift = None  # eldr_sglang.router.drift_hook.DriftHook, set by the app when enabled
+        self.membership = None  # eldr_sglang.router.discovery.hook.MembershipHook, set by the app with discovery
         self._drift_dims: dict[int, int] = {}  # centroid generation -> signature dim
         self.metrics = RouterMetrics(self.state, self.dataplane.counters)
         self._log = RateLimitedLog(logger)
@@ -132,6 +133,8 @@ class ControlPlane:
             "load_factor": self.router.load_factor,
             "paged_experts": self.router.paged_experts,
             "decode_expert_distinct": self.router.expert_distinct(),  # locality only, else None
+            # discovery: {"desired", "applied", "pending", ...}; None without a discovery source
+            "membership": self.membership.status() if self.membership is not None else None,
         }
 
     # ------------------------------------------------------------------ drift

@@ -66,6 +66,28 @@ class _StateCollector:
             block = GaugeMetricFamily("eldr_router_experiment_block", "Switchback experiment: the current block's number")
             block.add_metric([], x["block"])
             yield from (arm, block)
+        m = s.get("membership")
+        if m is not None:
+            yield from _membership_gauges(m)
+
+
+def _membership_gauges(m: dict):
+    """Worker discovery (router/discovery/): the membership found and the one serving."""
+    pend = GaugeMetricFamily("eldr_router_membership_pending", "1 while the discovered workers differ from the ones the "
+                             "router serves (runtime membership is not applied yet: a restart picks it up)")
+    pend.add_metric([], 1.0 if m["pending"] else 0.0)
+    n = GaugeMetricFamily("eldr_router_membership_workers", "Workers by role, as discovered (desired) and as served (applied)",
+                          labels=["role", "state"])
+    for state in ("desired", "applied"):
+        for role in ("prefill", "decode"):
+            if m[state] is not None:
+                n.add_metric([role, state], len(m[state][role]))
+    ok = GaugeMetricFamily("eldr_router_discovery_source_ok", "1 while a discovery source's last read or call succeeded",
+                           labels=["source"])
+    for name, st in m["sources"].items():
+        errors = [st.get("last_error")] + [r.get("last_error") for r in st.get("roles", {}).values()]
+        ok.add_metric([name], 0.0 if any(errors) else 1.0)
+    yield from (pend, n, ok)
 
 
 # The request path's metrics: the Rust data plane keeps the counters (rust/dataplane/src/

@@ -40,6 +40,7 @@ import numpy as np
 from eldr_sglang.router.config import DEFAULT_LOAD_MONITOR_INTERVAL_S
 from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.sim.decode import DecodeStep, Replica, Requests
+from eldr_sglang.sim.host import HostClock, SharedHost
 from eldr_sglang.sim.paged_experts import PagedExperts
 from eldr_sglang.sim.prefill import DEFAULT_PREFILL_POLICY, PrefillScheduler
 from eldr_sglang.sim.replay import TraceReplay
@@ -60,6 +61,9 @@ class ClusterConfig:
     prefill_policy: str = DEFAULT_PREFILL_POLICY  # see sim/prefill.py: round_robin, random, shortest_queue, earliest_free
     prefill_seed: int = 0  # for prefill_policy="random"
     load_report_interval_s: float = DEFAULT_LOAD_MONITOR_INTERVAL_S  # the decode workers' /v1/loads polls; 0: none
+    # decode workers sharing host CPU (sim/host.py; a CPU engine's calibration); None: steps are the line
+    host: SharedHost | None = None
+    host_seed: int = 0
 
 
 @dataclass
@@ -180,6 +184,7 @@ class _Run:
             dist = replay.prompt_distinct()[t_idx]
             self.prefill_pt = np.array([model.prefill_time(int(n), d) for n, d in zip(workload.prompt_len, dist)])
         self.step = DecodeStep(replay, model, cfg.perfect_overlap)
+        self.host = HostClock(cfg.host, K, cfg.host_seed) if cfg.host is not None else None
         self.steps = _Steps(replay.num_layers)
         self.transfer_cache: dict[int, float] = {}
         self.arrival = np.full(N, np.nan)
@@ -236,6 +241,8 @@ class _Run:
                 self.push(ready, _WAKE, wi)
             return
         dt, d = self.step.time(w)
+        if self.host is not None:
+            dt = self.host.step(wi, now, dt)
         self.steps.add(wi, now, dt, len(w.req), d)
         w.busy = True
         self.push(now + dt, _STEP_END, wi)

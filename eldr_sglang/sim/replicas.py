@@ -1,0 +1,84 @@
+"""Router replicas in front of one simulated cluster (issue 32).
+
+Users run several router replicas; clients reach one of them at random. Each replica is its
+own Rust `Router` with its own in-flight counts and, under the locality balancer, its own view
+of which experts each decode worker's batch is using. Two ways a replica learns of the others'
+requests:
+
+- `own_view`: today's service. Each replica reads every decode worker's /v1/loads count each
+  load-monitor interval (`report_load`: the fresh count, minus this replica's share at poll
+  time, plus its own requests since), but its expert view holds only its own requests.
+- `worker_reports`: the workers report their expert occupancy beside their load (issue 32's
+  proposal). At each poll every replica replaces its picture of the other replicas' requests
+  on that worker with the worker's current set: it holds one lease per such request, with the
+  request's expert profile, until the next poll. Between polls the picture goes stale exactly
+  as a report would (finished requests linger, new ones are missing).
+
+The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `acquire`
+(right after `route`, for the same request), `report_load`, `loads`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+MODES = ("own_view", "worker_reports")
+
+
+class _Lease:
+    """One request's lease on the replica that routed it, known to the wrapper until release."""
+
+    __slots__ = ("owner", "replica", "worker", "tokens", "trace_r", "inner")
+
+    def __init__(self, owner: Replicas, replica: int, worker: int, tokens: int, trace_r: int, inner):
+        self.owner, self.replica, self.worker, self.tokens, self.trace_r, self.inner = owner, replica, worker, tokens, trace_r, inner
+
+    def release(self) -> None:
+        if self.inner is not None:
+            self.inner.release()
+            self.inner = None
+            self.owner.held[self.worker].pop(self, None)
+
+
+class Replicas:
+    def __init__(self, make: Callable[[int], object], replicas: int, num_workers: int, *, mode: str = "own_view",
+                 seed: int = 0):
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.reps = [make(k) for k in range(replicas)]
+        self.name = self.reps[0].name
+        self.mode = mode
+        self.rng = np.random.default_rng(seed)
+        self.held: list[dict] = [{} for _ in range(num_workers)]  # every replica's leases, per worker
+        self.pictures: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
+        self._last = (0, 0)
+
+    def route(self, trace_r: int) -> int:
+        k = int(self.rng.integers(len(self.reps)))  # the client's replica
+        self._last = (k, trace_r)
+        return self.reps[k].route(trace_r)
+
+    def acquire(self, worker: int, tokens: int) -> _Lease:
+        k, trace_r = self._last
+        lease = _Lease(self, k, worker, tokens, trace_r, self.reps[k].acquire(worker, tokens, trace_r=trace_r))
+        self.held[worker][lease] = None
+        return lease
+
+    def report_load(self, worker: int, running: int) -> None:
+        """A poll of decode worker `worker`: its load, and in `worker_reports` its occupancy."""
+        if self.mode == "own_view":
+            for rep in self.reps:
+                rep.report_load(worker, running)
+            return
+        for k, rep in enumerate(self.reps):
+            for old in self.pictures[k][worker]:
+                old.release()
+            self.pictures[k][worker] = [rep.acquire(worker, x.tokens, trace_r=x.trace_r)
+                                        for x in self.held[worker] if x.replica != k]
+
+    def loads(self) -> list[int]:
+        return self.reps[0].loads()
