@@ -21,7 +21,8 @@ from typing_extensions import Self
 
 __all__ = [
     "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "PREFILL_POLICIES", "DEFAULT_POLICY",
-    "DEFAULT_PREFILL_POLICY", "DEFAULT_TAU", "DEFAULT_LOAD_FACTOR", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
+    "DEFAULT_PREFILL_POLICY", "DEFAULT_TAU", "DEFAULT_LOAD_FACTOR", "MAX_TAU", "MAX_LOAD_FACTOR", "MAX_REQUEST_COST",
+    "MAX_EXPERTS", "RouterSpec", "parse_arms", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
     "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane", "ReservoirSampler",
@@ -35,6 +36,10 @@ DEFAULT_POLICY: str  # the decode policy when none is given ("locality")
 DEFAULT_PREFILL_POLICY: str  # the prefill placement when none is given ("round_robin")
 DEFAULT_TAU: float  # ELDR's band width when neither the caller nor the centroid file gives one
 DEFAULT_LOAD_FACTOR: float  # the bounded-load cap of eldr/F and locality/F
+MAX_TAU: float  # tau lies in [0, MAX_TAU] (2: cosine distances lie in [0, 2])
+MAX_LOAD_FACTOR: float  # a load factor lies in [0, MAX_LOAD_FACTOR]
+MAX_REQUEST_COST: float  # the locality cost's request term lies in [0, MAX_REQUEST_COST]
+MAX_EXPERTS: int  # experts per MoE layer (2^20: the centroid file's bound; --eldr-paged-experts' too)
 FALLBACK_REASONS: tuple[str, ...]  # why a counts policy routed without a signature (NoSignature reasons + 'no_centroids')
 PAYLOAD_KEY: str  # "eldr_signature": the stream-event field that carries the counts payload
 PAYLOAD_MAX_ENTRIES: int  # largest L*E a payload may claim
@@ -239,6 +244,52 @@ class Lease:
     def __exit__(self, *exc: object) -> Literal[False]: ...
 
 @final
+class RouterSpec:
+    """A decode router's policy (with the locality costs), tau, load factor and binding, built and
+    checked once by the core (rust/core/src/policies/spec.rs). ValueError with the router command
+    line's message for a value out of range (tau in [0, 2], load factor and request cost in
+    [0, 1e6], paged experts 1..=2^20) or a cost the policy does not take (paged experts and a
+    request cost r > 0 are the locality policy's)."""
+
+    def __new__(
+        cls,
+        policy: str | None = None,  # None: DEFAULT_POLICY
+        tau: float | None = None,
+        load_factor: float | None = None,
+        paged_experts: int | None = None,
+        request_cost: float | None = None,
+        bind: Literal["auto", "late", "early"] = "auto",
+        seed: int = 0,
+    ) -> Self: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def tau(self) -> float | None: ...
+    @property
+    def load_factor(self) -> float | None: ...
+    @property
+    def paged_experts(self) -> int | None: ...
+    @property
+    def request_cost(self) -> float | None: ...
+    @property
+    def bind(self) -> str: ...
+    @property
+    def needs_centroids(self) -> bool:
+        """The policy routes on the prefill's counts (eldr, locality): it needs a centroid file."""
+    @property
+    def binds_late(self) -> bool:
+        """A request waits for the prefill's signature before its decode is chosen (bind 'late',
+        or 'auto' and a counts policy)."""
+    def check_centroids(self, has_centroids: bool, arm: str | None = None) -> None:
+        """ValueError (the command line's message; `arm`: the experiment arm's label) when the
+        policy needs a centroid file and has none."""
+
+def parse_arms(text: str, default_load_factor: float | None = None) -> list[tuple[str, str, float | None]]:
+    """'locality/0.05,round_robin' -> the arms of a switchback experiment, each (label, policy, load factor):
+    a policy, optionally /F for eldr and locality (F in [0, 1e6], or none/off: the paper's rule); a plain eldr or
+    locality takes default_load_factor. 2 to 16 arms, each once. ValueError with the command line's message."""
+
+@final
 class Router:
     """Band router + baseline policies + queue tracker + hot-reloadable centroids."""
 
@@ -254,14 +305,23 @@ class Router:
         load_factor: float | None = None,
         paged_experts: int | None = None,
         request_cost: float | None = None,
+        bind: Literal["auto", "late", "early"] = "auto",
     ) -> Self:
-        """num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
+        """The routing arguments make a RouterSpec (checked as it is). num_workers: 1..=2^20. load_factor: ELDR with bounded loads (a worker is a candidate only while its load
         is below ceil((1 + f) * (total + 1) / healthy workers)); None = the paper's rule. paged_experts: C, the
         decode workers run SGLang's paged experts with C resident per MoE layer, and the locality policy routes by
         expected page-ins (ValueError for another policy or C = 0). request_cost: r >= 0, the per-request part of
         a decode step in distinct experts per layer; the locality policy's cost becomes
         D_w + (B_w + 1) * Delta_w + r * (2 * B_w + 1) (None or 0: without it; ValueError for r > 0 on another
         policy, a negative or a non-finite r)."""
+    @staticmethod
+    def from_spec(
+        spec: RouterSpec, num_workers: int | None = None, centroids: str | None = None,
+        reload_interval_ms: int = 250, load_report_ttl_ms: int = 2000,
+    ) -> Router:
+        """A router made from a checked spec (the control plane's, from RouterConfig.spec)."""
+    @property
+    def spec(self) -> RouterSpec: ...  # what it was built from (tau and load factor as at start)
     @property
     def policy(self) -> str: ...
     @property
@@ -310,7 +370,9 @@ class Router:
         the report's share that is not this router's: running minus the larger of
         `inflight_at_poll` (this router's in-flight count on the worker when the poll was sent;
         None: now) and the count now, at least 0."""
-    def set_healthy(self, worker: int, healthy: bool) -> None: ...
+    def set_healthy(self, worker: int, healthy: bool) -> None:
+        """Mark a worker of a router no data plane holds (tests, the simulator); ValueError when a
+        DataPlane routes on it (its worker set owns health: DataPlane.set_healthy)."""
     def healthy(self) -> list[bool]: ...
     def reload(self) -> bool:
         """Reload the centroid file now. Raises CentroidFileError, keeping the old set."""

@@ -16,10 +16,15 @@ def test_router_takes_paged_experts_for_locality_only():
     r = _core.Router("locality", num_workers=2, paged_experts=4)
     assert r.policy == "locality" and r.paged_experts == 4
     assert _core.Router("locality", num_workers=2).paged_experts is None
-    with pytest.raises(ValueError, match="locality"):
+    # the core's spec checks it, in the router command line's words
+    with pytest.raises(ValueError, match="^--eldr-paged-experts is a cost of the locality policy, not of --disagg-router shortest_queue$"):
         _core.Router("shortest_queue", num_workers=2, paged_experts=4)
-    with pytest.raises(ValueError, match="C >= 1"):
+    with pytest.raises(ValueError, match=r"^--eldr-paged-experts must be between 1 and 1\.04858e\+06, got 0$"):
         _core.Router("locality", num_workers=2, paged_experts=0)
+    with pytest.raises(ValueError, match=r"^--eldr-paged-experts must be between 1 and 1\.04858e\+06, got 1180591620717411303424$"):
+        _core.RouterSpec("locality", paged_experts=2**70)
+    with pytest.raises(ValueError, match="^--eldr-paged-experts must be an integer, got 1.5$"):
+        _core.RouterSpec("locality", paged_experts=1.5)
 
 
 def test_router_routes_to_the_worker_that_holds_the_request_experts():

@@ -44,3 +44,13 @@ def test_earliest_free_is_the_old_rule_and_random_is_seeded():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown prefill policy 'fastest'.*earliest_free"):
         PrefillScheduler(2, _one_second, "fastest")
+
+
+def test_the_services_placements_are_the_cores_prefill_policies():
+    """round_robin, random and shortest_queue are run by the Rust core (as the data plane runs
+    them), not reimplemented: the same seed gives the core Router's own sequence."""
+    from eldr_sglang import _core
+
+    s = PrefillScheduler(4, _one_second, "random", seed=5)
+    r = _core.Router("random", num_workers=4, seed=5)
+    assert [s.place(0.0, 1)[0] for _ in range(30)] == [r.route_signature(None) for _ in range(30)]

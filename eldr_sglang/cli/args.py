@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import math
 
+from eldr_sglang import _core
+
 # Shared bounds, generous for real deployments and small enough that no size overflows.
 MAX_WORKERS = 65536  # decode (or prefill) workers in one cluster
 MAX_LAYERS = 4096  # hidden layers of a model
-MAX_EXPERTS = 1 << 20  # experts per layer (the centroid file's bound)
+MAX_EXPERTS = _core.MAX_EXPERTS  # experts per layer (the core's bound: the centroid file's, 2^20)
 MAX_REQUESTS = 100_000_000
 MAX_TOKENS = 10_000_000  # tokens of one request
 MAX_SEED = 2**63 - 1
@@ -131,5 +133,5 @@ def add_max_memory(parser) -> None:
 
 seed = integer(0, MAX_SEED)
 workers = integer(1, MAX_WORKERS)
-tau = real(0.0, 2.0)  # a cosine distance band: 1 - cos lies in [0, 2]
+tau = real(0.0, _core.MAX_TAU)  # a cosine distance band: 1 - cos lies in [0, 2] (the core's bound, the router's)
 load_factor = real(0.0, 1000.0)

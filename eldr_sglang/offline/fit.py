@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from eldr_sglang import _core
 from eldr_sglang.defaults import FIT_CHANGE_TOL, FIT_SAMPLE_GROWTH
 from eldr_sglang.offline import report as rpt
 from eldr_sglang.offline.balanced_assignment import balanced_sizes
@@ -84,8 +85,8 @@ def _check_inputs(trace: TraceSource, workers, tau, requests):
     if K != workers or K < 1:
         raise ValueError(f"--workers must be a positive integer, got {workers!r}")
     tau = float(tau)
-    if not np.isfinite(tau) or tau < 0:
-        raise ValueError(f"--tau must be a finite number >= 0, got {tau}")
+    if not np.isfinite(tau) or not 0 <= tau <= _core.MAX_TAU:  # the router's bound, so the file's tau routes
+        raise ValueError(f"--tau must be a finite number in [0, {_core.MAX_TAU:g}], got {tau}")
     if requests is None:
         req = np.arange(trace.num_requests, dtype=np.int64)
     else:

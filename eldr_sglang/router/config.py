@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 # The default decode policy and bounded-load factor are the ones the protocol study supports
@@ -82,6 +82,8 @@ class Experiment:
     arms: list[Arm]
     switch_every_s: float = 600.0
     seed: int = 0
+    # --eldr-load-factor: a plain eldr or locality arm's (the data plane parses the labels too)
+    default_load_factor: float | None = None
 
 
 # Blocks shorter than this cannot drain a decode batch; longer than a week is a typo.
@@ -106,33 +108,9 @@ def parse_duration(text: str) -> float:
 def parse_arms(text: str, default_load_factor: float | None = None) -> list[Arm]:
     """'locality/0.05,round_robin' -> arms: each a --disagg-router policy, optionally /F (the
     bounded-load factor of eldr and locality; /none: the paper's rule); a plain eldr or
-    locality takes `default_load_factor` (--eldr-load-factor). Raises ValueError."""
-    arms: list[Arm] = []
-    for raw in (text or "").split(","):
-        label = raw.strip()
-        if not label:
-            raise ValueError(f"expected arms like locality/0.05,round_robin, got {text!r}")
-        name, slash, factor = label.partition("/")
-        if "@" in name:
-            raise ValueError(f"arm {label!r}: tau is the router's (--eldr-tau), the same for every arm")
-        if name not in DECODE_POLICIES:
-            raise ValueError(f"arm {label!r}: unknown policy {name!r}; choose from {', '.join(DECODE_POLICIES)}")
-        lf = default_load_factor if name in COUNTS_POLICIES else None
-        if slash:
-            if name not in COUNTS_POLICIES:
-                raise ValueError(f"arm {label!r}: /F (a load factor) applies to {' and '.join(COUNTS_POLICIES)} only")
-            try:
-                lf = _load_factor(factor)
-            except argparse.ArgumentTypeError as exc:
-                raise ValueError(f"arm {label!r}: {exc}") from None
-            if lf is not None and not (math.isfinite(lf) and 0 <= lf <= 1e6):
-                raise ValueError(f"arm {label!r}: the load factor must be between 0 and 1e6")
-        if any(a.label == label for a in arms):
-            raise ValueError(f"arm {label!r} is given twice")
-        arms.append(Arm(label, name, lf))
-    if not 2 <= len(arms) <= 16:
-        raise ValueError(f"an experiment needs 2 to 16 arms, got {len(arms)}")
-    return arms
+    locality takes `default_load_factor` (--eldr-load-factor). Parsed by the core
+    (rust/core/src/policies/label.rs). Raises ValueError."""
+    return [Arm(label, policy, lf) for label, policy, lf in _core.parse_arms(text or "", default_load_factor)]
 
 
 @dataclass
@@ -191,6 +169,9 @@ class RouterConfig:
     # Worker discovery (--workers-file, --service-discovery; router/discovery/): the router is
     # built with its first membership; None = the workers above only
     discovery: DiscoverySettings | None = None
+    # the router's spec (policy, costs, tau, load factor, binding), built and checked once by
+    # the core (rust/core/src/policies/spec.rs); the control plane's router is made from it
+    spec: _core.RouterSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_numbers(self)  # the command line and programmatic configs alike (the data plane's: _check_plane)
@@ -217,15 +198,15 @@ class RouterConfig:
                                       "centroid file is fitted for)")
                 seen[key] = url
         _check_plane(self)
-
-    def binds_late(self, policy: str) -> bool:
-        return self.bind == "late" or (self.bind == "auto" and policy in COUNTS_POLICIES)
+        self.spec = _spec(lambda: _core.RouterSpec(self.policy, tau=self.tau, load_factor=self.load_factor,
+                                                   paged_experts=self.paged_experts, request_cost=self.request_cost,
+                                                   bind=self.bind, seed=self.seed))
 
     @property
     def late_binding(self) -> bool:
-        """Whether any request binds late (under an experiment: any arm)."""
-        policies = [a.policy for a in self.experiment.arms] if self.experiment else [self.policy]
-        return any(self.binds_late(p) for p in policies)
+        """Whether any request binds late (under an experiment: any arm), as the core's spec
+        of each policy under --eldr-bind says (the data plane reads it from the router)."""
+        return any(_core.RouterSpec(p, bind=self.bind).binds_late for p in self.policies)
 
     @property
     def policies(self) -> list[str]:
@@ -447,7 +428,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     a.policy = a.policy or DEFAULT_POLICY
     if experiment is not None:
         a.policy, a.eldr_load_factor = experiment.arms[0].policy, experiment.arms[0].load_factor
-    _check_policy_flags(a, experiment)
+    check_centroids(a.policy, experiment, a.eldr_centroids)
     if a.prometheus_host is not None and a.prometheus_port is None:
         raise ConfigError("--prometheus-host needs --prometheus-port")
     return RouterConfig(
@@ -524,21 +505,22 @@ def _workers_from_args(a: argparse.Namespace) -> tuple[list[PrefillWorker], list
     return prefill, decode, discovery
 
 
-def _check_policy_flags(a: argparse.Namespace, experiment: Experiment | None) -> None:
-    """What the decode policy (or every arm) needs from the other routing flags."""
+def check_centroids(policy: str, experiment: Experiment | None, centroids: str | None) -> None:
+    """A centroid file for the decode policy (or every arm) that routes on counts: the core's
+    spec says which do and in what words (ConfigError). The other routing rules (ranges, which
+    policy takes paged experts or a request cost) are the spec's too, checked when
+    RouterConfig builds it."""
     for arm in experiment.arms if experiment else []:
-        if arm.policy in COUNTS_POLICIES and not a.eldr_centroids:
-            raise ConfigError(f"--experiment arm {arm.label} needs --eldr-centroids (a centroid file from `eldr fit`: eldr "
-                              "routes on its centroids, locality tracks experts on the layers it selected)")
-    if a.policy == "eldr" and not a.eldr_centroids:
-        raise ConfigError("--disagg-router eldr needs --eldr-centroids (a centroid file from `eldr fit`)")
-    if a.policy == "locality" and not a.eldr_centroids:
-        raise ConfigError("--disagg-router locality needs --eldr-centroids (a centroid file from `eldr fit`: "
-                          "the balancer tracks experts on the layers it selected)")
-    if a.eldr_paged_experts is not None and a.policy != "locality":
-        raise ConfigError(f"--eldr-paged-experts is a cost of the locality policy, not of --disagg-router {a.policy}")
-    if a.eldr_request_cost != 0 and experiment is None and a.policy != "locality":
-        raise ConfigError(f"--eldr-request-cost is a cost of the locality policy, not of --disagg-router {a.policy}")
+        _spec(lambda: _core.RouterSpec(arm.policy).check_centroids(bool(centroids), arm.label))
+    _spec(lambda: _core.RouterSpec(policy).check_centroids(bool(centroids)))
+
+
+def _spec(make):
+    """`make()`, its ValueError (the core spec's check, in the flag's words) a ConfigError."""
+    try:
+        return make()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _experiment(a: argparse.Namespace) -> Experiment | None:
@@ -558,18 +540,16 @@ def _experiment(a: argparse.Namespace) -> Experiment | None:
         raise ConfigError(f"--switch-every: {exc}") from None
     if not 0 <= a.experiment_seed < 2**64:
         raise ConfigError(f"--experiment-seed must be between 0 and 2^64 - 1, got {a.experiment_seed}")
-    return Experiment(arms, every, a.experiment_seed)
+    return Experiment(arms, every, a.experiment_seed, a.eldr_load_factor)
 
 
 # flag -> (RouterConfig field, lowest, highest, integer, zero allowed (0 = off) though lowest > 0):
 # the control plane's own settings. The data plane's (ports, timeouts, retries, ejection,
 # admission, the seed) are checked by rust/dataplane/src/config.rs alone, through
-# `_core.DataPlane.check_numbers` (see _check_plane), with messages in the same words.
+# `_core.DataPlane.check_numbers` (see _check_plane), and the routing flags (--eldr-tau,
+# --eldr-load-factor, --eldr-paged-experts, --eldr-request-cost) by the core's RouterSpec
+# (rust/core/src/policies/spec.rs), with messages in the same words.
 _NUMERIC_FLAGS = {
-    "--eldr-tau": ("tau", 0.0, 2.0, False, True),  # cosine distances lie in [0, 2]
-    "--eldr-load-factor": ("load_factor", 0.0, 1e6, False, True),
-    "--eldr-paged-experts": ("paged_experts", 1, 2**20, True, False),
-    "--eldr-request-cost": ("request_cost", 0.0, 1e6, False, True),
     "--eldr-reload-interval-ms": ("reload_interval_ms", 1, 86_400_000, True, True),
     "--eldr-load-report-ttl-ms": ("load_report_ttl_ms", 0, 86_400_000, True, True),
     "--worker-startup-timeout-secs": ("worker_startup_timeout_s", 0.0, DAY_S, False, True),
@@ -668,7 +648,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "prefill": [{"url": w.url, "host": w.host, "bootstrap_port": w.bootstrap_port} for w in cfg.prefill],
         "decode": list(cfg.decode),
         "control_url": control_url,
-        "policy": cfg.policy, "prefill_policy": cfg.prefill_policy, "late_binding": cfg.late_binding, "seed": cfg.seed,
+        "prefill_policy": cfg.prefill_policy, "seed": cfg.seed,  # the decode policy: the router's
         "signature_timeout_s": cfg.signature_timeout_s, "request_timeout_s": cfg.request_timeout_s,
         "connect_timeout_s": cfg.connect_timeout_s, "first_byte_timeout_s": cfg.first_byte_timeout_s,
         "decode_progress_timeout_s": cfg.decode_progress_timeout_s,
@@ -696,11 +676,11 @@ def _finite_or_named(v):
 
 
 def experiment_config(cfg: RouterConfig) -> dict | None:
-    """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): each
-    arm with its binding (late for the counts policies under --eldr-bind auto)."""
+    """The switchback experiment for the data plane (rust/dataplane/src/experiment.rs): the arms'
+    labels, which it parses with the core's parser (parse_arms), and --eldr-load-factor for a
+    plain counts policy; each arm's binding is its spec's, under the router's --eldr-bind."""
     x = cfg.experiment
     if x is None:
         return None
-    return {"arms": [{"label": a.label, "policy": a.policy, "load_factor": a.load_factor, "late_binding": cfg.binds_late(a.policy)}
-                     for a in x.arms],
+    return {"arms": ",".join(a.label for a in x.arms), "default_load_factor": x.default_load_factor,
             "switch_every_s": x.switch_every_s, "seed": x.seed}

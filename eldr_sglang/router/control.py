@@ -15,7 +15,7 @@ import time
 
 import aiohttp
 
-from eldr_sglang.router.config import DRIFT_QUEUE, UNSTARTED_CONTROL_URL, RouterConfig, plane_config
+from eldr_sglang.router.config import DRIFT_QUEUE, UNSTARTED_CONTROL_URL, RouterConfig, check_centroids, plane_config
 from eldr_sglang.router.dataplane import DriftView
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
 from eldr_sglang.router.metrics import RouterMetrics
@@ -28,29 +28,19 @@ class ControlPlane:
         from eldr_sglang import _core
 
         self.cfg = cfg
-        if "locality" in cfg.policies and not cfg.centroids:
-            raise ValueError("policy locality needs a centroid file (its layer selection): give --eldr-centroids")
+        check_centroids(cfg.policy, cfg.experiment, cfg.centroids)  # a config built in code, as the command line's
         # reload_interval_ms=0: the route path never touches the file (its own rate-limited
         # check would stat and read it on a data-plane thread); the control plane checks the
         # file in a worker thread instead (reload_centroids).
-        kw = dict(policy=cfg.policy, num_workers=len(cfg.decode), seed=cfg.seed,
-                  reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
-        if cfg.centroids:
-            # The Rust set holds a private copy of the file's bytes, so an in-place overwrite
-            # of the user's file cannot fault a route; a bad file is rejected on reload. Its
-            # reader opens regular files only, without blocking, and checks the header against
-            # the size before reading the body (a FIFO or a huge file fails fast, at start too).
-            kw["centroids"] = cfg.centroids
-        if cfg.tau is not None:
-            kw["tau"] = cfg.tau
-        if cfg.load_factor is not None:
-            kw["load_factor"] = cfg.load_factor
-        if cfg.paged_experts is not None:
-            kw["paged_experts"] = cfg.paged_experts
-        if cfg.request_cost:
-            kw["request_cost"] = cfg.request_cost
+        # The router is made from the config's spec, checked once by the core (its policy,
+        # costs, tau, load factor and binding: the data plane reads the binding from it).
+        # The Rust set holds a private copy of the centroid file's bytes, so an in-place
+        # overwrite of the user's file cannot fault a route; a bad file is rejected on reload.
+        # Its reader opens regular files only, without blocking, and checks the header against
+        # the size before reading the body (a FIFO or a huge file fails fast, at start too).
         try:
-            self.router = _core.Router(**kw)
+            self.router = _core.Router.from_spec(cfg.spec, num_workers=len(cfg.decode), centroids=cfg.centroids or None,
+                                                 reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
         except _core.CentroidFileError as exc:
             raise ValueError(str(exc)) from None
         self._generation = self.router.centroid_generation

@@ -1,17 +1,16 @@
 """The prefill scheduler of the simulated cluster: which prefill worker takes a request, and
 when its prefill is done (each worker runs its prefills one at a time, FIFO).
 
-The placement policies are the router service's (`--prefill-policy`, round robin by default;
-both from the Rust core: _core.PREFILL_POLICIES, _core.DEFAULT_PREFILL_POLICY) plus
-`earliest_free`, which the simulator used before: the worker that frees up first, which a
-router cannot know exactly.
+The placement policies are the router service's (`--prefill-policy`, round robin by default),
+run by the Rust core as the data plane runs them: a core Router over the prefill workers, each
+placement held (a lease) until its prefill completes, so shortest_queue counts unfinished
+prefills (_core.PREFILL_POLICIES, _core.DEFAULT_PREFILL_POLICY). Plus `earliest_free`, which
+the simulator used before: the worker that frees up first, which a router cannot know exactly.
 """
 
 from __future__ import annotations
 
 import heapq
-
-import numpy as np
 
 from eldr_sglang import _core
 
@@ -27,25 +26,21 @@ class PrefillScheduler:
             raise ValueError("need at least one prefill worker")
         self.policy = policy
         self.free_at = [0.0] * num_prefill  # when each worker's queue drains
-        self._inflight: list[list[float]] = [[] for _ in range(num_prefill)]  # done times not yet passed
-        self._next = 0
-        self._rng = np.random.default_rng(seed)
+        # the core's placement (None: earliest_free, the simulator's own); its in-flight counts
+        # are the placements whose prefill has not completed: (done time, order, lease)
+        self._router = None if policy == "earliest_free" else _core.Router(
+            policy=policy, num_workers=num_prefill, seed=seed, reload_interval_ms=0)
+        self._held: list[tuple[float, int, _core.Lease]] = []
+        self._placed = 0
         self._prefill_time = prefill_time
         self._times: dict[int, float] = {}  # prompt length -> prefill time (the model is pure)
 
     def _pick(self, now: float) -> int:
-        P = len(self.free_at)
-        if self.policy == "earliest_free":
-            return min(range(P), key=self.free_at.__getitem__)
-        if self.policy == "round_robin":
-            p, self._next = self._next, (self._next + 1) % P
-            return p
-        if self.policy == "random":
-            return int(self._rng.integers(P))
-        for q in self._inflight:  # shortest_queue: fewest unfinished prefills, ties to the lower index
-            while q and q[0] <= now:
-                heapq.heappop(q)
-        return min(range(P), key=lambda i: (len(self._inflight[i]), i))
+        if self._router is None:
+            return min(range(len(self.free_at)), key=self.free_at.__getitem__)
+        while self._held and self._held[0][0] <= now:  # prefills done by now leave the counts
+            heapq.heappop(self._held)[2].release()
+        return self._router.route_signature(None)
 
     def place(self, now: float, prompt_len: int, pt: float | None = None) -> tuple[int, float]:
         """(worker, time the prefill completes) for a request arriving at `now`; `pt` is its
@@ -57,6 +52,7 @@ class PrefillScheduler:
             pt = self._times[prompt_len] = self._prefill_time(prompt_len)
         done = max(now, self.free_at[p]) + pt
         self.free_at[p] = done
-        if self.policy == "shortest_queue":
-            heapq.heappush(self._inflight[p], done)
+        if self._router is not None:
+            self._placed += 1
+            heapq.heappush(self._held, (done, self._placed, self._router.acquire(p)))
         return p, done

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from eldr_sglang import _core
 from eldr_sglang.sim.cluster import ClusterConfig, SimResult, simulate
 from eldr_sglang.sim.cost_model import PAPER_MOE_16_TO_128_SLOWDOWN, ExecutionModel
 from eldr_sglang.sim.metrics import compute_metrics
@@ -76,8 +77,8 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
                 t = float(tv)
             except ValueError:
                 raise ValueError(f"bad tau in policy {raw!r}: use eldr@0.1") from None
-            if not (np.isfinite(t) and 0 <= t <= 2):
-                raise ValueError(f"tau must be finite and in [0, 2] in {raw!r}")
+            if not (np.isfinite(t) and 0 <= t <= _core.MAX_TAU):  # the core's bound, the router's too
+                raise ValueError(f"tau must be finite and in [0, {_core.MAX_TAU:g}] in {raw!r}")
             if name != "eldr":
                 raise ValueError(f"only eldr takes @tau, got {raw!r}")
         if name not in POLICY_NAMES:

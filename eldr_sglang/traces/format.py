@@ -24,10 +24,12 @@ from typing import ClassVar
 
 import numpy as np
 
+from eldr_sglang import _core
+
 TRACE_FORMAT = "eldr-trace"
 TRACE_VERSION = 1
-# Bounds on meta_json's sizes (the centroid file's bound on E; no real model comes close).
-MAX_EXPERTS = 1 << 20
+# Bounds on meta_json's sizes (the core's bound on E, the centroid file's; no real model comes close).
+MAX_EXPERTS = _core.MAX_EXPERTS
 MAX_LAYERS = 4096
 
 

@@ -20,7 +20,7 @@ use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{criterion_group, criterion_main, Criterion};
 use eldr_core::distance::{from_counts, from_fill, Counts};
 use eldr_core::payload::{decode_event, pack_bits, DecodeLimits, Payload};
-use eldr_core::{CentroidWriter, QueueTracker, Router, SparseSignature};
+use eldr_core::{CentroidWriter, PolicyConfig, QueueTracker, Router, RouterSpec, SparseSignature};
 
 /// CPU time of the calling thread (`CLOCK_THREAD_CPUTIME_ID`), in ns.
 struct ThreadTime;
@@ -111,7 +111,7 @@ fn centroid_router(dir: &std::path::Path, s: &mut u64) -> Router {
     CentroidWriter { centroids: &cents, k: K, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..K).map(|i| format!("d{i}")).collect(), provenance: "{}" }
         .write(&path)
         .unwrap();
-    Router::new("eldr", None, Some(&path), None, 0, 250, 2000).unwrap()
+    Router::new(RouterSpec::of(PolicyConfig::Eldr), None, Some(&path), 250, 2000).unwrap()
 }
 
 /// Counts `[L, E]` of a 2k-token prompt: top-k distinct experts per token and layer, skewed

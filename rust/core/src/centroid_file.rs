@@ -282,8 +282,8 @@ impl CentroidSet {
         }
         let (k, l, e, n_sel) = (rd_u32(b, 16) as usize, rd_u32(b, 20) as usize, rd_u32(b, 24) as usize, rd_u32(b, 28) as usize);
         for (name, v) in [("K", k), ("L", l), ("E", e), ("selected_layers", n_sel)] {
-            if v == 0 || v > 1 << 20 {
-                return Err(field(name, format!("{v} is out of range 1..=1048576")));
+            if v == 0 || v > crate::limits::MAX_DIM {
+                return Err(field(name, format!("{v} is out of range 1..={}", crate::limits::MAX_DIM)));
             }
         }
         if n_sel > l {

@@ -6,6 +6,9 @@ use thiserror::Error;
 /// Decode workers, layers, experts per layer: at most 2^20 each (the centroid file's bound on
 /// K, L and E, docs/centroid-format.md). Real models have at most a few hundred of each.
 pub const MAX_DIM: usize = 1 << 20;
+/// Experts per MoE layer: [`MAX_DIM`] (the centroid file's bound on E; the trace format, the
+/// CLI and `--eldr-paged-experts` read it as `_core.MAX_EXPERTS`).
+pub const MAX_EXPERTS: usize = MAX_DIM;
 /// Elements of one caller-sized buffer (an `[L, E]` count table, a batch of signatures):
 /// 2^28, i.e. 1 GiB of u32 or f32.
 pub const MAX_ELEMENTS: usize = 1 << 28;

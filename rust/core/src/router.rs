@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
 use crate::limits::{self, SizeError};
-use crate::policies::{Decision, ExpertProfile, PagedExpertsError, Policy, PolicyConfig, Reason, RequestCostError, RouteContext, UnknownPolicy};
+use crate::policies::{Decision, ExpertProfile, Policy, Reason, RouteContext, RouterSpec, RouterSpecError, MAX_LOAD_FACTOR, MAX_TAU};
 pub use crate::policies::DEFAULT_TAU;
 use crate::queue::QueueTracker;
 use crate::distance::Counts;
@@ -25,19 +25,20 @@ pub enum BuildError {
     #[error(transparent)]
     Size(#[from] SizeError),
     #[error(transparent)]
-    Policy(#[from] UnknownPolicy),
+    Spec(#[from] RouterSpecError),
     #[error(transparent)]
     Param(#[from] ParamError),
     #[error("give num_workers or a centroid file")]
     NoWorkerCount,
 }
 
-/// A routing parameter out of its range.
+/// A routing parameter set at run time (a centroid file's tau, the admin's) out of the
+/// range [`RouterSpec::new`] checks at start.
 #[derive(Debug, Error, Clone, Copy, PartialEq)]
 pub enum ParamError {
-    #[error("tau must be finite and >= 0, got {0}")]
+    #[error("tau must be finite and in [0, 2], got {0}")]
     Tau(f64),
-    #[error("load_factor must be finite and >= 0, got {0}")]
+    #[error("load_factor must be finite and in [0, 1e6], got {0}")]
     LoadFactor(f64),
 }
 
@@ -62,9 +63,9 @@ pub struct Routed {
 }
 
 pub struct Router {
-    /// What `policy` was built from (the locality costs are set on it: `set_paged_experts`,
-    /// `set_request_cost`).
-    config: PolicyConfig,
+    /// What `policy` was built from, checked once (policies/spec.rs); its tau and load factor
+    /// are the values at start (the live ones: `tau()`, `load_factor()`).
+    spec: RouterSpec,
     policy: Box<dyn Policy>,
     tracker: Arc<QueueTracker>,
     /// Shared with [`Router::sibling`]s: a reload serves them all.
@@ -77,18 +78,8 @@ pub struct Router {
 
 impl Router {
     /// `num_workers` may be omitted when a centroid file gives K; if both are given they must
-    /// agree. `tau` defaults to the file's, else 0.1.
-    pub fn new(
-        policy: &str,
-        num_workers: Option<usize>,
-        centroids: Option<&Path>,
-        tau: Option<f64>,
-        seed: u64,
-        reload_interval_ms: u64,
-        load_report_ttl_ms: u64,
-    ) -> Result<Self, BuildError> {
-        let config = PolicyConfig::parse(policy, seed)?;
-        let policy = config.build();
+    /// agree. `tau` is the spec's, else the file's, else 0.1.
+    pub fn new(spec: RouterSpec, num_workers: Option<usize>, centroids: Option<&Path>, reload_interval_ms: u64, load_report_ttl_ms: u64) -> Result<Self, BuildError> {
         if let Some(k) = num_workers {
             limits::check_dim("num_workers", k)?;
         }
@@ -101,17 +92,29 @@ impl Router {
             (None, Some(s)) => s.set().num_workers(),
             (None, None) => return Err(BuildError::NoWorkerCount),
         };
-        let tau = tau.or_else(|| store.as_ref().map(|s| s.set().tau() as f64)).unwrap_or(DEFAULT_TAU);
+        let tau = spec.tau.or_else(|| store.as_ref().map(|s| s.set().tau() as f64)).unwrap_or(DEFAULT_TAU);
         check_tau(tau)?;
-        Ok(Router {
-            config,
-            policy,
+        let r = Router {
+            spec,
+            policy: spec.policy.build(),
             tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
             store,
             tau_bits: Arc::new(AtomicU64::new(tau.to_bits())),
             load_factor_bits: AtomicU64::new(f64::NAN.to_bits()),
             auto_reload: reload_interval_ms > 0,
-        })
+        };
+        r.set_load_factor(spec.load_factor)?;
+        Ok(r)
+    }
+
+    /// What this router was built from (its policy, costs and binding).
+    pub fn spec(&self) -> &RouterSpec {
+        &self.spec
+    }
+    /// Whether a request waits for the prefill's signature before its decode is chosen (the
+    /// data plane's binding of this router's requests).
+    pub fn binds_late(&self) -> bool {
+        self.spec.binds_late()
     }
 
     pub fn policy_name(&self) -> &'static str {
@@ -132,21 +135,20 @@ impl Router {
 
     /// A router on another policy over the same cluster: it shares this one's queue tracker
     /// (loads, health, in-flight counts), centroid store (a reload serves both) and tau; the
-    /// policy and its own state (the locality balancer's expert loads) and the load factor
-    /// are its own. A switchback experiment's arms (the data plane's `experiment`).
-    /// The arm's policy is a typed [`PolicyConfig`], so it carries paged experts and the
-    /// request cost as the main router's does.
-    pub fn sibling(&self, config: PolicyConfig, load_factor: Option<f64>) -> Result<Router, ParamError> {
+    /// policy and its own state (the locality balancer's expert loads), the load factor and
+    /// the binding are `spec`'s (its tau is not read: tau is shared). A switchback
+    /// experiment's arms (the data plane's `experiment`).
+    pub fn sibling(&self, spec: RouterSpec) -> Result<Router, ParamError> {
         let r = Router {
-            config,
-            policy: config.build(),
+            spec,
+            policy: spec.policy.build(),
             tracker: Arc::clone(&self.tracker),
             store: self.store.clone(),
             tau_bits: Arc::clone(&self.tau_bits),
             load_factor_bits: AtomicU64::new(f64::NAN.to_bits()),
             auto_reload: self.auto_reload,
         };
-        r.set_load_factor(load_factor)?;
+        r.set_load_factor(spec.load_factor)?;
         Ok(r)
     }
     pub fn tau(&self) -> f64 {
@@ -164,7 +166,7 @@ impl Router {
     }
     pub fn set_load_factor(&self, factor: Option<f64>) -> Result<(), ParamError> {
         if let Some(f) = factor {
-            if !(f.is_finite() && f >= 0.0) {
+            if !(f.is_finite() && (0.0..=MAX_LOAD_FACTOR).contains(&f)) {
                 return Err(ParamError::LoadFactor(f));
             }
         }
@@ -172,34 +174,9 @@ impl Router {
         Ok(())
     }
 
-    /// Decode workers running SGLang's paged experts with `resident` experts per MoE layer: the
-    /// locality policy routes by expected page-ins (policies/paged.rs). Set once, before the
-    /// router is shared; None keeps the policy as built. Errors for any other policy and C = 0.
-    pub fn set_paged_experts(&mut self, resident: Option<u32>) -> Result<(), PagedExpertsError> {
-        let config = self.config.with_paged_experts(resident)?;
-        self.rebuild(config);
-        Ok(())
-    }
-
-    /// The locality cost's per-request term `r` (policies/locality.rs), in distinct experts per
-    /// layer: finite and >= 0, and only the locality policy takes r > 0. Set once, before the
-    /// router is shared; None keeps the policy as built.
-    pub fn set_request_cost(&mut self, request_cost: Option<f64>) -> Result<(), RequestCostError> {
-        let config = self.config.with_request_cost(request_cost)?;
-        self.rebuild(config);
-        Ok(())
-    }
-
     /// The locality cost's per-request term (None: not a locality policy).
     pub fn request_cost(&self) -> Option<f64> {
         self.policy.request_cost()
-    }
-
-    fn rebuild(&mut self, config: PolicyConfig) {
-        if config != self.config {
-            self.config = config;
-            self.policy = config.build();
-        }
     }
 
     /// The resident experts per layer the policy assumes (None: not a paged-experts cost).
@@ -296,7 +273,7 @@ impl Router {
 }
 
 fn check_tau(tau: f64) -> Result<(), ParamError> {
-    if tau.is_finite() && tau >= 0.0 {
+    if tau.is_finite() && (0.0..=MAX_TAU).contains(&tau) {
         Ok(())
     } else {
         Err(ParamError::Tau(tau))

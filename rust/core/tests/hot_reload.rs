@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use eldr_core::distance::{from_counts, Counts};
-use eldr_core::{CentroidStore, CentroidWriter, PolicyConfig, Router};
+use eldr_core::{CentroidStore, CentroidWriter, PolicyConfig, Router, RouterSpec};
 
 fn write(path: &Path, seed: u32, k: usize) {
     let (l, e) = (4usize, 8usize);
@@ -58,7 +58,7 @@ fn routing_never_fails_across_100_replacements() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("c.eldr");
     write(&p, 0, 4);
-    let router = Arc::new(Router::new("eldr", Some(4), Some(&p), None, 0, 1, 1000).unwrap());
+    let router = Arc::new(Router::new(RouterSpec::of(PolicyConfig::Eldr), Some(4), Some(&p), 1, 1000).unwrap());
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..3)
         .map(|t| {
@@ -104,7 +104,7 @@ fn in_place_overwrite_cannot_touch_a_loaded_set() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("c.eldr");
     write(&p, 1, 4);
-    let router = Router::new("eldr", Some(4), Some(&p), None, 0, 0, 1000).unwrap();
+    let router = Router::new(RouterSpec::of(PolicyConfig::Eldr), Some(4), Some(&p), 0, 1000).unwrap();
     let before = router.store().unwrap().set().centroids();
     std::fs::write(&p, b"x").unwrap(); // truncate in place
     let counts: Vec<u32> = (0..32).map(|i| (i % 3) as u32).collect();
@@ -135,7 +135,7 @@ fn decision_generation_names_the_centroids_it_used() {
         assert_ne!(expect[g], expect[g - 1], "files {g} and {} must be distinguishable", g - 1);
     }
     std::fs::rename(dir.path().join("g1.eldr"), &p).unwrap();
-    let router = Arc::new(Router::new("eldr", Some(4), Some(&p), None, 0, 0, 1000).unwrap());
+    let router = Arc::new(Router::new(RouterSpec::of(PolicyConfig::Eldr), Some(4), Some(&p), 0, 1000).unwrap());
     let expect = Arc::new(expect);
     let stop = Arc::new(AtomicBool::new(false));
     let routers: Vec<_> = (0..3)
@@ -170,8 +170,8 @@ fn a_sibling_shares_workers_centroids_and_tau_not_its_policy() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("c.eldr");
     write(&p, 1, 4);
-    let main = Router::new("locality", Some(4), Some(&p), None, 0, 0, 0).unwrap();
-    let arm = main.sibling(PolicyConfig::RoundRobin, None).unwrap();
+    let main = Router::new(RouterSpec::of(PolicyConfig::Locality { request_cost: 0.0 }), Some(4), Some(&p), 0, 0).unwrap();
+    let arm = main.sibling(RouterSpec::of(PolicyConfig::RoundRobin)).unwrap();
     assert_eq!((main.policy_name(), arm.policy_name()), ("locality", "round_robin"));
     // one tracker: a request held through one router is load the other sees
     let _held = arm.tracker().acquire(2, 0);
@@ -183,10 +183,10 @@ fn a_sibling_shares_workers_centroids_and_tau_not_its_policy() {
     // one tau; the load factor is each router's own
     main.set_tau(0.3).unwrap();
     assert_eq!(arm.tau(), 0.3);
-    let eldr = main.sibling(PolicyConfig::Eldr, Some(0.2)).unwrap();
+    let eldr = main.sibling(RouterSpec { load_factor: Some(0.2), ..RouterSpec::of(PolicyConfig::Eldr) }).unwrap();
     assert_eq!((eldr.load_factor(), main.load_factor()), (Some(0.2), None));
-    assert!(main.sibling(PolicyConfig::Eldr, Some(f64::NAN)).is_err());
+    assert!(main.sibling(RouterSpec { load_factor: Some(f64::NAN), ..RouterSpec::of(PolicyConfig::Eldr) }).is_err());
     // the typed config carries the locality costs to an arm
-    let paged = main.sibling(PolicyConfig::PagedLocality { resident: 4, request_cost: 0.4 }, Some(0.05)).unwrap();
+    let paged = main.sibling(RouterSpec { load_factor: Some(0.05), ..RouterSpec::of(PolicyConfig::PagedLocality { resident: 4, request_cost: 0.4 }) }).unwrap();
     assert_eq!((paged.policy_name(), paged.paged_experts(), paged.request_cost()), ("locality", Some(4), Some(0.4)));
 }

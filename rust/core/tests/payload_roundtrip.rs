@@ -6,7 +6,7 @@
 
 use eldr_core::distance::{from_counts, Counts};
 use eldr_core::payload::{decode, decode_event, pack_bits, DecodeLimits, Payload, PayloadError};
-use eldr_core::{CentroidWriter, Router};
+use eldr_core::{CentroidWriter, PolicyConfig, Router, RouterSpec};
 use proptest::prelude::*;
 
 
@@ -80,7 +80,7 @@ proptest! {
         let path = dir.path().join("c.eldr");
         CentroidWriter { centroids: &cents, k, layer_weights: &weights, idf: &idf, tau: 0.1, worker_names: (0..k).map(|i| format!("w{i}")).collect(), provenance: "{}" }
             .write(&path).unwrap();
-        let router = Router::new("eldr", None, Some(&path), None, 0, 0, 2000).unwrap();
+        let router = Router::new(RouterSpec::of(PolicyConfig::Eldr), None, Some(&path), 0, 2000).unwrap();
         let json = encode(&counts, &layers, e, sparse);
         let Payload::Counts(wire) = decode(json.as_bytes(), &DecodeLimits { layout: Some((num_layers, e)), ..Default::default() }).unwrap() else { panic!() };
         let dense = wire.to_layout(num_layers, e).unwrap();

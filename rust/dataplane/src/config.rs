@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use hyper::Uri;
 use serde::Deserialize;
+use eldr_core::fmt_g;
 use thiserror::Error;
 
 /// A bad data-plane configuration; the message says which setting and why.
@@ -69,9 +70,11 @@ pub struct Config {
     pub decode: Vec<String>,
     /// Every path the data plane does not serve itself goes here (the Python control plane).
     pub control_url: String,
+    /// The decode policy: the router's (its spec's), which `from_json` sets; the launcher's
+    /// JSON does not repeat it.
+    #[serde(default)]
     pub policy: String,
     pub prefill_policy: String,
-    pub late_binding: bool,
     pub seed: u64,
     pub signature_timeout_s: f64,
     pub request_timeout_s: f64,
@@ -152,12 +155,15 @@ fn default_queue_timeout() -> f64 {
 }
 
 impl Config {
-    pub fn from_json(text: &str) -> Result<Config, ConfigError> {
+    /// `router_policy`: the decode policy of the router the plane routes on (the policy
+    /// reaches the data plane once, through the router's spec).
+    pub fn from_json(text: &str, router_policy: &str) -> Result<Config, ConfigError> {
         // the numbers are checked on the JSON as given, so that a negative count or a NaN
         // timeout is named by its flag instead of failing the typed read
         let raw: serde_json::Value = serde_json::from_str(text)?;
         check_numbers(&raw).map_err(ConfigError::Invalid)?;
-        let cfg: Config = serde_json::from_value(raw)?;
+        let mut cfg: Config = serde_json::from_value(raw)?;
+        cfg.policy = router_policy.to_owned();
         cfg.check()?;
         Ok(cfg)
     }
@@ -326,29 +332,6 @@ fn check_numbers(raw: &serde_json::Value) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// A number as Python's `format(v, "g")` writes it (the router's messages have always used
-/// it): six significant digits, the exponent form below 1e-4 and from 1e6.
-fn fmt_g(v: f64) -> String {
-    if v.is_nan() {
-        return "nan".into();
-    }
-    if v.is_infinite() {
-        return if v > 0.0 { "inf" } else { "-inf" }.into();
-    }
-    if v == 0.0 {
-        return if v.is_sign_negative() { "-0" } else { "0" }.into();
-    }
-    let trim = |s: &str| if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s.to_string() };
-    let sci = format!("{v:.5e}");
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    if (-4..6).contains(&exp) {
-        trim(&format!("{:.*}", (5 - exp) as usize, v))
-    } else {
-        format!("{}e{}{:02}", trim(mantissa), if exp < 0 { '-' } else { '+' }, exp.abs())
-    }
 }
 
 pub fn secs(s: f64) -> Duration {

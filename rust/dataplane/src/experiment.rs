@@ -29,8 +29,9 @@ use eldr_core::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-/// Most arms an experiment may have (each is a label value of the latency metrics).
-pub const MAX_ARMS: usize = 16;
+/// Most arms an experiment may have (each is a label value of the latency metrics): the
+/// core's, whose label parser reads them.
+pub use eldr_core::policies::MAX_ARMS;
 /// Shortest and longest block.
 pub const MIN_BLOCK_S: f64 = 0.1;
 pub const MAX_BLOCK_S: f64 = 7.0 * 86400.0;
@@ -40,23 +41,44 @@ const SAMPLE_PER_BLOCK: usize = 8192;
 /// Blocks whose statistics are kept (the oldest finished ones go first).
 const MAX_BLOCKS: usize = 100_000;
 
-/// An arm as the launcher gives it: its label (`locality/0.05`), policy, load factor and
-/// binding.
-#[derive(Debug, Clone, Deserialize)]
+/// An arm: its label (`locality/0.05`), policy and load factor, as the core's label parser
+/// reads the label; its binding is its router spec's (the main router's `--eldr-bind` over
+/// the arm's policy).
+#[derive(Debug, Clone)]
 pub struct ArmConfig {
     pub label: String,
     pub policy: String,
-    #[serde(default)]
     pub load_factor: Option<f64>,
-    pub late_binding: bool,
 }
 
+/// The experiment as the launcher gives it: the arms as `--experiment` writes them, parsed
+/// here by the core's one label parser (`eldr_core::policies::parse_arms`), with
+/// `--eldr-load-factor` for a plain counts policy.
 #[derive(Debug, Clone, Deserialize)]
-pub struct ExperimentConfig {
-    pub arms: Vec<ArmConfig>,
+pub struct ExperimentWire {
+    pub arms: String,
+    #[serde(default)]
+    pub default_load_factor: Option<f64>,
     pub switch_every_s: f64,
     #[serde(default)]
     pub seed: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "ExperimentWire")]
+pub struct ExperimentConfig {
+    pub arms: Vec<ArmConfig>,
+    pub switch_every_s: f64,
+    pub seed: u64,
+}
+
+impl TryFrom<ExperimentWire> for ExperimentConfig {
+    type Error = String;
+    fn try_from(w: ExperimentWire) -> Result<Self, String> {
+        let arms = eldr_core::policies::parse_arms(&w.arms, w.default_load_factor).map_err(|e| format!("experiment: {e}"))?;
+        let arms = arms.into_iter().map(|a| ArmConfig { label: a.label, policy: a.policy.to_owned(), load_factor: a.load_factor }).collect();
+        Ok(ExperimentConfig { arms, switch_every_s: w.switch_every_s, seed: w.seed })
+    }
 }
 
 impl ExperimentConfig {
@@ -69,12 +91,7 @@ impl ExperimentConfig {
             if a.label.is_empty() || a.label.len() > 64 || a.label.chars().any(|c| c.is_control()) {
                 return Err(format!("experiment: arm {i}'s label must be 1 to 64 printable characters"));
             }
-            if self.arms[..i].iter().any(|b| b.label == a.label) {
-                return Err(format!("experiment: arm {:?} is given twice", a.label));
-            }
-            if !eldr_core::POLICY_NAMES.contains(&a.policy.as_str()) {
-                return Err(format!("experiment: arm {:?}: unknown policy {:?}", a.label, a.policy));
-            }
+            // the policies, load factors and repeats are the label parser's (ExperimentWire)
         }
         let s = self.switch_every_s;
         if !(s.is_finite() && (MIN_BLOCK_S..=MAX_BLOCK_S).contains(&s)) {
@@ -257,12 +274,14 @@ impl Experiment {
                 Arc::clone(main)
             } else {
                 let arm_err = |e: &dyn std::fmt::Display| format!("experiment: arm {:?}: {e}", a.label);
-                let config = eldr_core::PolicyConfig::parse(&a.policy, seed).map_err(|e| arm_err(&e))?;
-                Arc::new(main.sibling(config, a.load_factor).map_err(|e| arm_err(&e))?)
+                let policy = eldr_core::PolicyConfig::parse(&a.policy, seed).map_err(|e| arm_err(&e))?;
+                let spec = eldr_core::RouterSpec { policy, tau: None, load_factor: a.load_factor, bind: main.spec().bind };
+                Arc::new(main.sibling(spec).map_err(|e| arm_err(&e))?)
             };
             // bounded: one label per arm of each plane, for the metrics' 'static labels
             let label: &'static str = Box::leak(a.label.clone().into_boxed_str());
-            arms.push(Arm { label, router, late: a.late_binding });
+            let late = router.binds_late();
+            arms.push(Arm { label, router, late });
         }
         let first = arm_of(cfg.seed, arms.len(), 0);
         let mut list = VecDeque::new();
@@ -412,12 +431,12 @@ pub async fn run(exp: Arc<Experiment>) {
 mod tests {
     use super::*;
 
+    fn wire(arms: &[&str], every: f64) -> Result<ExperimentConfig, String> {
+        ExperimentConfig::try_from(ExperimentWire { arms: arms.join(","), default_load_factor: None, switch_every_s: every, seed: 7 })
+    }
+
     fn cfg(arms: &[&str], every: f64) -> ExperimentConfig {
-        ExperimentConfig {
-            arms: arms.iter().map(|a| ArmConfig { label: a.to_string(), policy: a.split('/').next().unwrap().to_string(), load_factor: None, late_binding: false }).collect(),
-            switch_every_s: every,
-            seed: 7,
-        }
+        wire(arms, every).unwrap()
     }
 
     #[test]
@@ -440,17 +459,28 @@ mod tests {
 
     #[test]
     fn bad_experiments_are_refused_with_the_reason() {
+        // the arms are the core's label parser's, in the command line's words
+        let w = |arms: &[&str]| wire(arms, 60.0).unwrap_err();
+        assert_eq!(w(&["locality"]), "experiment: an experiment needs 2 to 16 arms, got 1");
+        assert_eq!(w(&["round_robin", "round_robin"]), "experiment: arm 'round_robin' is given twice");
+        assert!(w(&["round_robin", "fastest"]).starts_with("experiment: arm 'fastest': unknown policy 'fastest'"));
         let e = |c: ExperimentConfig| c.check().unwrap_err();
-        assert!(e(cfg(&["locality"], 60.0)).contains("2 to"));
-        assert!(e(cfg(&["round_robin", "round_robin"], 60.0)).contains("twice"));
-        assert!(e(cfg(&["round_robin", "fastest"], 60.0)).contains("unknown policy"));
         assert!(e(cfg(&["round_robin", "random"], 0.0)).contains("switch_every_s"));
         assert!(e(cfg(&["round_robin", "random"], f64::NAN)).contains("switch_every_s"));
         assert!(cfg(&["round_robin", "random"], 600.0).check().is_ok());
     }
 
+    #[test]
+    fn the_launchers_arms_are_labels_parsed_by_the_core() {
+        let x: ExperimentConfig = serde_json::from_str(r#"{"arms": "locality/0.05,eldr,round_robin", "default_load_factor": 0.2, "switch_every_s": 60}"#).unwrap();
+        let got: Vec<_> = x.arms.iter().map(|a| (a.label.as_str(), a.policy.as_str(), a.load_factor)).collect();
+        assert_eq!(got, [("locality/0.05", "locality", Some(0.05)), ("eldr", "eldr", Some(0.2)), ("round_robin", "round_robin", None)]);
+        let bad = serde_json::from_str::<ExperimentConfig>(r#"{"arms": "eldr/x,random", "switch_every_s": 60}"#).unwrap_err();
+        assert!(bad.to_string().contains("experiment: arm 'eldr/x': expected a number >= 0 or 'none', got 'x'"), "{bad}");
+    }
+
     fn exp(every: f64) -> Arc<Experiment> {
-        let main = Arc::new(Router::new("round_robin", Some(2), None, None, 0, 0, 0).unwrap());
+        let main = Arc::new(Router::new(eldr_core::RouterSpec::of(eldr_core::PolicyConfig::RoundRobin), Some(2), None, 0, 0).unwrap());
         Arc::new(Experiment::new(&cfg(&["round_robin", "shortest_queue"], every), &main, 0).unwrap())
     }
 

@@ -105,9 +105,6 @@ impl Plane {
         if router.num_workers() != cfg.decode.len() {
             return Err(ConfigError::Invalid(format!("the router has {} decode workers, the config {}", router.num_workers(), cfg.decode.len())));
         }
-        if router.policy_name() != cfg.policy {
-            return Err(ConfigError::Invalid(format!("the router's policy is {}, the config's {}", router.policy_name(), cfg.policy)));
-        }
         let counters = Arc::new(Counters::default());
         let purls: Vec<String> = cfg.prefill.iter().map(|p| p.url.clone()).collect();
         let prefill = WorkerPool::new(Role::Prefill, &purls, cfg.eject_after_failures, cfg.eject_base_s, cfg.eject_max_s, None, Arc::clone(&counters));
@@ -149,7 +146,7 @@ impl Plane {
     /// The arm a request starting now is routed by (see [`ArmRef`]).
     pub fn arm(&self) -> ArmRef {
         match &self.experiment {
-            None => ArmRef { router: Arc::clone(&self.router), label: self.router.policy_name(), late: self.cfg.late_binding, tag: None },
+            None => ArmRef { router: Arc::clone(&self.router), label: self.router.policy_name(), late: self.router.binds_late(), tag: None },
             Some(x) => {
                 let tag = x.begin();
                 let a = &x.arms[tag.arm];

@@ -42,7 +42,7 @@ impl PyDataPlane {
     /// `router`: the core Router the control plane holds (shared, not copied).
     #[new]
     fn new(config_json: &str, router: &PyRouter) -> PyResult<Self> {
-        let cfg = Config::from_json(config_json).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let cfg = Config::from_json(config_json, router.inner.policy_name()).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let dp = DataPlane::new(cfg, Arc::clone(&router.inner)).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let plane = Arc::clone(dp.plane());
         Ok(PyDataPlane { inner: Mutex::new(dp), plane })

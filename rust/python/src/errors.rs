@@ -80,7 +80,7 @@ impl ToPyErr for BuildError {
         match self {
             BuildError::Centroids(e) => e.to_py(),
             BuildError::Size(e) => e.to_py(),
-            BuildError::Policy(e) => e.to_py(),
+            BuildError::Spec(e) => e.to_py(),
             BuildError::Param(e) => e.to_py(),
             BuildError::NoWorkerCount => PyValueError::new_err(self.to_string()),
         }
@@ -105,6 +105,9 @@ value_errors! {
     ParamError => |e| ParamError::Tau(_) | ParamError::LoadFactor(_),
     SpecError => |e| SpecError::NoLayers | SpecError::IdfShape { .. } | SpecError::BadWeight { .. } | SpecError::BadIdf { .. } | SpecError::NoneSelected,
     UnknownPolicy => |e| UnknownPolicy { .. },
+    eldr_core::RouterSpecError => |e| eldr_core::RouterSpecError::Policy(_) | eldr_core::RouterSpecError::NotFinite { .. } | eldr_core::RouterSpecError::Range { .. }
+        | eldr_core::RouterSpecError::NotLocality { .. } | eldr_core::RouterSpecError::Bind(_) | eldr_core::RouterSpecError::EldrNeedsCentroids
+        | eldr_core::RouterSpecError::LocalityNeedsCentroids | eldr_core::RouterSpecError::ArmNeedsCentroids(_),
     experts::OutOfRange => |e| experts::OutOfRange { .. },
 }
 

@@ -11,6 +11,7 @@ mod errors;
 mod reservoir;
 mod router;
 mod signatures;
+mod spec;
 mod wire;
 
 use eldr_core::payload;
@@ -31,6 +32,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_PREFILL_POLICY", eldr_core::DEFAULT_PREFILL_POLICY)?;
     m.add("DEFAULT_TAU", eldr_core::DEFAULT_TAU)?;
     m.add("DEFAULT_LOAD_FACTOR", eldr_core::DEFAULT_LOAD_FACTOR)?;
+    // the routing flags' bounds (rust/core/src/policies/spec.rs) and the experts-per-layer bound
+    m.add("MAX_TAU", eldr_core::policies::MAX_TAU)?;
+    m.add("MAX_LOAD_FACTOR", eldr_core::policies::MAX_LOAD_FACTOR)?;
+    m.add("MAX_REQUEST_COST", eldr_core::policies::MAX_REQUEST_COST)?;
+    m.add("MAX_EXPERTS", eldr_core::limits::MAX_EXPERTS)?;
     m.add("FALLBACK_REASONS", pyo3::types::PyTuple::new(py, eldr_core::fallback_reasons())?)?;
     m.add("CentroidFileError", py.get_type::<errors::CentroidFileError>())?;
     m.add("NoSignature", py.get_type::<errors::NoSignatureError>())?;
@@ -47,6 +53,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyLease>()?;
     m.add_class::<router::PyExpertProfile>()?;
     m.add_class::<router::PyRouter>()?;
+    m.add_class::<spec::PyRouterSpec>()?;
     m.add_class::<wire::PyDecodedCounts>()?;
     m.add_class::<dataplane::PyDataPlane>()?;
     m.add_class::<reservoir::PyReservoirSampler>()?;
@@ -56,5 +63,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(counting::band_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(counting::distinct_per_layer, m)?)?;
     m.add_function(wrap_pyfunction!(centroids::write_centroids, m)?)?;
+    m.add_function(wrap_pyfunction!(spec::parse_arms, m)?)?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use crate::arrays::View;
 use crate::centroids::PyCentroidSet;
 use crate::errors::{py_err, ToPyErr};
+use crate::spec::{build_spec, PyRouterSpec};
 use crate::wire::PyDecodedCounts;
 
 /// A routing decision with its details.
@@ -157,6 +158,11 @@ impl PyRouter {
         Ok(Py::new(py, d)?.into_any())
     }
 
+    fn build(py: Python<'_>, spec: eldr_core::RouterSpec, num_workers: Option<usize>, centroids: Option<PathBuf>, reload_interval_ms: u64, load_report_ttl_ms: u64) -> PyResult<Self> {
+        let inner = py.detach(|| eldr_core::Router::new(spec, num_workers, centroids.as_deref(), reload_interval_ms, load_report_ttl_ms)).map_err(py_err)?;
+        Ok(PyRouter { inner: Arc::new(inner) })
+    }
+
     fn check_worker(&self, worker: usize) -> PyResult<()> {
         if worker >= self.inner.num_workers() {
             return Err(PyValueError::new_err(format!("worker {worker} out of range 0..{}", self.inner.num_workers())));
@@ -201,7 +207,8 @@ fn profile_dense_t<T: Element + CountValue>(v: View<'_, T>, r: &PyRouter, py: Py
 impl PyRouter {
     #[new]
     // `policy`: None is the core's DEFAULT_POLICY (a literal default here would be a second copy).
-    #[pyo3(signature = (policy=None, num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None, paged_experts=None, request_cost=None))]
+    // The routing arguments make a RouterSpec (checked in the core), as `from_spec` takes.
+    #[pyo3(signature = (policy=None, num_workers=None, centroids=None, tau=None, seed=0, reload_interval_ms=250, load_report_ttl_ms=2000, load_factor=None, paged_experts=None, request_cost=None, bind="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -213,16 +220,23 @@ impl PyRouter {
         reload_interval_ms: u64,
         load_report_ttl_ms: u64,
         load_factor: Option<f64>,
-        paged_experts: Option<u32>,
+        paged_experts: Option<&Bound<'_, PyAny>>,
         request_cost: Option<f64>,
+        bind: &str,
     ) -> PyResult<Self> {
-        let mut inner = py
-            .detach(|| eldr_core::Router::new(policy.unwrap_or(eldr_core::DEFAULT_POLICY), num_workers, centroids.as_deref(), tau, seed, reload_interval_ms, load_report_ttl_ms))
-            .map_err(py_err)?;
-        inner.set_load_factor(load_factor).map_err(py_err)?;
-        inner.set_paged_experts(paged_experts).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        inner.set_request_cost(request_cost).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(PyRouter { inner: Arc::new(inner) })
+        let spec = build_spec(policy, tau, load_factor, paged_experts, request_cost, bind, seed)?;
+        Self::build(py, spec, num_workers, centroids, reload_interval_ms, load_report_ttl_ms)
+    }
+    /// A router made from a checked spec (`RouterSpec`): the control plane's.
+    #[staticmethod]
+    #[pyo3(signature = (spec, num_workers=None, centroids=None, reload_interval_ms=250, load_report_ttl_ms=2000))]
+    fn from_spec(py: Python<'_>, spec: &PyRouterSpec, num_workers: Option<usize>, centroids: Option<PathBuf>, reload_interval_ms: u64, load_report_ttl_ms: u64) -> PyResult<Self> {
+        Self::build(py, spec.inner, num_workers, centroids, reload_interval_ms, load_report_ttl_ms)
+    }
+    /// What the router was built from (its tau and load factor as at start).
+    #[getter]
+    fn spec(&self) -> PyRouterSpec {
+        PyRouterSpec { inner: *self.inner.spec() }
     }
     #[getter]
     fn get_load_factor(&self) -> Option<f64> {
@@ -351,8 +365,15 @@ impl PyRouter {
         self.inner.tracker().report(worker, running, inflight_at_poll);
         Ok(())
     }
+    /// Mark a worker of a router no data plane holds (tests, the simulator). A data plane's
+    /// router takes health from the plane's worker set (`DataPlane.set_healthy`,
+    /// `DataPlane.health_check`), which owns the routable bit: writing it here would be undone
+    /// by the next check, so this refuses.
     fn set_healthy(&self, worker: usize, healthy: bool) -> PyResult<()> {
         self.check_worker(worker)?;
+        if Arc::strong_count(&self.inner) > 1 {
+            return Err(PyValueError::new_err("a data plane routes on this router: its worker set owns health (use DataPlane.set_healthy)"));
+        }
         self.inner.tracker().set_healthy(worker, healthy);
         Ok(())
     }

@@ -5,6 +5,7 @@
 
 use thiserror::Error;
 
+use super::spec::{check_float, RouterSpecError, MAX_REQUEST_COST, PAGED_EXPERTS_FLAG, REQUEST_COST_FLAG};
 use super::{Eldr, Locality, PagedLocality, Policy, PowerOfTwo, Random, RoundRobin, ShortestQueue};
 
 /// A routing policy by name, and what it can do. `uses_counts`: it routes on the prefill's
@@ -87,24 +88,6 @@ pub struct UnknownPolicy {
     pub name: String,
 }
 
-/// A paged-experts option the policy cannot take.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-pub enum PagedExpertsError {
-    #[error("paged experts (--eldr-paged-experts C) need C >= 1 resident experts per layer")]
-    Zero,
-    #[error("paged experts (--eldr-paged-experts) are a cost of the locality policy, not of {policy}")]
-    NotLocality { policy: &'static str },
-}
-
-/// A per-request cost the policy cannot take.
-#[derive(Debug, Error, Clone, Copy, PartialEq)]
-pub enum RequestCostError {
-    #[error("the request cost (--eldr-request-cost R) must be finite and >= 0, got {0}")]
-    Bad(f64),
-    #[error("the request cost (--eldr-request-cost) is a cost of the locality policy, not of {policy}")]
-    NotLocality { policy: &'static str },
-}
-
 /// A policy and what building it takes: the factory's typed input. The band width and the
 /// load factor are the router's (they change at run time: `Router::set_tau`), passed to every
 /// choice in the [`super::RouteContext`].
@@ -150,30 +133,30 @@ impl PolicyConfig {
     }
 
     /// The locality balancer with the cache-aware cost for `resident` paged experts per layer;
-    /// only the locality policy takes it, and C must be at least 1.
-    pub fn with_paged_experts(self, resident: Option<u32>) -> Result<PolicyConfig, PagedExpertsError> {
+    /// only the locality policy takes it, and C must be at least 1 ([`super::RouterSpec::new`]
+    /// checks the range with the command line's words).
+    pub fn with_paged_experts(self, resident: Option<u32>) -> Result<PolicyConfig, RouterSpecError> {
         match (self, resident) {
             (c, None) => Ok(c),
-            (_, Some(0)) => Err(PagedExpertsError::Zero),
+            (_, Some(0)) => Err(RouterSpecError::Range { flag: PAGED_EXPERTS_FLAG, lo: 1.0, hi: crate::limits::MAX_EXPERTS as f64, got: "0".into() }),
             (PolicyConfig::Locality { request_cost } | PolicyConfig::PagedLocality { request_cost, .. }, Some(resident)) => {
                 Ok(PolicyConfig::PagedLocality { resident, request_cost })
             }
-            (c, Some(_)) => Err(PagedExpertsError::NotLocality { policy: c.name() }),
+            (c, Some(_)) => Err(RouterSpecError::NotLocality { flag: PAGED_EXPERTS_FLAG, policy: c.name() }),
         }
     }
 
-    /// The locality cost with the per-request term `r` (locality.rs): finite and >= 0, and
-    /// only the locality policy takes it (None, and r = 0 on any policy, change nothing).
-    pub fn with_request_cost(self, request_cost: Option<f64>) -> Result<PolicyConfig, RequestCostError> {
+    /// The locality cost with the per-request term `r` (locality.rs): finite and in
+    /// [0, 1e6], and only the locality policy takes it (None, and r = 0 on any policy, change
+    /// nothing).
+    pub fn with_request_cost(self, request_cost: Option<f64>) -> Result<PolicyConfig, RouterSpecError> {
         let Some(r) = request_cost else { return Ok(self) };
-        if !(r.is_finite() && r >= 0.0) {
-            return Err(RequestCostError::Bad(r));
-        }
+        check_float(REQUEST_COST_FLAG, r, 0.0, MAX_REQUEST_COST)?;
         match self {
             PolicyConfig::Locality { .. } => Ok(PolicyConfig::Locality { request_cost: r }),
             PolicyConfig::PagedLocality { resident, .. } => Ok(PolicyConfig::PagedLocality { resident, request_cost: r }),
             c if r == 0.0 => Ok(c),
-            c => Err(RequestCostError::NotLocality { policy: c.name() }),
+            c => Err(RouterSpecError::NotLocality { flag: REQUEST_COST_FLAG, policy: c.name() }),
         }
     }
 

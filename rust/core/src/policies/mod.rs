@@ -5,28 +5,33 @@
 //! testable on constructed cases and shared verbatim by the router service and simulator.
 //! [`config`] holds the one list of policies, their capabilities and the defaults, and the
 //! factory ([`PolicyConfig`], [`make_policy`]); the router's config and CLI, the data plane
-//! and the simulator read them from here.
+//! and the simulator read them from here. [`spec`] is a router's typed spec ([`RouterSpec`]:
+//! the policy with its costs, tau, load factor, binding), built and checked once.
 
 mod config;
 mod eldr;
+mod label;
 mod locality;
 mod paged;
 mod power_of_two;
 mod random;
 mod round_robin;
 mod shortest_queue;
+mod spec;
 
 pub use config::{
-    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PagedExpertsError, PolicyConfig, PolicyInfo, RequestCostError, UnknownPolicy,
+    counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PolicyConfig, PolicyInfo, UnknownPolicy,
     DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use eldr::{band_size, Eldr};
+pub use label::{parse_arms, py_repr, ArmLabel, MAX_ARMS};
 pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
 pub use paged::{PagedLocality, ResidentEstimate};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use shortest_queue::ShortestQueue;
+pub use spec::{check_float, fmt_g, Bind, RouterSpec, RouterSpecError, MAX_LOAD_FACTOR, MAX_REQUEST_COST, MAX_TAU, PAGED_EXPERTS_FLAG};
 
 use std::sync::Arc;
 
