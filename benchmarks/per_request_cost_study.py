@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("ELDR_SHARED_TRACES", ROOT.parent / "shared" / "traces"))
 BALANCERS = "random,round_robin,shortest_queue,power_of_two"
-TODAY = "locality/0.05"
+TODAY = "locality/0.05:rc=0"  # the rule without the term (before it became the default)
 
 
 def _synth():

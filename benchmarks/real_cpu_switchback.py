@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_sglang import _core
 from eldr_sglang.testing.sglang_cpu import locality_model as lm
 from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
 from eldr_sglang.testing.sglang_cpu.harness import Harness
@@ -153,7 +154,8 @@ def run_setting(h: Harness, a, name: str, locality: float, arms: str, minutes: f
             "experiment": str(work / "experiment.json"), "step_logs": logs,
             "prefill_step_log": str(work / f"{prefill.name}.steps"), "layers": geo.spec["layers"],
             "trace": str(trace), "centroids": str(centroids), "model_dir": str(model),
-            "prefill_nice": a.prefill_nice, "bind": a.bind, "seconds": round(time.monotonic() - t0)}
+            "prefill_nice": a.prefill_nice, "bind": a.bind, "seconds": round(time.monotonic() - t0),
+            "request_cost": _core.DEFAULT_REQUEST_COST}
 
 
 def _parser() -> argparse.ArgumentParser:

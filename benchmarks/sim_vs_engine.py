@@ -56,6 +56,15 @@ from eldr_sglang.sim.host import SharedHost, fit_shared_host, predict  # noqa: E
 
 FORMAT = "eldr-moe-calibration/1"
 SIM_LABEL = {"eldr/none": "eldr"}  # the router's experiment arm -> the simulator's label
+
+
+def sim_label(arm: str, setting: dict) -> str:
+    """The simulator's label of a router arm, with the locality cost's request term the
+    router used (`request_cost` of the run; runs before it was recorded used none)."""
+    label = SIM_LABEL.get(arm, arm)
+    if label.split("/")[0] == "locality" and ":rc=" not in label:
+        label += f":rc={float(setting.get('request_cost', 0.0)):g}"
+    return label
 HIST_MAX = 8  # batch sizes 1..8 in the batch histograms (larger ones are counted at 8)
 
 
@@ -184,7 +193,7 @@ def simulate_setting(setting: dict, calibration: Path, requests: int, repeats: i
     from eldr_sglang.workload import replay_workload
 
     arms = setting["arms"]
-    specs = parse_policies(",".join(SIM_LABEL.get(a, a) for a in arms))
+    specs = parse_policies(",".join(sim_label(a, setting) for a in arms))
     em, source, replay = rcs._setup(setting["trace"], setting["centroids"], calibration, setting["model_dir"], 2)
     conc = setting["concurrency"]
     tpot: dict[str, list] = {a: [] for a in arms}

@@ -21,7 +21,7 @@ from typing_extensions import Self
 
 __all__ = [
     "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "PREFILL_POLICIES", "DEFAULT_POLICY",
-    "DEFAULT_PREFILL_POLICY", "DEFAULT_TAU", "DEFAULT_LOAD_FACTOR", "MAX_TAU", "MAX_LOAD_FACTOR", "MAX_REQUEST_COST",
+    "DEFAULT_PREFILL_POLICY", "DEFAULT_TAU", "DEFAULT_LOAD_FACTOR", "DEFAULT_REQUEST_COST", "MAX_TAU", "MAX_LOAD_FACTOR", "MAX_REQUEST_COST",
     "MAX_EXPERTS", "RouterSpec", "parse_arms", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
@@ -36,6 +36,7 @@ DEFAULT_POLICY: str  # the decode policy when none is given ("locality")
 DEFAULT_PREFILL_POLICY: str  # the prefill placement when none is given ("round_robin")
 DEFAULT_TAU: float  # ELDR's band width when neither the caller nor the centroid file gives one
 DEFAULT_LOAD_FACTOR: float  # the bounded-load cap of eldr/F and locality/F
+DEFAULT_REQUEST_COST: float  # the locality cost's per-request term r when none is given
 MAX_TAU: float  # tau lies in [0, MAX_TAU] (2: cosine distances lie in [0, 2])
 MAX_LOAD_FACTOR: float  # a load factor lies in [0, MAX_LOAD_FACTOR]
 MAX_REQUEST_COST: float  # the locality cost's request term lies in [0, MAX_REQUEST_COST]

@@ -34,7 +34,7 @@ def _choice(r: float | None) -> int:
 
 
 def test_the_router_takes_a_request_cost_for_locality_and_it_moves_the_choice():
-    assert _core.Router("locality", num_workers=2).request_cost == 0.0
+    assert _core.Router("locality", num_workers=2).request_cost == _core.DEFAULT_REQUEST_COST == 0.03
     assert _core.Router("locality", num_workers=2, request_cost=0.4).request_cost == 0.4
     assert _core.Router("locality", num_workers=2, paged_experts=4, request_cost=0.4).request_cost == 0.4
     assert _core.Router("round_robin", num_workers=2).request_cost is None
@@ -55,9 +55,11 @@ def test_the_router_refuses_a_bad_request_cost_in_one_line(policy, r, msg):
 
 
 def test_the_flag():
-    assert parse_config(BASE + LOCALITY).request_cost == 0.0
+    cfg = parse_config(BASE + LOCALITY)
+    assert cfg.request_cost is None and cfg.spec.request_cost == _core.DEFAULT_REQUEST_COST  # the core's default
     assert parse_config(BASE + LOCALITY + ["--eldr-request-cost", "0.4"]).request_cost == 0.4
-    # 0 is every policy's rule (the flag's default), so it is accepted with any policy
+    assert parse_config(BASE + LOCALITY + ["--eldr-request-cost", "0"]).spec.request_cost == 0.0  # the rule without it
+    # 0 is every policy's rule, so it is accepted with any policy
     assert parse_config(BASE + ["--disagg-router", "round_robin", "--eldr-request-cost", "0"]).request_cost == 0.0
     for argv, msg in (
         (["--disagg-router", "eldr", "--eldr-centroids", "x.eldr", "--eldr-request-cost", "0.4"],
@@ -86,7 +88,8 @@ def test_simulator_labels_give_the_request_cost():
     assert list(specs)[-1] == "locality/0.05:rc=0.2"
     pol = make_policy("locality", 2, profiles=[None], request_cost=specs["locality:rc=0.4"].request_cost, load_factor=0.05)
     assert pol.router.request_cost == 0.4 and pol.router.load_factor == 0.05
-    assert make_policy("locality", 2, profiles=[None]).router.request_cost == 0.0
+    assert make_policy("locality", 2, profiles=[None]).router.request_cost == _core.DEFAULT_REQUEST_COST
+    assert make_policy("locality", 2, profiles=[None], request_cost=0.0).router.request_cost == 0.0
     assert make_policy("paged", 2, profiles=[None], paged_experts=8, request_cost=0.4).router.request_cost == 0.4
 
 

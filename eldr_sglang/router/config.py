@@ -125,8 +125,9 @@ class RouterConfig:
     # decode workers run SGLang's paged experts with C resident per MoE layer: locality routes
     # by expected page-ins (rust/core/src/policies/paged.rs); None = HBM-resident experts
     paged_experts: int | None = None
-    # the locality cost's per-request term r (distinct experts per layer; 0: without it)
-    request_cost: float = 0.0
+    # the locality cost's per-request term r (distinct experts per layer; 0: without it;
+    # None: the core's DEFAULT_REQUEST_COST)
+    request_cost: float | None = None
     bind: str = "auto"  # 'late' | 'early' | 'auto' (late for eldr, early for the baselines)
     signature_timeout_s: float = 30.0
     seed: int = 0
@@ -296,11 +297,12 @@ def _routing_flags(pol: argparse._ArgumentGroup) -> None:
         "(benchmarks/results/paged_experts_study.md) it was slower than the plain locality cost on p50 in 19 of 23 runs",
     )
     pol.add_argument(
-        "--eldr-request-cost", type=float, default=0.0, metavar="R",
+        "--eldr-request-cost", type=float, default=None, metavar="R",
         help="the locality cost's per-request term: R is the per-request part of a decode step in distinct experts "
         "per layer (for a step time fixed + b*batch + c*sum over L layers of distinct experts, R = b/(c*L)); "
         "the policy then minimises D_w + (B_w+1)*Delta_w + R*(2*B_w+1) (rust/core/src/policies/locality.rs). "
-        "Default 0: the cost without it. Locality only",
+        f"Default {_core.DEFAULT_REQUEST_COST:g} (benchmarks/results/per_request_cost_study.md); 0: the cost without it. "
+        "Locality only",
     )
     pol.add_argument(
         "--eldr-bind", choices=["auto", "late", "early"], default="auto",

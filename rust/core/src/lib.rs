@@ -33,7 +33,7 @@ pub mod workers;
 pub use centroid_file::{write_atomic, CentroidFileError, CentroidSet, CentroidWriter, FORMAT_VERSION};
 pub use policies::{
     band_size, counts_policies, fallback_reasons, is_counts_policy, is_prefill_policy, make_policy, prefill_policies, Decision, ExpertGuard, ExpertProfile, Policy, PolicyConfig, RouterSpec, RouterSpecError, Bind, fmt_g,
-    PolicyInfo, Reason, RouteContext, DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
+    PolicyInfo, Reason, RouteContext, DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_REQUEST_COST, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use queue::{LoadGuard, QueueTracker};
 pub use distance::Counts;

@@ -32,6 +32,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_PREFILL_POLICY", eldr_core::DEFAULT_PREFILL_POLICY)?;
     m.add("DEFAULT_TAU", eldr_core::DEFAULT_TAU)?;
     m.add("DEFAULT_LOAD_FACTOR", eldr_core::DEFAULT_LOAD_FACTOR)?;
+    m.add("DEFAULT_REQUEST_COST", eldr_core::DEFAULT_REQUEST_COST)?;
     // the routing flags' bounds (rust/core/src/policies/spec.rs) and the experts-per-layer bound
     m.add("MAX_TAU", eldr_core::policies::MAX_TAU)?;
     m.add("MAX_LOAD_FACTOR", eldr_core::policies::MAX_LOAD_FACTOR)?;

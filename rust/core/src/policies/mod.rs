@@ -21,7 +21,7 @@ mod spec;
 
 pub use config::{
     counts_policies, is_counts_policy, is_prefill_policy, make_policy, policy_info, prefill_policies, PolicyConfig, PolicyInfo, UnknownPolicy,
-    DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_TAU, POLICIES, POLICY_NAMES,
+    DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_REQUEST_COST, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use eldr::{band_size, Eldr};
 pub use label::{parse_arms, py_repr, ArmLabel, MAX_ARMS};

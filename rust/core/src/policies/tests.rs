@@ -619,6 +619,8 @@ fn a_large_request_cost_prefers_the_shorter_queue_over_the_locality_match() {
 #[test]
 fn only_the_locality_policy_takes_a_request_cost_and_it_must_be_finite_and_non_negative() {
     let loc = PolicyConfig::parse("locality", 0).unwrap();
+    assert_eq!(loc, PolicyConfig::Locality { request_cost: DEFAULT_REQUEST_COST }, "the default cost has the term");
+    assert!(DEFAULT_REQUEST_COST > 0.0);
     assert_eq!(loc.with_request_cost(Some(0.4)), Ok(PolicyConfig::Locality { request_cost: 0.4 }));
     assert_eq!(loc.with_request_cost(None), Ok(loc));
     let paged = loc.with_paged_experts(Some(4)).unwrap().with_request_cost(Some(0.4)).unwrap();
