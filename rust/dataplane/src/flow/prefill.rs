@@ -29,11 +29,10 @@ use crate::sse::{ended_message, inspect, sse_data, Found, Line, LineReader, MAX_
 use crate::upstream::{self, Leg, ReqBody};
 
 /// One attempt on the prefill worker of `trial` (`signs`: whether it streams a signature,
-/// when known):
-/// a fresh bootstrap room, the bodies for both legs, the prefill leg sent and its signature
-/// awaited (bound late) or made ready to go out beside the decode's (bound early), then the
-/// decode stage, which routes. `tried_decode`: the decode workers that failed this request's
-/// early-bound attempts.
+/// when known): a fresh bootstrap room, the bodies for both legs, the prefill leg sent and
+/// its signature awaited (bound late) or made ready to go out beside the decode's (bound
+/// early), then the decode stage, which routes. `tried_decode`: the decode workers that
+/// failed this request's early-bound attempts.
 pub(crate) async fn attempt(plane: &Arc<Plane>, req: &RequestCtx<'_>, base: &Bytes, trial: Attempt, signs: Option<bool>, tried_decode: &mut Vec<usize>) -> Result<Response<Body>, FlowError> {
     let p = trial.worker;
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
