@@ -208,10 +208,10 @@ async fn send_decode(plane: &Arc<Plane>, ctx: &Bootstrap<'_>, choice: &DecodeCho
     let first_byte = secs(plane.cfg.first_byte_timeout_s);
     let head = ctx.req.client_stream.then(|| (secs(plane.cfg.decode_progress_timeout_s).min(first_byte), "progress"));
     let resp = open_decode(plane, ctx, &leg, head, &mut attempt).await?;
-    if ctx.req.client_stream {
-        decode_streamed(plane, ctx, leg, resp, (lease, attempt)).await
-    } else {
+    if !ctx.req.client_stream {
         decode_whole(plane, ctx, leg, resp, (lease, attempt)).await
+    } else {
+        decode_streamed(plane, ctx, leg, resp, (lease, attempt)).await
     }
 }
 
@@ -265,41 +265,45 @@ async fn decode_streamed(plane: &Arc<Plane>, ctx: &Bootstrap<'_>, d: DecodeLeg<'
     let first_byte = secs(plane.cfg.first_byte_timeout_s);
     let mut body = resp.into_body();
     let left = (d.t_start + first_byte).min(ctx.req.deadline).saturating_duration_since(Instant::now());
-    let failed = match timeout(left, next_chunk(&mut body)).await {
-        Ok(Ok(Some(first))) => {
-            attempt.progress();
-            let first_at = Instant::now(); // its time to first token
-            let head = &first[..first.len().min(8192)];
-            if head.windows(7).any(|x| x == b"\"abort\"") {
-                if let Some(leg) = prefill {
-                    if leg.drain.broke().await {
-                        return Err(kv_lost_error().into()); // aborted before any token: the KV is gone
-                    }
-                }
-            }
-            let mut r = Response::new(());
-            let h = r.headers_mut();
-            h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-            h.insert(hyper::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            explain_headers(plane, ctx, d.choice, r.headers_mut());
-            // from here the pump owns the stream and every guard of the request
-            let lat = plane.counters.latency.decode(ctx.req.arm.label, w, ctx.req.endpoint);
-            let timing = Timing::first(lat, ctx.req.arm, (ctx.req.t0, first_at), ctx.req.endpoint, &first);
-            let guards = Guards { attempt, lease, prefill: prefill.cloned() };
-            return Ok(r.map(|()| hand_over(plane, body, first, guards, ctx.req.deadline, timing)));
-        }
-        Ok(Ok(None)) => UpstreamError::retryable(502, &format!("decode worker {w} ended its stream without a byte"), Role::Decode, "empty"),
+    let read = match timeout(left, next_chunk(&mut body)).await {
+        Ok(Ok(Some(first))) => Ok(first),
+        Ok(Ok(None)) => Err(UpstreamError::retryable(502, &format!("decode worker {w} ended its stream without a byte"), Role::Decode, "empty")),
         Ok(Err(e)) => {
             leg.error("stream");
-            UpstreamError::retryable(502, &format!("decode worker {w} stream failed: {e}"), Role::Decode, "stream")
+            Err(UpstreamError::retryable(502, &format!("decode worker {w} stream failed: {e}"), Role::Decode, "stream"))
         }
         Err(_) => {
             leg.timeout("first_byte");
-            UpstreamError::retryable(504, &format!("decode worker {w} sent no first byte in {:.3} s", left.as_secs_f64()), Role::Decode, "first_byte_timeout")
+            Err(UpstreamError::retryable(504, &format!("decode worker {w} sent no first byte in {:.3} s", left.as_secs_f64()), Role::Decode, "first_byte_timeout"))
         }
     };
-    blame(plane, &mut attempt, failed.cause.as_deref().unwrap_or("error"), prefill).await?;
-    Err(failed.into())
+    let first = match read {
+        Ok(first) => first,
+        Err(failed) => {
+            blame(plane, &mut attempt, failed.cause.as_deref().unwrap_or("error"), prefill).await?;
+            return Err(failed.into());
+        }
+    };
+    attempt.progress();
+    let first_at = Instant::now(); // its time to first token
+    let head = &first[..first.len().min(8192)];
+    if head.windows(7).any(|x| x == b"\"abort\"") {
+        if let Some(leg) = prefill {
+            if leg.drain.broke().await {
+                return Err(kv_lost_error().into()); // aborted before any token: the KV is gone
+            }
+        }
+    }
+    let mut r = Response::new(());
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(hyper::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    explain_headers(plane, ctx, d.choice, r.headers_mut());
+    // from here the pump owns the stream and every guard of the request
+    let lat = plane.counters.latency.decode(ctx.req.arm.label, w, ctx.req.endpoint);
+    let timing = Timing::first(lat, ctx.req.arm, (ctx.req.t0, first_at), ctx.req.endpoint, &first);
+    let guards = Guards { attempt, lease, prefill: prefill.cloned() };
+    Ok(r.map(|()| hand_over(plane, body, first, guards, ctx.req.deadline, timing)))
 }
 
 /// Open the decode leg; a failure is charged to the worker (see [`blame`]). Streamed, its
