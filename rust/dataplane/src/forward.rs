@@ -11,7 +11,8 @@ use tokio::time::timeout;
 
 use crate::config::secs;
 use crate::errors::error_json;
-use crate::flow::request::{error_response, read_body};
+use crate::flow::body::read_body;
+use crate::flow::request::error_response;
 use crate::plane::Plane;
 use crate::response::{json_response, Body};
 

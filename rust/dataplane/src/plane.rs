@@ -1,6 +1,6 @@
 //! The data plane's shared state: configuration, the core router (shared with Python),
-//! the upstream client (`open`: a worker call that marks a refusing worker down), worker
-//! pools, the prefill policy, counters and the retry budget.
+//! the upstream client, worker pools, the prefill policy, counters and the retry budget.
+//! The request path itself is in [`crate::flow`].
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
@@ -9,17 +9,14 @@ use std::time::{Duration, Instant};
 
 use eldr_core::rng::AtomicRng;
 use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
-use hyper::body::Incoming;
-use hyper::Response;
 
 use crate::admission::{Admission, BodyBudget};
 use crate::config::{secs, Config, ConfigError, Role};
 use crate::counters::{names, Counters};
-use crate::errors::UpstreamError;
 use crate::experiment::{Experiment, Tag};
 use crate::outlier::WorkerPool;
 use crate::reservoir::{Draw, KeepSampler};
-use crate::upstream::{self, HttpClient, Leg, Refused, ReqBody};
+use crate::upstream::{self, HttpClient};
 
 /// How long a decode may send nothing to a request whose client then leaves before that
 /// counts as its timeout (at most the first-byte timeout): clients that give up first (a
@@ -50,7 +47,7 @@ pub struct Plane {
 
 /// The decode policy a request is routed by, from its start to its end: the plane's router,
 /// or under an experiment the arm of the block it started in (with its tag).
-pub struct ArmRef {
+pub struct RequestArm {
     pub router: Arc<Router>,
     /// The latency metrics' `policy` label: the policy's name, or the arm's label.
     pub label: &'static str,
@@ -143,14 +140,14 @@ impl Plane {
         })
     }
 
-    /// The arm a request starting now is routed by (see [`ArmRef`]).
-    pub fn arm(&self) -> ArmRef {
+    /// The arm a request starting now is routed by (see [`RequestArm`]).
+    pub fn arm(&self) -> RequestArm {
         match &self.experiment {
-            None => ArmRef { router: Arc::clone(&self.router), label: self.router.policy_name(), late: self.router.binds_late(), tag: None },
+            None => RequestArm { router: Arc::clone(&self.router), label: self.router.policy_name(), late: self.router.binds_late(), tag: None },
             Some(x) => {
                 let tag = x.begin();
                 let a = &x.arms[tag.arm];
-                ArmRef { router: Arc::clone(&a.router), label: a.label, late: a.late, tag: Some(tag) }
+                RequestArm { router: Arc::clone(&a.router), label: a.label, late: a.late, tag: Some(tag) }
             }
         }
     }
@@ -160,17 +157,6 @@ impl Plane {
             Role::Prefill => &self.prefill,
             Role::Decode => &self.decode,
         }
-    }
-
-    /// POST to a worker (see `upstream::post`); a refused connection marks it down at once
-    /// (the health check brings it back).
-    pub(crate) async fn open(&self, leg: Leg<'_>, url: &str, body: ReqBody, head: Option<(Duration, &'static str)>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
-        upstream::post(&self.client, leg, url, body, head, deadline).await.map_err(|(e, refused)| {
-            if let Refused::Yes = refused {
-                self.pool(leg.role).set_health(leg.worker, false);
-            }
-            e
-        })
     }
 
     /// `(num_layers, num_experts)` of the serving centroid file (payloads must fit it).
@@ -199,7 +185,7 @@ impl Plane {
             if !tried.is_empty() {
                 return None;
             }
-            // panic mode, as for decode (flow::route's Plane::panic_route): route across them anyway
+            // panic mode, as for decode (flow::route's panic_route): route across them anyway
             self.counters.inc(names::PANIC_ROUTES, &["prefill"]);
             healthy = vec![true; n];
         }
@@ -263,9 +249,11 @@ pub struct RetryBudget {
     retrying: Arc<AtomicI64>,
 }
 
-pub struct Held(Arc<AtomicI64>);
+/// One request counted as active, or one re-send as under way, in the retry budget, until
+/// dropped.
+pub struct BudgetGuard(Arc<AtomicI64>);
 
-impl Drop for Held {
+impl Drop for BudgetGuard {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
@@ -276,13 +264,13 @@ impl RetryBudget {
         let (r, a) = (self.retrying.load(Ordering::Relaxed), self.active.load(Ordering::Relaxed));
         (r as f64) < (10f64).max(0.2 * a as f64)
     }
-    pub fn active(&self) -> Held {
+    pub fn active(&self) -> BudgetGuard {
         self.active.fetch_add(1, Ordering::Relaxed);
-        Held(Arc::clone(&self.active))
+        BudgetGuard(Arc::clone(&self.active))
     }
-    pub fn retrying(&self) -> Held {
+    pub fn retrying(&self) -> BudgetGuard {
         self.retrying.fetch_add(1, Ordering::Relaxed);
-        Held(Arc::clone(&self.retrying))
+        BudgetGuard(Arc::clone(&self.retrying))
     }
 }
 

@@ -17,6 +17,7 @@ use tokio::time::{timeout, Instant};
 use crate::config::Role;
 use crate::counters::{names, Counters};
 use crate::errors::{error_json, UpstreamError};
+use crate::outlier::WorkerPool;
 
 pub type HttpClient = Client<HttpConnector, Full<Chain<Bytes, Bytes>>>;
 
@@ -110,17 +111,28 @@ impl Leg<'_> {
     }
 }
 
-/// Why [`post`] failed at the connection level (the caller marks a refused worker down).
-pub enum Refused {
+/// Why [`send`] failed at the connection level ([`post`] marks a refused worker down).
+enum Refused {
     Yes,
     No,
+}
+
+/// POST `body` to worker `leg.worker` of `pool` at `url` (see [`send`]); a refused
+/// connection marks the worker down at once (the health check brings it back).
+pub async fn post(client: &HttpClient, pool: &WorkerPool, leg: Leg<'_>, url: &str, body: ReqBody, head: Option<(Duration, &'static str)>, deadline: Instant) -> Result<Response<Incoming>, UpstreamError> {
+    send(client, leg, url, body, head, deadline).await.map_err(|(e, refused)| {
+        if let Refused::Yes = refused {
+            pool.set_health(leg.worker, false);
+        }
+        e
+    })
 }
 
 /// POST `body` to `url`; the response once its head is in, within `head`'s limit, named by
 /// its phase in the timeout counters and the cause (None: no bound but the deadline).
 /// Connect errors, timeouts and 5xx are retryable; other non-200 statuses are the client's
 /// fault and passed on.
-pub async fn post(client: &HttpClient, leg: Leg<'_>, url: &str, body: ReqBody, head: Option<(Duration, &'static str)>, deadline: Instant) -> Result<Response<Incoming>, (UpstreamError, Refused)> {
+async fn send(client: &HttpClient, leg: Leg<'_>, url: &str, body: ReqBody, head: Option<(Duration, &'static str)>, deadline: Instant) -> Result<Response<Incoming>, (UpstreamError, Refused)> {
     let (role, i) = (leg.role, leg.worker);
     let budget = deadline.saturating_duration_since(Instant::now());
     let (limit, phase) = match head {

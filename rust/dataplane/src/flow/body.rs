@@ -1,14 +1,24 @@
-//! The client's JSON body: parsed and validated for its endpoint, the router's own fields
-//! taken out, and re-written with them for each leg ([`with_fields`]). A leaf of the flow.
+//! Stage 1, the client's body: read within the body timeout, the size limit and the bound
+//! on body bytes held at once ([`read_body`]); parsed and validated for its endpoint, the
+//! router's own fields taken out ([`parse_body`]; the prefill stage writes them back for
+//! each leg).
 
 use std::collections::HashMap;
 
 use bytes::Bytes;
+use hyper::body::Incoming;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value};
+use serde_json::Value;
+use tokio::time::timeout;
 
-use crate::errors::BadRequest;
-use crate::upstream::ReqBody;
+use crate::admission::{Rejected, Reserved};
+use crate::config::secs;
+use crate::errors::{BadRequest, FlowError};
+use crate::plane::Plane;
+use crate::upstream::next_chunk;
+
+/// Client bodies above this are parsed on the blocking pool, off the accept/IO threads.
+const LARGE_BODY_BYTES: usize = 256 << 10;
 
 /// The eldr endpoints, each with its own body rules.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -34,6 +44,98 @@ impl Kind {
             Kind::Chat => "chat",
         }
     }
+}
+
+/// The client's body read (see [`read_body`]) and parsed for its endpoint (see
+/// [`parse_body`]): its JSON without the router's fields, its stream flag, and its share of
+/// the bound on body bytes held (the raw bytes are dropped once parsed).
+pub async fn read_request(plane: &Plane, kind: Kind, body: Incoming, content_length: Option<u64>) -> Result<(Bytes, bool, Reserved), FlowError> {
+    let (raw, held) = read_body(plane, body, content_length).await?;
+    let (base, client_stream) = if raw.len() > LARGE_BODY_BYTES {
+        tokio::task::spawn_blocking(move || parse_body(kind, &raw)).await.map_err(|_| BadRequest::with_status(503, "the request body could not be parsed"))??
+    } else {
+        let parsed = parse_body(kind, &raw);
+        drop(raw); // the client's bytes go now, not when the request ends
+        parsed?
+    };
+    Ok((base, client_stream, held))
+}
+
+/// Most of an over-limit body read (and dropped) so the client can finish sending and read
+/// its 413; past it the connection is closed on the client.
+const MAX_DISCARD_BYTES: usize = 64 << 20;
+
+/// The client's body, within the body timeout, the size limit and the bound on the bytes of
+/// bodies held at once (its share of that bound is held with it, by the returned guard).
+pub async fn read_body(plane: &Plane, mut body: Incoming, content_length: Option<u64>) -> Result<(Bytes, Reserved), FlowError> {
+    let max = plane.cfg.max_payload_size;
+    let limit = secs(plane.cfg.client_body_timeout_s);
+    let mut held = plane.bodies.start();
+    let mut over = content_length.is_some_and(|n| n > max as u64);
+    // a declared length is taken from the bound at once (the buffer is allocated for it)
+    let declared = content_length.filter(|_| !over).map_or(0, |n| n as usize);
+    if !held.grow(declared) {
+        discard(plane, body);
+        return Err(FlowError::Overloaded(plane.admission.reject(Rejected::BufferFull)));
+    }
+    let mut buf: Vec<u8> = Vec::with_capacity(declared);
+    let (mut seen, mut taken, mut full) = (0usize, declared, false);
+    let read = async {
+        while let Some(chunk) = next_chunk(&mut body).await? {
+            seen += chunk.len();
+            if seen > max {
+                over = true;
+            }
+            if over {
+                buf = Vec::new();
+                if seen > MAX_DISCARD_BYTES {
+                    break;
+                }
+            } else {
+                // bytes past the declared length (or a chunked body's) are taken as they come
+                if seen > taken {
+                    if !held.grow(seen - taken) {
+                        full = true;
+                        break;
+                    }
+                    taken = seen;
+                }
+                buf.extend_from_slice(&chunk);
+            }
+        }
+        Ok::<(), hyper::Error>(())
+    };
+    let r = timeout(limit, read).await;
+    if full {
+        drop(buf);
+        discard(plane, body);
+        return Err(FlowError::Overloaded(plane.admission.reject(Rejected::BufferFull)));
+    }
+    match r {
+        Err(_) => Err(BadRequest::with_status(408, format!("the request body did not arrive within {} s", plane.cfg.client_body_timeout_s)).into()),
+        _ if over => Err(BadRequest::with_status(413, format!("the request body is larger than {max} bytes (the router's --max-payload-size)")).into()),
+        Ok(Err(_)) => Err(BadRequest::with_status(499, "the client went away while sending its body").into()),
+        Ok(Ok(())) => Ok((Bytes::from(buf), held)),
+    }
+}
+
+/// Read and drop the rest of a refused request's body behind its answer (at most
+/// MAX_DISCARD_BYTES, within the body timeout): the client can finish sending and read its
+/// answer, and no byte of it is held.
+pub(crate) fn discard(plane: &Plane, mut body: Incoming) {
+    let limit = secs(plane.cfg.client_body_timeout_s);
+    tokio::spawn(async move {
+        let _ = timeout(limit, async {
+            let mut seen = 0usize;
+            while let Ok(Some(c)) = next_chunk(&mut body).await {
+                seen += c.len();
+                if seen > MAX_DISCARD_BYTES {
+                    break;
+                }
+            }
+        })
+        .await;
+    });
 }
 
 const ROUTER_FIELDS: [&str; 4] = ["bootstrap_host", "bootstrap_port", "bootstrap_room", "stream"];
@@ -210,21 +312,6 @@ fn validate(kind: Kind, body: &HashMap<String, &RawValue>) -> Result<(), BadRequ
     Ok(())
 }
 
-/// `base` (a compact JSON object from [`parse_body`]) with `fields` set, without re-encoding
-/// or copying it: the body shares `base` and owns only the fields.
-pub fn with_fields(base: &Bytes, fields: &Map<String, Value>) -> ReqBody {
-    let mut extra = serde_json::to_vec(fields).expect("json");
-    if &base[..] == b"{}" || base.len() < 2 {
-        return ReqBody::from(Bytes::from(extra));
-    }
-    if extra.len() > 2 {
-        extra[0] = b','; // `{"a":1}` + `{"f":2}` -> `{"a":1` + `,"f":2}`
-    } else {
-        extra.remove(0); // no fields: `}`
-    }
-    ReqBody::new(base.slice(..base.len() - 1), Bytes::from(extra))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,23 +342,5 @@ mod tests {
         // a number no machine type holds passes through as written
         let big = format!(r#"{{"text":"a","x":1{}}}"#, "0".repeat(400));
         assert!(String::from_utf8(parse_body(Kind::Generate, big.as_bytes()).unwrap().0.to_vec()).unwrap().contains(&"0".repeat(400)));
-    }
-
-    #[test]
-    fn router_fields_are_replaced_not_duplicated() {
-        let (base, stream) = parse_body(Kind::Generate, br#"{"text":"a","bootstrap_room":5,"stream":true}"#).unwrap();
-        assert!(stream);
-        let mut f = Map::new();
-        f.insert("bootstrap_room".into(), Value::from(7));
-        let out: Value = serde_json::from_slice(&with_fields(&base, &f).to_vec()).unwrap();
-        assert_eq!(out, serde_json::json!({"text": "a", "bootstrap_room": 7}));
-        assert_eq!(&with_fields(&Bytes::from_static(b"{}"), &f).to_vec()[..], br#"{"bootstrap_room":7}"#);
-        assert_eq!(&with_fields(&base, &Map::new()).to_vec()[..], br#"{"text":"a"}"#);
-        // the legs share the client's bytes: the body's head is a view of `base`, not a copy
-        let (big, _) = parse_body(Kind::Generate, format!(r#"{{"text":"{}"}}"#, "x".repeat(1 << 20)).as_bytes()).unwrap();
-        let leg = with_fields(&big, &f);
-        assert_eq!(leg.len(), big.len() + r#","bootstrap_room":7"#.len());
-        assert!(leg.to_vec().ends_with(br#"xx","bootstrap_room":7}"#));
-        assert_eq!(leg.head().as_ptr(), big.as_ptr());
     }
 }

@@ -57,7 +57,7 @@ pub(crate) struct Drain {
 impl Drain {
     /// `timing`: the prefill leg's histogram and when the leg was sent, observed when the
     /// stream ends whole (the KV handed over).
-    pub(crate) fn spawn(mut body: Incoming, deadline: Instant, timing: Option<(Arc<Histogram>, Instant)>) -> Drain {
+    pub(crate) fn start(mut body: Incoming, deadline: Instant, timing: Option<(Arc<Histogram>, Instant)>) -> Drain {
         let (tx, rx) = watch::channel(PENDING);
         let join = tokio::spawn(async move {
             let read_all = async {

@@ -2,7 +2,8 @@
 //!
 //! Late binding: pick a prefill worker, draw a bootstrap room, POST the request there
 //! (always streamed); read its stream until the `eldr_signature` event (or the signature
-//! timeout: then the fallback); route with the core router and take a queue slot; POST the
+//! timeout: then the fallback); route with the core router (the expert lease and the
+//! worker's in-flight slot taken); POST the
 //! same request with the same room to that decode worker. The client gets nothing until
 //! the decode's first chunk, so a decode that fails before it is charged and the request
 //! moves to another decode with the same room (the prefill keeps the KV parked); a prefill
@@ -16,18 +17,26 @@
 //! failure of either before the first byte is re-sent on a fresh pair with a new room, after
 //! a back-off (50 ms, x1.5 each time), within the same `retries` and budget.
 //!
-//! One module per stage, in the order a request meets them; each calls only the stages
-//! after it (and [`drain`], which the prefill stage starts and the decode stage watches):
-//! 1. [`request`]: admission, the client's body read (within the bound on body bytes held)
-//!    and validated ([`body`]), the answer counted;
-//! 2. [`prefill`]: the prefill leg, its re-sends, and the wait for the signature;
-//! 3. [`route`]: the decode choice with the core router, and its queue slot (`Lease`);
+//! One module per stage, in the order a request meets them; each is called from one place
+//! and calls only the stages after it. [`request`] admits the request and drives its
+//! attempts (a prefill bound to a decode, re-sent within `retries` and the retry budget),
+//! and counts the answer; then:
+//! 1. [`body`]: the client's body read (within the bound on body bytes held) and validated;
+//! 2. [`prefill`]: one attempt's prefill leg: its room and bodies, then bound late the leg
+//!    sent and its signature awaited ([`drain`] reads the rest of its stream), bound early
+//!    the leg made ready to go out beside the decode's;
+//! 3. [`route`]: the decode choice with the core router and its expert lease, the one
+//!    routing call for both bindings, made by the decode stage before each decode attempt;
 //! 4. [`decode`]: the decode leg, with failover to another decode until the first byte;
-//! 5. [`pump`]: the rest of the decode's stream to the client.
+//! 5. [`pump`]: from the first byte, the rest of the decode's stream to the client.
+//!
+//! [`context`] holds what every stage knows of the request. The shared state (`Plane`, with
+//! every `impl Plane`) is [`crate::plane`]; worker calls are [`crate::upstream`].
 //!
 //! Paths other than the three eldr endpoints go to the control plane ([`crate::forward`]).
 
 pub mod body;
+pub mod context;
 pub mod decode;
 pub mod drain;
 pub mod prefill;

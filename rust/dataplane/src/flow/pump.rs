@@ -9,12 +9,13 @@ use tokio::sync::mpsc;
 use tokio::time::{timeout, Instant};
 
 use super::drain::PrefillLeg;
-use super::route::Lease;
+use super::route::ExpertLease;
 use crate::config::{secs, Role};
 use crate::counters::{names, scan_chunk, Latency};
 use crate::errors::UpstreamError;
 use crate::outlier::Attempt;
-use crate::plane::{ArmRef, Plane};
+use crate::plane::{Plane, RequestArm};
+use crate::response::{Body, ChannelBody};
 use crate::upstream::{next_chunk, Leg};
 
 /// A streamed answer's timing: the latency metrics of its (policy, decode worker, endpoint),
@@ -34,12 +35,11 @@ pub(crate) struct Timing {
 }
 
 impl Timing {
-    /// The decode's first chunk, about to go to the client: its time to first token.
-    /// `t0` is when the client's request arrived.
-    pub(crate) fn first(plane: &Plane, worker: usize, arm: &ArmRef, t0: Instant, endpoint: &'static str, chunk: &[u8]) -> Timing {
-        let now = Instant::now();
+    /// The decode's first chunk, about to go to the client: its time to first token, into
+    /// `lat`, the latency metrics of (the arm's policy, the decode worker, `endpoint`).
+    /// `t0` is when the client's request arrived, `now` when the chunk came.
+    pub(crate) fn first(lat: Arc<Latency>, arm: &RequestArm, (t0, now): (Instant, Instant), endpoint: &'static str, chunk: &[u8]) -> Timing {
         let policy = arm.label;
-        let lat = plane.counters.latency.decode(policy, worker, endpoint);
         lat.ttft.observe((now - t0).as_secs_f64());
         let (events, tokens) = scan_chunk(chunk);
         Timing { lat, tag: arm.tag.clone(), policy, endpoint, t0, t_first: now, t_last: now, events, tokens }
@@ -74,10 +74,29 @@ impl Timing {
     }
 }
 
+/// Every guard of a request the pump holds to the answer's end: the decode worker's trial,
+/// the expert lease, and the prefill side of a late-bound request.
+pub(crate) struct Guards {
+    pub(crate) attempt: Attempt,
+    pub(crate) lease: ExpertLease,
+    pub(crate) prefill: Option<Arc<PrefillLeg>>,
+}
+
+/// The decode's first chunk came: from here the pump owns the stream. The chunk, then the
+/// rest as it comes, go to the client through a channel, whose receiving end is the
+/// returned body; a task reads the decode.
+pub(crate) fn hand_over(plane: &Arc<Plane>, body: Incoming, first: Bytes, guards: Guards, deadline: Instant, timing: Timing) -> Body {
+    let (tx, rx) = mpsc::channel::<Bytes>(32);
+    let _ = tx.try_send(first);
+    tokio::spawn(pump(Arc::clone(plane), body, tx, guards, deadline, timing));
+    ChannelBody::boxed(rx)
+}
+
 /// Stream the rest of the decode's answer to the client, each chunk within the stall
 /// timeout. Owns every guard of the request: they are released when it ends, the client
 /// going away included (its body is dropped, which closes the channel).
-pub(crate) async fn pump(plane: Arc<Plane>, mut body: Incoming, tx: mpsc::Sender<Bytes>, mut attempt: Attempt, lease: Lease, prefill: Option<Arc<PrefillLeg>>, deadline: Instant, mut timing: Timing) {
+async fn pump(plane: Arc<Plane>, mut body: Incoming, tx: mpsc::Sender<Bytes>, guards: Guards, deadline: Instant, mut timing: Timing) {
+    let Guards { mut attempt, lease, prefill } = guards;
     let w = attempt.worker;
     let leg = Leg { role: Role::Decode, worker: w, counters: &plane.counters };
     let stall = secs(plane.cfg.stall_timeout_s);

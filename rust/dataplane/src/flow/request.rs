@@ -1,44 +1,42 @@
-//! Stage 1, the client's request: admitted (the bound on requests in flight), then its body
-//! read within the body timeout, the size limit and the bound on body bytes held at once,
-//! parsed and validated ([`super::body`]); the answer, or the refusal, counted by endpoint
+//! The client's request from its arrival to its answer: admitted (the bound on requests in
+//! flight), its body read and parsed ([`super::body`]), then its attempts, each a prefill
+//! ([`super::prefill`]) bound to a decode; the answer, or the refusal, counted by endpoint
 //! and status.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, Response, StatusCode};
-use tokio::time::timeout;
+use tokio::time::Instant;
 
-use super::body::{parse_body, Kind};
-use super::prefill::route_request;
-use crate::admission::{PermitBody, Rejected, Reserved};
-use crate::config::secs;
+use super::body::{discard, read_request, Kind};
+use super::context::RequestCtx;
+use super::prefill;
+use crate::admission::{PermitBody, Rejected};
+use crate::config::{secs, Role};
 use crate::counters::names;
-use crate::errors::{error_json, BadRequest, FlowError};
+use crate::errors::{error_json, FlowError, UpstreamError};
+use crate::outlier::Attempt;
 use crate::plane::Plane;
 use crate::response::{full, json_response, Body};
-use crate::upstream::next_chunk;
-
-/// Client bodies above this are parsed on the blocking pool, off the accept/IO threads.
-const LARGE_BODY_BYTES: usize = 256 << 10;
 
 /// Serve one client request on an eldr endpoint (the server sends every other path to the
 /// control plane).
 pub async fn handle(plane: Arc<Plane>, kind: Kind, req: Request<Incoming>) -> Response<Body> {
-    let t0 = tokio::time::Instant::now(); // the latency metrics count from here, as the client does
+    let t0 = Instant::now(); // the latency metrics count from here, as the client does
     let mut outcome = Outcome { plane: &plane, kind, status: None };
     let resp = match serve(&plane, kind, req, t0).await {
         Ok(r) => r,
-        Err(FlowError::Overloaded(why)) => overloaded_response(&plane, why),
         Err(e) => error_response(e),
     };
     outcome.status = Some(resp.status().as_u16());
     resp
 }
 
-async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>, t0: tokio::time::Instant) -> Result<Response<Body>, FlowError> {
+async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>, t0: Instant) -> Result<Response<Body>, FlowError> {
     let path = req.uri().path().to_owned();
     let clen = req.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok());
     let body = req.into_body();
@@ -47,23 +45,87 @@ async fn serve(plane: &Arc<Plane>, kind: Kind, req: Request<Incoming>, t0: tokio
     let permit = match plane.admission.admit().await {
         Ok(p) => p,
         Err(why) => {
+            let refused = overloaded_response(plane, why);
             discard(plane, body);
-            return Err(FlowError::Overloaded(why));
+            return Ok(refused);
         }
     };
-    let (raw, _held) = read_body(plane, body, clen).await?;
-    let (base, client_stream) = if raw.len() > LARGE_BODY_BYTES {
-        tokio::task::spawn_blocking(move || parse_body(kind, &raw)).await.map_err(|_| BadRequest::with_status(503, "the request body could not be parsed"))??
-    } else {
-        let parsed = parse_body(kind, &raw);
-        drop(raw); // the client's bytes go now, not when the request ends
-        parsed?
+    let (base, client_stream, _held) = match read_request(plane, kind, body, clen).await {
+        Err(FlowError::Overloaded(why)) => return Ok(overloaded_response(plane, why)),
+        read => read?,
     };
     // the decode policy it is routed by (under an experiment, its block's arm, to its end)
     let arm = plane.arm();
-    let resp = route_request(plane, &arm, &path, &base, client_stream, t0, kind.label()).await?;
+    let deadline = Instant::now() + secs(plane.cfg.request_timeout_s);
+    let req = RequestCtx { arm: &arm, path: &path, client_stream, deadline, t0, endpoint: kind.label() };
+    let resp = attempts(plane, &req, &base).await?;
     Ok(resp.map(|b| PermitBody::wrap(b, permit)))
 }
+
+/// The request's attempts, each a prefill bound to a decode. Late binding re-sends a failed
+/// prefill to another one (a failed decode moves to another decode inside, with the same
+/// room). Early binding re-sends any failure before the client's first byte as the gateway
+/// does: a fresh prefill and decode pair (a prefill already tried only when there is no
+/// other) with a new room, after a back-off.
+async fn attempts(plane: &Arc<Plane>, req: &RequestCtx<'_>, base: &Bytes) -> Result<Response<Body>, FlowError> {
+    let _active = plane.budget.active();
+    let mut tried: Vec<usize> = Vec::new();
+    let mut tried_decode: Vec<usize> = Vec::new();
+    let mut last: Option<UpstreamError> = None;
+    let early = !req.arm.late;
+    let attempts = if early { 1 + plane.cfg.retries as usize } else { plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) };
+    for attempt in 0..attempts {
+        let p = match plane.pick_prefill(&tried) {
+            Some(p) => p,
+            None if early && attempt > 0 => match plane.pick_prefill(&[]) {
+                Some(p) => p,
+                None => break,
+            },
+            None => break,
+        };
+        let signs = plane.prefill_signs(p);
+        let role = last.as_ref().map_or(Role::Prefill, |e| e.role);
+        if attempt > 0 && !plane.may_retry(role) {
+            break;
+        }
+        if early && attempt > 0 {
+            let wait = Duration::from_secs_f64(RESEND_BACKOFF_S * RESEND_BACKOFF_GROWTH.powi(attempt as i32 - 1));
+            if Instant::now() + wait >= req.deadline {
+                break;
+            }
+            tokio::time::sleep(wait).await;
+        }
+        if !tried.contains(&p) {
+            tried.push(p);
+        }
+        let _retrying = (attempt > 0).then(|| {
+            let cause = last.as_ref().and_then(|e| e.cause.clone()).unwrap_or_else(|| "error".into());
+            plane.counters.inc(names::RETRIES, &[role.as_str(), &cause]);
+            if role == Role::Decode {
+                plane.counters.inc(names::DECODE_FAILOVERS, &[]);
+            }
+            plane.budget.retrying()
+        });
+        // the prefill worker's trial: in flight from here, charged or cleared by the attempt
+        let trial = Attempt::start(&plane.prefill, p);
+        match prefill::attempt(plane, req, base, trial, signs, &mut tried_decode).await {
+            Ok(r) => return Ok(r),
+            Err(FlowError::Upstream(e)) if e.is_retryable() => {
+                last = Some(e);
+                if Instant::now() >= req.deadline {
+                    break;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.map_or(FlowError::NoHealthyWorker, FlowError::Upstream))
+}
+
+/// Early binding's first re-send waits this long, each next one this many times longer (the
+/// gateway's 50 ms x 1.5).
+const RESEND_BACKOFF_S: f64 = 0.050;
+const RESEND_BACKOFF_GROWTH: f64 = 1.5;
 
 /// Counts the request by endpoint and status when it ends; a request whose future is
 /// dropped (the client went away) counts as a disconnect with status 499.
@@ -131,83 +193,4 @@ fn refusal(why: Rejected, msg: String) -> Response<Body> {
     let mut r = json_response(why.status(), Bytes::from(body));
     r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S));
     r
-}
-
-// ------------------------------------------------------------------ client body
-
-/// Most of an over-limit body read (and dropped) so the client can finish sending and read
-/// its 413; past it the connection is closed on the client.
-const MAX_DISCARD_BYTES: usize = 64 << 20;
-
-/// The client's body, within the body timeout, the size limit and the bound on the bytes of
-/// bodies held at once (its share of that bound is held with it, by the returned guard).
-pub async fn read_body(plane: &Plane, mut body: Incoming, content_length: Option<u64>) -> Result<(Bytes, Reserved), FlowError> {
-    let max = plane.cfg.max_payload_size;
-    let limit = secs(plane.cfg.client_body_timeout_s);
-    let mut held = plane.bodies.start();
-    let mut over = content_length.is_some_and(|n| n > max as u64);
-    // a declared length is taken from the bound at once (the buffer is allocated for it)
-    let declared = content_length.filter(|_| !over).map_or(0, |n| n as usize);
-    if !held.grow(declared) {
-        discard(plane, body);
-        return Err(FlowError::Overloaded(plane.admission.reject(Rejected::BufferFull)));
-    }
-    let mut buf: Vec<u8> = Vec::with_capacity(declared);
-    let (mut seen, mut taken, mut full) = (0usize, declared, false);
-    let read = async {
-        while let Some(chunk) = next_chunk(&mut body).await? {
-            seen += chunk.len();
-            if seen > max {
-                over = true;
-            }
-            if over {
-                buf = Vec::new();
-                if seen > MAX_DISCARD_BYTES {
-                    break;
-                }
-            } else {
-                // bytes past the declared length (or a chunked body's) are taken as they come
-                if seen > taken {
-                    if !held.grow(seen - taken) {
-                        full = true;
-                        break;
-                    }
-                    taken = seen;
-                }
-                buf.extend_from_slice(&chunk);
-            }
-        }
-        Ok::<(), hyper::Error>(())
-    };
-    let r = timeout(limit, read).await;
-    if full {
-        drop(buf);
-        discard(plane, body);
-        return Err(FlowError::Overloaded(plane.admission.reject(Rejected::BufferFull)));
-    }
-    match r {
-        Err(_) => Err(BadRequest::with_status(408, format!("the request body did not arrive within {} s", plane.cfg.client_body_timeout_s)).into()),
-        _ if over => Err(BadRequest::with_status(413, format!("the request body is larger than {max} bytes (the router's --max-payload-size)")).into()),
-        Ok(Err(_)) => Err(BadRequest::with_status(499, "the client went away while sending its body").into()),
-        Ok(Ok(())) => Ok((Bytes::from(buf), held)),
-    }
-}
-
-/// Read and drop the rest of a refused request's body behind its answer (at most
-/// MAX_DISCARD_BYTES, within the body timeout): the client can finish sending and read its
-/// answer, and no byte of it is held.
-fn discard(plane: &Plane, mut body: Incoming) {
-    let limit = secs(plane.cfg.client_body_timeout_s);
-    tokio::spawn(async move {
-        let _ = timeout(limit, async {
-            let mut seen = 0usize;
-            while let Ok(Some(c)) = next_chunk(&mut body).await {
-                seen += c.len();
-                if seen > MAX_DISCARD_BYTES {
-                    break;
-                }
-            }
-        })
-        .await;
-    });
 }
