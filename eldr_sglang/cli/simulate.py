@@ -27,7 +27,8 @@ def register(sub) -> None:
     p.add_argument("--centroids", help="centroid file from `eldr fit` (needed by eldr)")
     p.add_argument("--policies", type=A.policies, default=None,
                    help=f"comma list of {', '.join(BASELINES)}, eldr, eldr@TAU, eldr/F, locality/F, "
-                        "locality/F:rc=R (R: the locality cost's per-request term, distinct experts per layer), "
+                        "locality/F:rc=R (R: the locality cost's per-request term, distinct experts per layer; "
+                        f"without :rc, the router's default {_core_default_rc()}), "
                         "oracle, default (the router's default), and the bounds perfect_overlap and clairvoyant[/F] "
                         f"(default {DEFAULT_POLICIES}; under --protocol strict the protocol's set)")
     p.add_argument("--protocol", choices=["none", "strict"], default="none",
@@ -257,6 +258,12 @@ def _write_outputs(args, meta, sweep, runs, last_policies, last_distinct, title:
         else:
             plot_runs(last_policies, last_distinct, args.plot, title=title)
         print(f"wrote {args.plot}")
+
+
+def _core_default_rc() -> str:
+    from eldr_sglang._core import DEFAULT_REQUEST_COST
+
+    return f"{DEFAULT_REQUEST_COST:g}"
 
 
 def _shared_host(args):
