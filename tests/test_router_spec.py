@@ -106,3 +106,28 @@ def test_experiment_arms_are_parsed_by_the_core():
         _core.parse_arms("eldr/x,random")
     with pytest.raises(ConfigError, match=r"^--experiment: arm 'eldr/2e6': the load factor must be between 0 and 1e6$"):
         parse_config(BASE + ["--eldr-centroids", "c.eldr", "--experiment", "eldr/2e6,random"])
+
+
+@pytest.mark.parametrize("policy, warns", [("shortest_queue", True), ("round_robin", False)])
+def test_a_shared_decode_worker_is_said_once(policy, warns, caplog):
+    """Requests a decode worker runs that this router did not send (another replica) are counted
+    per poll; three polls in a row with two or more make one warning, for a policy that reads
+    loads (docs/operations.md, 'Several router replicas')."""
+    import logging
+
+    from eldr_sglang.router.control import ControlPlane
+
+    cp = ControlPlane(parse_config(BASE + ["--disagg-router", policy]))
+    with caplog.at_level(logging.WARNING, logger="eldr.router"):
+        cp.report_load(0, 1, 0)  # one request of ours sent while the poll flew: no one else
+        cp.report_load(0, 5, 1)
+        cp.report_load(0, 5, 1)
+        assert not caplog.records and cp.state()["decode_foreign_requests"][0] == 4
+        cp.report_load(0, 6, 2)
+        cp.report_load(0, 6, 2)
+        cp.report_load(0, 0, 0)
+    said = [r for r in caplog.records if "did not send" in r.getMessage()]
+    assert len(said) == (1 if warns else 0)
+    if warns:
+        assert "--load-monitor-interval 0" in said[0].getMessage() and "decode 0" in said[0].getMessage()
+    assert cp.state()["decode_foreign_requests"] == [0, 0]

@@ -22,6 +22,13 @@ from eldr_sglang.router.metrics import RouterMetrics
 
 logger = logging.getLogger("eldr.router")
 
+# A decode worker running at least FOREIGN_MIN requests this router did not send, FOREIGN_POLLS
+# polls in a row, is shared (a request of ours sent while the poll is in flight counts one).
+FOREIGN_MIN = 2
+FOREIGN_POLLS = 3
+# policies that read no loads, so cannot herd on them
+LOAD_BLIND = ("random", "round_robin")
+
 
 class ControlPlane:
     def __init__(self, cfg: RouterConfig, control_url: str = UNSTARTED_CONTROL_URL):
@@ -54,6 +61,12 @@ class ControlPlane:
         self.prefill_signs: list[bool | None] = [None] * len(cfg.prefill)
         # why a prefill streams none, as its /server_info says (None: it does, or not known yet)
         self.prefill_signature_off: list[str | None] = [None] * len(cfg.prefill)
+        # per decode worker: requests its last /v1/loads counted that this router did not send
+        # (another router replica, or clients that reach the worker directly), and for how
+        # many polls in a row there were at least FOREIGN_MIN of them
+        self.foreign_requests: list[int] = [0] * len(cfg.decode)
+        self._foreign_polls: list[int] = [0] * len(cfg.decode)
+        self._foreign_warned = False
         self.session: aiohttp.ClientSession | None = None
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
         self._reload_busy_since: float | None = None
@@ -76,6 +89,22 @@ class ControlPlane:
         """Decode worker i's /v1/loads count, blended into the queue tracker's load: the part
         of it that is not this router's (`inflight_at_poll`: ours when the poll was sent)."""
         self.router.report_load(i, running, inflight_at_poll)
+        if inflight_at_poll is not None:
+            self._note_foreign(i, max(0, running - inflight_at_poll))
+
+    def _note_foreign(self, i: int, foreign: int) -> None:
+        """Say once when a decode worker keeps running requests this router did not send: with
+        several router replicas, a policy that reads loads herds between polls (simulated:
+        benchmarks/results/replicas_study.md)."""
+        self.foreign_requests[i] = foreign
+        self._foreign_polls[i] = self._foreign_polls[i] + 1 if foreign >= FOREIGN_MIN else 0
+        if self._foreign_polls[i] >= FOREIGN_POLLS and not self._foreign_warned and self.router.policy not in LOAD_BLIND:
+            self._foreign_warned = True
+            logger.warning("decode %d has run %d or more requests this router did not send for %d polls in a row "
+                           "(another router replica, or clients reaching it directly?). With several replicas, "
+                           "--disagg-router %s herds between load polls: give every replica --load-monitor-interval 0, "
+                           "or run one (docs/operations.md, 'Several router replicas'). Said once.",
+                           i, FOREIGN_MIN, FOREIGN_POLLS, self.router.policy)
 
     def health_check(self, role: str, i: int, ok: bool, threshold: int) -> None:
         """One /health check's result; the data plane's worker set counts failures in a row."""
@@ -118,6 +147,7 @@ class ControlPlane:
             "decode_inflight": list(self.router.inflight()),
             "prefill_inflight": [w["inflight"] for w in pre],
             "decode_reported": self.router.reported(),
+            "decode_foreign_requests": list(self.foreign_requests),
             "decode_healthy": dp.routable("decode"),
             "prefill_healthy": dp.routable("prefill"),
             "admission": dp.admission(),
