@@ -86,16 +86,15 @@ def _overlap(spans: np.ndarray, a: float, b: float) -> float:
     return tot
 
 
-def by_batch(servers: list[dict], fit: dict, mask_of=None) -> list[dict]:
+def by_batch(servers: list[dict], fit: dict) -> list[dict]:
     """Per batch size: steps, mean interval, time per request, the line, stall share and
     stall excess per step (ms)."""
     b = np.concatenate([s["batch"] for s in servers])
     y = np.concatenate([s["interval"] for s in servers])
     line = _line(fit, b, np.concatenate([s["sum_distinct"] for s in servers]))
-    m_all = np.concatenate([mask_of(s) for s in servers]) if mask_of else np.ones(b.size, bool)
     rows = []
     for B in range(1, BATCH_MAX + 1):
-        m = m_all & ((b == B) if B < BATCH_MAX else (b >= B))
+        m = (b == B) if B < BATCH_MAX else (b >= B)
         if m.sum() < 20:
             continue
         stall = m & (y > STALL_FACTOR * line)
@@ -170,21 +169,19 @@ def by_other_batch(servers: list[dict], min_steps: int = 40) -> dict[str, float]
     return {key: round(float(np.mean(v)) * 1e3, 1) for key, v in sorted(cells.items()) if len(v) >= min_steps}
 
 
-def analyse_setting(setting: dict, fit: dict, arm_of_time=None) -> dict:
+def analyse_setting(setting: dict, fit: dict) -> dict:
     servers = server_steps(setting)
     res = {"by_batch": by_batch(servers, fit), "stalls": stalls(servers, fit, prefill_spans(setting)),
            "imbalance_by_second": imbalance_by_second(setting, servers, float(setting.get("block_s", 10))),
            "step_ms_by_own_and_other_batch": by_other_batch(servers)}
-    if arm_of_time is not None:  # the balancer's steps alone, as the fit
-        res["by_batch_round_robin"] = by_batch(servers, fit, lambda s: arm_of_time(s["t0"]) == "round_robin")
     return res
 
 
 def table(res: dict) -> list[str]:
     lines = []
     for name, r in res.items():
-        rows = r.get("by_batch_round_robin") or r["by_batch"]
-        lines += [f"{name}: decode steps by batch ({'round robin' if r.get('by_batch_round_robin') else 'all arms'})", "",
+        rows = r["by_batch"]
+        lines += [f"{name}: decode steps by batch (all arms)", "",
                   "| batch | steps | mean interval ms | per request ms | fitted line ms | steps stalling | stall excess per step ms |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {x['batch']} | {x['steps']} | {x['mean_ms']:.1f} | {x['per_request_ms']:.1f} | {x['line_ms']:.1f} | "

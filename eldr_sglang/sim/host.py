@@ -24,6 +24,8 @@ simulator's steps stay the deterministic line.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -67,9 +69,9 @@ class SharedHost:
             raise ValueError(f"shared host: missing or malformed field ({exc})") from None
 
 
-def _draw(quantiles: tuple[float, ...] | np.ndarray, u: float) -> float:
-    q = np.asarray(quantiles)
-    return float(np.interp(u, np.linspace(0.0, 1.0, q.size), q))
+def _draw(q: np.ndarray, grid: np.ndarray, u: float) -> float:
+    """Inverse-CDF draw from quantiles `q` at probabilities `grid`."""
+    return float(np.interp(u, grid, q))
 
 
 class HostClock:
@@ -79,6 +81,11 @@ class HostClock:
         self.host = host
         self.starts: list[deque] = [deque() for _ in range(workers)]
         self.rng = np.random.default_rng(seed)
+        # arrays once, not per step (this runs on the simulator's step loop)
+        self.scatter = np.asarray(host.scatter)
+        self.scatter_grid = np.linspace(0.0, 1.0, self.scatter.size)
+        self.excess = [np.asarray(q) for q in host.excess_s]
+        self.excess_grid = [np.linspace(0.0, 1.0, q.size) for q in self.excess]
 
     def other_rate(self, wi: int, now: float) -> float:
         """Steps per second the other workers started over the last window."""
@@ -94,10 +101,10 @@ class HostClock:
         """The step worker `wi` starts now, whose line (own work alone) is `line_s`."""
         h = self.host
         r = self.other_rate(wi, now)
-        dt = line_s / max(1.0 - h.steal_s * r, MIN_FREE) * _draw(h.scatter, self.rng.random())
-        k = int(np.searchsorted(h.rate_edges, r, side="right")) - 1
-        if self.rng.random() < -np.expm1(-h.hazard_per_s[k] * dt):
-            dt += _draw(h.excess_s[k], self.rng.random())
+        dt = line_s / max(1.0 - h.steal_s * r, MIN_FREE) * _draw(self.scatter, self.scatter_grid, self.rng.random())
+        k = bisect.bisect_right(h.rate_edges, r) - 1
+        if self.rng.random() < -math.expm1(-h.hazard_per_s[k] * dt):
+            dt += _draw(self.excess[k], self.excess_grid[k], self.rng.random())
         self.starts[wi].append(now)
         return dt
 
