@@ -86,3 +86,53 @@ fn membership_locality_state_grows_with_the_workers() {
     // a route that read the slot count before the join finds no state for it: a fallback, not a panic
     assert!(router.policy().track(2, 0, Arc::clone(&b)).unwrap().is_err());
 }
+
+#[test]
+fn membership_changes_while_routing_never_fail_a_route() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.eldr");
+    write(&p, 3);
+    let router = Arc::new(Router::new(RouterSpec::of(PolicyConfig::Eldr), Some(3), Some(&p), 0, 1000).unwrap());
+    router.set_load_factor(Some(0.05)).unwrap();
+    let set = WorkerSet::new("decode", &urls(3), 2, 0.05, 1.0, Arc::clone(router.tracker()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = (0..3)
+        .map(|t| {
+            let (router, stop) = (Arc::clone(&router), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let d = vec![0.1 * t as f64, 0.2, 0.3];
+                    let r = router.route(move |_| Ok(d), true).expect("a member is always routable");
+                    let w = r.decision.worker.unwrap();
+                    assert!(w < r.loads.len() && w < router.num_workers());
+                    let _g = router.tracker().acquire(w, 1);
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    for i in 0..300 {
+        std::thread::sleep(std::time::Duration::from_micros(300)); // routes run between changes
+        let url = format!("http://extra{}", i % 7);
+        if set.add(&url).is_ok() {
+            router.sync_membership();
+        }
+        if i % 2 == 1 {
+            let leaving = format!("http://extra{}", (i + 3) % 7);
+            if set.remove(&leaving).is_ok() {
+                router.sync_membership();
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let routed: u64 = threads.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(routed > 0);
+    assert!(router.num_workers() <= 3 + 7, "drained slots are reused: {}", router.num_workers());
+    for (i, u) in set.members() {
+        assert!(router.tracker().is_member(i), "{u}");
+    }
+}

@@ -234,9 +234,9 @@ impl Plane {
             }
             // panic mode, as for decode (flow::route's panic_route): route across them anyway
             self.counters.inc(names::PANIC_ROUTES, &["prefill"]);
-            healthy = vec![true; n];
+            healthy = (0..n).map(|i| self.prefill.is_member(i)).collect(); // never a worker that left
         }
-        let loads = self.prefill.inflight_all();
+        let loads: Vec<i64> = (0..n).map(|i| self.prefill.inflight(i)).collect(); // the same n slots as `healthy`
         let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: None, fallback: Reason::Policy, tau: 0.0, load_factor: None, profile: None, explain: false };
         self.prefill_policy.choose(&ctx).worker
     }

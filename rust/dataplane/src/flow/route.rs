@@ -69,7 +69,8 @@ pub fn choose_decode(plane: &Plane, arm: &RequestArm, sig: &PrefillSignature, tr
     if tried.contains(&worker) {
         let loads = &r.loads;
         let routable = plane.decode.routable_all();
-        let other = (0..routable.len()).filter(|k| routable[*k] && !tried.contains(k)).min_by_key(|&k| (loads[k], k));
+        // a worker that joined since the route read its loads is not among them
+        let other = (0..routable.len().min(loads.len())).filter(|k| routable[*k] && !tried.contains(k)).min_by_key(|&k| (loads[k], k));
         let Some(k) = other else { return Err(FlowError::NoHealthyWorker) };
         choice = DecodeChoice { worker: k, reason: "retry".into(), band: None, profile: choice.profile };
     }
