@@ -16,7 +16,7 @@ step, at equal batch (each arm's per-batch means weighted by round robin's batch
 change against round robin. Also the clients' TPOT p50. The issue's bar: two replicas within
 1 point of one.
 
-    python benchmarks/replicas_emulated.py --requests-per-arm 600 --out benchmarks/results/replicas_emulated
+    python benchmarks/replicas_emulated.py --requests-per-arm 3000 --seeds 0,1,2 --out benchmarks/results/replicas_emulated
 
 writes OUT.json and OUT.md (never overwritten).
 """
@@ -151,24 +151,30 @@ def run(args, workdir: Path) -> dict:
     gap = rows["default x2"]["distinct_change_pct"] - rows["default x1"]["distinct_change_pct"]
     return {"simulated": "emulated workers: step times from the simulator's cost model, routing replayed from a "
                          "synthetic strong-locality trace; the routers are the real ones",
-            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "seeds")},
             "arms": rows, "gap_points_two_vs_one": gap}
 
 
-def markdown(res: dict) -> str:
-    s = res["settings"]
-    lines = [f"# Router replicas on an emulated cluster\n",
-             f"{res['simulated']}. K = {s['decode']} decode, {s['prefill']} prefill, {s['concurrency']} closed-loop "
-             f"streaming clients, {s['requests_per_arm']} requests per arm, time scale {s['time_scale']:g}. "
-             "Distinct experts per layer per step counted in the workers, at round robin's batch sizes.\n",
-             "| arm | requests (failed) | distinct experts at equal batch | vs round robin | TPOT p50 vs round robin |",
-             "|---|---|---|---|---|"]
-    for label, r in res["arms"].items():
-        tp = "" if r["tpot_change_pct"] is None else f"{r['tpot_change_pct']:+.1f}%"
-        lines.append(f"| {label} | {r['requests']} ({r['failed']}) | {r['distinct_at_equal_batch']:.2f} | "
-                     f"{r['distinct_change_pct']:+.1f}% | {tp} |")
-    lines.append(f"\nTwo replicas against one (distinct experts, points): **{res['gap_points_two_vs_one']:+.2f}** "
-                 "(issue 32's bar: within 1 point).")
+def markdown(runs: list[dict]) -> str:
+    s = runs[0]["settings"]
+    lines = ["# Router replicas on an emulated cluster\n",
+             f"{runs[0]['simulated']}. K = {s['decode']} decode, {s['prefill']} prefill, {s['concurrency']} closed-loop "
+             f"streaming clients, {s['requests_per_arm']} requests per arm, time scale {s['time_scale']:g}, one trace "
+             "per seed. Distinct experts per layer per step counted in the workers, at round robin's batch sizes.\n"]
+    for res in runs:
+        lines += [f"## Seed {res['settings']['seed']}\n",
+                  "| arm | requests (failed) | distinct experts at equal batch | vs round robin | TPOT p50 vs round robin |",
+                  "|---|---|---|---|---|"]
+        for label, r in res["arms"].items():
+            tp = "" if r["tpot_change_pct"] is None else f"{r['tpot_change_pct']:+.1f}%"
+            lines.append(f"| {label} | {r['requests']} ({r['failed']}) | {r['distinct_at_equal_batch']:.2f} | "
+                         f"{r['distinct_change_pct']:+.1f}% | {tp} |")
+        lines.append("")
+    gaps = [r["gap_points_two_vs_one"] for r in runs]
+    lines.append(f"Two replicas against one (distinct experts at equal batch, points), per seed: "
+                 f"**{', '.join(f'{g:+.2f}' for g in gaps)}** (issue 32's bar: within 1 point). The TPOT column moves "
+                 "by several points between seeds on this shared 2-core machine; the distinct experts are the "
+                 "steadier measure of routing.")
     return "\n".join(lines) + "\n"
 
 
@@ -176,14 +182,14 @@ def main() -> int:
     from eldr_sglang import io_safe
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests-per-arm", type=int, default=600)
+    ap.add_argument("--requests-per-arm", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--domains", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated trace seeds, one run each (default 0)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "replicas_emulated"))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--verbose", action="store_true", help="print each arm's steps and distinct experts by batch size")
@@ -194,11 +200,19 @@ def main() -> int:
     for p in (Path(f"{out}.json"), Path(f"{out}.md")):
         if p.exists():
             ap.error(f"{p} exists; move it away first (nothing is overwritten)")
-    with tempfile.TemporaryDirectory() as tmp:
-        res = run(args, Path(args.workdir or tmp))
-    md = markdown(res)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds: expected integers like 0,1,2, got {args.seeds!r}")
+    runs = []
+    for seed in seeds:
+        args.seed = seed
+        with tempfile.TemporaryDirectory() as tmp:
+            runs.append(run(args, Path(args.workdir or tmp)))
+    md = markdown(runs)
     print(md)
-    io_safe.write_text(f"{out}.json", json.dumps(res, indent=1) + "\n")
+    io_safe.write_text(f"{out}.json", json.dumps({"runs": runs, "gap_points_two_vs_one": [r["gap_points_two_vs_one"] for r in runs]},
+                                               indent=1) + "\n")
     io_safe.write_text(f"{out}.md", md)
     return 0
 
