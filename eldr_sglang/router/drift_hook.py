@@ -274,7 +274,7 @@ def install(app, pd, admin_token: str | None = None, **options) -> DriftHook | N
     enabled = conf.pop("enabled", True) and pd.cfg.policy in COUNTS_POLICIES and bool(pd.cfg.centroids)
     hook = None
     if enabled:
-        check_baseline(pd.router.centroid_set().provenance_json, len(pd.cfg.decode), pd.cfg.centroids)
+        check_baseline(pd.router.centroid_set().provenance_json, len(pd.members("decode")), pd.cfg.centroids)
         try:
             hook = DriftHook(pd, admin_token=admin_token, **conf)
         except (ValueError, OSError) as exc:  # e.g. a centroid file without a baseline: route on, without drift handling
