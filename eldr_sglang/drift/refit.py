@@ -117,6 +117,22 @@ def refit_centroids(S, old_centroids: np.ndarray, tau: float, *, seed: int = 0, 
     )
 
 
+def _parent_lineage(parent) -> tuple[dict, list]:
+    """The parent file's provenance (empty when unreadable: not carried over) and the lineage
+    the refitted file carries (the parent's, capped, plus the parent itself)."""
+    from eldr_sglang import json_fields
+
+    try:
+        prov_parent = json_fields.as_object(parent.provenance_json, "provenance")
+    except ValueError:
+        prov_parent = {}
+    lineage = [e for e in prov_parent.get("lineage") or [] if isinstance(e, dict)] if isinstance(prov_parent.get("lineage"), list) else []
+    lineage = lineage[-(LINEAGE_MAX - 1):] + [
+        {"checksum": int(parent.checksum), "tool": prov_parent.get("tool"), "created_utc": prov_parent.get("created_utc")}
+    ]
+    return prov_parent, lineage
+
+
 def refit_file(
     parent_path: str,
     signatures,
@@ -134,7 +150,7 @@ def refit_file(
     or `_core.CentroidFileError` with a message; never leaves a partial file. `workers`: the
     decode workers to fit for (K = their number; their names go in the file when K differs
     from the parent's); default: the parent's K and names."""
-    from eldr_sglang import _core, json_fields
+    from eldr_sglang import _core
 
     out_path = str(out_path or parent_path)
     try:
@@ -145,14 +161,7 @@ def refit_file(
     tau = float(parent.tau)
     res = refit_centroids(signatures, old, tau, seed=seed, n_init=n_init, max_iter=max_iter,
                           k=len(workers) if workers else None)
-    try:
-        prov_parent = json_fields.as_object(parent.provenance_json, "provenance")
-    except ValueError:
-        prov_parent = {}  # an unreadable parent provenance is not carried over
-    lineage = [e for e in prov_parent.get("lineage") or [] if isinstance(e, dict)] if isinstance(prov_parent.get("lineage"), list) else []
-    lineage = lineage[-(LINEAGE_MAX - 1):] + [
-        {"checksum": int(parent.checksum), "tool": prov_parent.get("tool"), "created_utc": prov_parent.get("created_utc")}
-    ]
+    prov_parent, lineage = _parent_lineage(parent)
     K = res.centroids.shape[0]
     names = list(parent.worker_names) if K == old.shape[0] else list(workers or [f"worker{i}" for i in range(K)])
     summary = {
