@@ -13,7 +13,7 @@ import time
 import pytest
 
 from eldr_sglang.router.discovery.flags import DiscoverySettings
-from eldr_sglang.router.discovery.hook import MembershipHook, pending_apply
+from eldr_sglang.router.discovery.hook import MembershipHook
 from eldr_sglang.router.discovery.membership import (
     Membership,
     MembershipError,
@@ -232,7 +232,8 @@ def test_membership_hook_file_alone_starts_with_the_first_good_version(tmp_path)
 
     async def main():
         hook = MembershipHook(Membership(), DiscoverySettings(workers_file=str(path), file_interval_s=0.05))
-        hook.apply_cb = lambda m: pending_apply(hook, m)
+        applied_cb = []
+        hook.apply_cb = applied_cb.append
         await hook.start()
         try:
             with pytest.raises(ValueError, match="no workers from discovery in 0.3 s: .*decode list is empty"):
@@ -242,11 +243,12 @@ def test_membership_hook_file_alone_starts_with_the_first_good_version(tmp_path)
             assert m.decode == ("http://d0:30001",) and hook.applied == m
             st = hook.status()
             assert st["pending"] is False and st["applied"] == st["desired"] == m.to_json()
-            # a later change is desired, not applied: the core does not take it yet
+            # a later change is desired and handed to apply_cb; pending until the applier sets `applied`
             write(path, {**GOOD, "decode": GOOD["decode"] + [{"url": "http://d1:30001"}]})
             await until(lambda: hook.changes == 1)
+            assert [m.decode for m in applied_cb] == [("http://d0:30001", "http://d1:30001")]
             st = hook.status()
-            assert st["pending"] is True and st["live_apply"] is False
+            assert st["pending"] is True and st["live_apply"] is True
             assert st["pending_change"]["added_decode"] == ["http://d1:30001"]
             assert st["applied"]["decode"] == [{"url": "http://d0:30001"}]
             assert st["sources"]["workers_file"]["ok"] is True

@@ -276,7 +276,24 @@ def test_remap_identity_and_permutation():
     assert (p[perm] == np.arange(K)).all()  # worker k gets back the cluster that was its own
     assert sim.min() > 0.9
     with pytest.raises(RefitError):
-        remap_to_workers(C, C[:3])
+        remap_to_workers(C, C[:, :3])  # another dimension
+
+
+def test_remap_membership_change_keeps_the_old_order_for_matched_workers():
+    """Live membership (issue 31): a refit for fewer or more decode workers than the file's K."""
+    rng = np.random.default_rng(5)
+    C = rng.normal(size=(K, 32))
+    C /= np.linalg.norm(C, axis=1, keepdims=True)
+    # one worker fewer: old centroid 1 has no new match; the others keep their order
+    fewer = C[[3, 0, 2] + list(range(4, K))] + 0.01 * rng.normal(size=(K - 1, 32))
+    perm, sim = remap_to_workers(C, fewer)
+    assert fewer[perm].shape == (K - 1, 32) and sorted(perm.tolist()) == list(range(K - 1))
+    assert np.allclose(fewer[perm], C[[0, 2, 3] + list(range(4, K))], atol=0.1) and sim.size == K - 1
+    # one more: the old centroids keep theirs, the new cluster goes last (the new worker)
+    fresh = rng.normal(size=(1, 32))
+    more = np.vstack([fresh, C[::-1]])
+    perm, sim = remap_to_workers(C, more)
+    assert perm.tolist() == [K - k for k in range(K)] + [0] and sim.size == K and np.allclose(sim, 1.0)
 
 
 # ------------------------------------------------------------------------ refit (real fit)
@@ -391,6 +408,33 @@ def test_live_router_picks_up_refits_while_routing_from_threads(drift_setup, tmp
     assert router.centroid_generation == 4 and router.last_reload_error is None
     assert {1, 4} <= gens and min(routed) > 0
     assert router.inflight() == [0] * K  # every slot released
+
+
+def test_refit_for_the_decode_members_fits_their_number_membership(drift_setup, tmp_path):
+    """Live membership: a controller told the decode members fits K = their number (one more
+    and one fewer than the file's), names them in the file, and asks for signatures per K."""
+    import shutil
+
+    path = str(tmp_path / "members.eldr")
+    shutil.copyfile(drift_setup["path"], path)
+    members = [f"http://d{i}:30001" for i in range(K + 1)]
+    ctl = RefitController(path, executor="inline", cooldown_s=0, workers=lambda: list(members),
+                          reservoir_kw=dict(capacity=1024, horizon=2048), monitor_kw=dict(window=128))
+    assert ctl.min_signatures == 32 * (K + 1)
+    S = drift_setup["S"][(drift_setup["phase"] == 0) & drift_setup["valid"]]
+    for s in S[:600]:
+        ctl.reservoir.add(s)
+    for n in (K + 1, K - 2):
+        del members[n:]
+        r = ctl.request(f"to {n}", force=True)
+        assert r["accepted"], r
+        st = ctl.status()
+        assert st["last_ok"], st["last_error"]
+        new = _core.CentroidSet.open(path)
+        assert new.num_workers == n and list(new.worker_names) == members
+        prov = json.loads(new.provenance_json)
+        assert len(prov["baseline"]["nearest_share"]) == n and prov["params"]["workers"] == n
+        DriftMonitor(new.provenance_json, num_workers=n)  # its baseline is for the new K
 
 
 def test_controller_manual_cooldown_and_errors(drift_setup, tmp_path):

@@ -160,3 +160,70 @@ def test_locality_router_feeds_the_drift_monitor_too(cluster):
         assert st["reservoir"]["total_seen"] == bands and st["signature_errors"] == 0
     finally:
         rproc.stop()
+
+
+def test_membership_change_then_refit_fits_the_decode_members(cluster):
+    """Live membership under the eldr policy: a router started on 3 decode workers with a K=3
+    file gets a 4th by POST /eldr/workers (it has no centroid: the file's K stays 3); a forced
+    refit fits K = 4, the members, names them in the file, and the router reloads it."""
+    import asyncio
+
+    import aiohttp
+    from eldr_sglang import _core
+    from eldr_sglang.offline.fit import fit_trace
+    from eldr_sglang.router.app import PD_KEY, running
+    from eldr_sglang.router.config import build_parser, config_from_args
+    from eldr_sglang.traces import load_trace
+
+    d, _, urls = cluster
+    mine = d / "members.eldr"
+    fit_trace(load_trace(d / "trace.npz"), workers=3, tau=0.1, seed=0).write(mine)
+    args = ["--pd-disaggregation", "--port", str(free_port()), "--disagg-router", "eldr", "--eldr-centroids", str(mine),
+            "--eldr-signature-timeout-secs", "2", "--health-check-interval-secs", "0", "--eldr-reload-interval-ms", "50",
+            "--admin-token", TOKEN]
+    for url, bport in urls["prefill"]:
+        args += ["--prefill", url, str(bport)]
+    for url in urls["decode"][:3]:
+        args += ["--decode", url]
+    cfg = config_from_args(build_parser().parse_args(args))
+    cfg.drift = dict(executor="process", cooldown_s=0, refit_on_drift=False, check_interval_s=0.05,
+                     reservoir_capacity=256, reservoir_horizon=256)
+
+    async def main():
+        async with running(cfg) as (app, base):
+            pd = app[PD_KEY]
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async with s.post(base + "/eldr/workers", json={"role": "decode", "url": urls["decode"][3]},
+                                  headers=AUTH) as r:
+                    assert r.status == 200, await r.text()
+                assert [u for _, u in pd.members("decode")] == urls["decode"]
+                assert pd.router.centroid_set().num_workers == 3
+                sem = asyncio.Semaphore(16)
+
+                async def one(i):
+                    async with sem:
+                        body = {"text": f"m{i}", "sampling_params": {"max_new_tokens": 2},
+                                "emulator": {"trace_request": i % N_TRACE}}
+                        async with s.post(base + "/generate", json=body) as r:
+                            await r.read()
+                            return r.status
+
+                assert await asyncio.gather(*(one(i) for i in range(200))) == [200] * 200
+                gen0 = pd.router.centroid_generation
+                async with s.post(base + "/eldr/refit", json={"force": True, "reason": "members"}, headers=AUTH) as r:
+                    assert r.status == 202, await r.text()
+                for _ in range(600):  # bounded: the spawned process imports numpy/scipy first
+                    async with s.get(base + "/eldr/drift") as r:
+                        st = await r.json()
+                    if not st["running"] and st["refits"] + st["failures"] and pd.router.centroid_generation > gen0:
+                        break
+                    await asyncio.sleep(0.1)
+                assert st["last_ok"] and st["refits"] == 1, st
+                assert pd.router.centroid_generation == gen0 + 1 and pd.router.last_reload_error is None
+                assert pd.router.centroid_set().num_workers == 4
+                assert await asyncio.gather(*(one(i) for i in range(200, 240))) == [200] * 40
+
+    asyncio.run(main())
+    new = _core.CentroidSet.open(str(mine))
+    assert new.num_workers == 4 and list(new.worker_names) == urls["decode"]
+    assert json.loads(new.provenance_json)["refit"]["workers_before"] == 3

@@ -47,20 +47,25 @@ class RefitError(ValueError):
 
 def remap_to_workers(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """perm[k] = index of the new centroid that worker k gets, maximizing the total cosine
-    similarity between each worker's old and new centroid. Returns (perm, similarity[k])."""
+    similarity between each worker's old and new centroid. Returns (perm, similarity[k]).
+
+    With another number of new centroids than old ones (the decode workers changed, issue 31):
+    the best-matched pairs keep the old centroids' order; fewer new ones drop the old ones left
+    unmatched, more new ones put the unmatched new ones last (the workers without a centroid).
+    `similarity` then covers the matched workers only."""
     from scipy.optimize import linear_sum_assignment
 
     old = np.asarray(old, dtype=np.float64)
     new = np.asarray(new, dtype=np.float64)
-    if old.shape != new.shape or old.ndim != 2:
+    if old.ndim != 2 or new.ndim != 2 or old.shape[1] != new.shape[1]:
         raise RefitError(f"cannot map {new.shape} new centroids onto {old.shape} old ones")
     on = old / np.maximum(np.linalg.norm(old, axis=1, keepdims=True), 1e-30)
     nn = new / np.maximum(np.linalg.norm(new, axis=1, keepdims=True), 1e-30)
     sim = on @ nn.T  # [K old, K new]
-    rows, cols = linear_sum_assignment(sim, maximize=True)
-    perm = np.empty(old.shape[0], dtype=np.int64)
-    perm[rows] = cols
-    return perm, sim[np.arange(old.shape[0]), perm]
+    rows, cols = linear_sum_assignment(sim, maximize=True)  # rows ascending
+    extra = [c for c in range(new.shape[0]) if c not in set(cols.tolist())]
+    perm = np.asarray(list(cols) + extra, dtype=np.int64)
+    return perm, sim[rows, cols]
 
 
 @dataclass
@@ -89,14 +94,17 @@ def _check_signatures(S, dim: int, K: int) -> np.ndarray:
     return S / np.linalg.norm(S, axis=1, keepdims=True)
 
 
-def refit_centroids(S, old_centroids: np.ndarray, tau: float, *, seed: int = 0, n_init: int = 2, max_iter: int = 30) -> RefitResult:
-    """Balanced spherical K-means on S, mapped onto the old centroids' workers."""
+def refit_centroids(S, old_centroids: np.ndarray, tau: float, *, seed: int = 0, n_init: int = 2, max_iter: int = 30,
+                    k: int | None = None) -> RefitResult:
+    """Balanced spherical K-means on S (`k` clusters; default: the old K), mapped onto the
+    old centroids' workers."""
     from eldr_sglang.offline.balanced_kmeans import spherical_kmeans
     from eldr_sglang.offline.report import baseline_stats
 
     t0 = time.perf_counter()
     old = np.asarray(old_centroids, dtype=np.float32)
     K, D = old.shape
+    K = int(k or K)
     S = _check_signatures(S, D, K)
     km = spherical_kmeans(S, K, seed=seed, n_init=n_init, max_iter=max_iter, balanced=True)
     perm, sim = remap_to_workers(old, km.centroids)
@@ -109,6 +117,22 @@ def refit_centroids(S, old_centroids: np.ndarray, tau: float, *, seed: int = 0, 
     )
 
 
+def _parent_lineage(parent) -> tuple[dict, list]:
+    """The parent file's provenance (empty when unreadable: not carried over) and the lineage
+    the refitted file carries (the parent's, capped, plus the parent itself)."""
+    from eldr_sglang import json_fields
+
+    try:
+        prov_parent = json_fields.as_object(parent.provenance_json, "provenance")
+    except ValueError:
+        prov_parent = {}
+    lineage = [e for e in prov_parent.get("lineage") or [] if isinstance(e, dict)] if isinstance(prov_parent.get("lineage"), list) else []
+    lineage = lineage[-(LINEAGE_MAX - 1):] + [
+        {"checksum": int(parent.checksum), "tool": prov_parent.get("tool"), "created_utc": prov_parent.get("created_utc")}
+    ]
+    return prov_parent, lineage
+
+
 def refit_file(
     parent_path: str,
     signatures,
@@ -119,11 +143,14 @@ def refit_file(
     n_init: int = 2,
     max_iter: int = 30,
     extra: dict | None = None,
+    workers: list[str] | None = None,
 ) -> dict:
     """Refit `parent_path`'s centroids from `signatures` and write `out_path` (default: the
     parent path itself, replaced atomically). Returns a JSON-able summary. Raises RefitError
-    or `_core.CentroidFileError` with a message; never leaves a partial file."""
-    from eldr_sglang import _core, json_fields
+    or `_core.CentroidFileError` with a message; never leaves a partial file. `workers`: the
+    decode workers to fit for (K = their number; their names go in the file when K differs
+    from the parent's); default: the parent's K and names."""
+    from eldr_sglang import _core
 
     out_path = str(out_path or parent_path)
     try:
@@ -132,16 +159,11 @@ def refit_file(
         raise RefitError(f"cannot open the current centroid file {parent_path}: {exc}") from None
     old = np.asarray(parent.centroids())
     tau = float(parent.tau)
-    res = refit_centroids(signatures, old, tau, seed=seed, n_init=n_init, max_iter=max_iter)
-    try:
-        prov_parent = json_fields.as_object(parent.provenance_json, "provenance")
-    except ValueError:
-        prov_parent = {}  # an unreadable parent provenance is not carried over
-    lineage = [e for e in prov_parent.get("lineage") or [] if isinstance(e, dict)] if isinstance(prov_parent.get("lineage"), list) else []
-    lineage = lineage[-(LINEAGE_MAX - 1):] + [
-        {"checksum": int(parent.checksum), "tool": prov_parent.get("tool"), "created_utc": prov_parent.get("created_utc")}
-    ]
-    K = old.shape[0]
+    res = refit_centroids(signatures, old, tau, seed=seed, n_init=n_init, max_iter=max_iter,
+                          k=len(workers) if workers else None)
+    prov_parent, lineage = _parent_lineage(parent)
+    K = res.centroids.shape[0]
+    names = list(parent.worker_names) if K == old.shape[0] else list(workers or [f"worker{i}" for i in range(K)])
     summary = {
         "reason": reason,
         "n_signatures": res.n,
@@ -149,7 +171,8 @@ def refit_file(
         "parent_checksum": int(parent.checksum),
         "mapping": res.perm.tolist(),
         "centroid_similarity": [round(float(x), 6) for x in res.similarity],
-        "mean_centroid_similarity": float(np.mean(res.similarity)),
+        "mean_centroid_similarity": float(np.mean(res.similarity)) if res.similarity.size else None,
+        "workers_before": int(old.shape[0]),
         "objective": res.objective,
         "cluster_sizes": res.sizes.tolist(),
         "seconds": round(res.seconds, 3),
@@ -179,7 +202,7 @@ def refit_file(
         np.ascontiguousarray(parent.layer_weights(), dtype=np.float32),
         np.ascontiguousarray(parent.idf(), dtype=np.float32),
         tau,
-        list(parent.worker_names),
+        names,
         json.dumps(provenance, sort_keys=True),
     )
     written = _core.CentroidSet.open(out_path)
@@ -230,6 +253,7 @@ class RefitController:
         clock: Callable[[], float] = time.monotonic,
         reservoir_kw: dict | None = None,
         monitor_kw: dict | None = None,
+        workers: Callable[[], list[str]] | None = None,
     ):
         from eldr_sglang import _core
 
@@ -248,7 +272,9 @@ class RefitController:
         self.on_drift = bool(on_drift)
         self.interval_s = float(interval_s) if interval_s else None
         self.cooldown_s = float(cooldown_s)
-        self.min_signatures = int(min_signatures or max(MIN_TOTAL, MIN_PER_WORKER * self.num_workers))
+        # the decode workers to fit for (their number is K); None: the file's K
+        self.workers = workers
+        self._min_signatures = int(min_signatures) if min_signatures else None
         self.drift_only_since_onset = drift_only_since_onset
         self.seed = int(seed)
         self.clock = clock
@@ -265,6 +291,14 @@ class RefitController:
         self.last: dict = {}  # last finished refit: time, reason, result or error
         self.running_reason: str | None = None
         self.waiting: str | None = None
+
+    @property
+    def min_signatures(self) -> int:
+        """The signatures a refit needs: MIN_PER_WORKER per worker it fits for."""
+        if self._min_signatures:
+            return self._min_signatures
+        k = len(self.workers()) if self.workers is not None else self.num_workers
+        return max(MIN_TOTAL, MIN_PER_WORKER * k)
 
     def _current_provenance(self):
         if self.router is not None:
@@ -325,15 +359,17 @@ class RefitController:
                 wait = self.cooldown_s - (now - self._last_submit)
                 return {"accepted": False, "why": "cooldown", "reason": reason, "message": f"cooldown: next refit allowed in {wait:.1f} s"}
             S = self.reservoir.sample(last, seed=self.seed + self.refits)
-            if S.shape[0] < self.min_signatures:
+            workers = list(self.workers()) if self.workers is not None else None
+            need = self.min_signatures
+            if S.shape[0] < need:
                 return {"accepted": False, "why": "too_few", "reason": reason,
-                        "message": f"reservoir holds {S.shape[0]} signatures, a refit needs {self.min_signatures}"}
+                        "message": f"reservoir holds {S.shape[0]} signatures, a refit needs {need}"}
             self._last_submit = now
             self._started_at = now
             if drift:  # one drift refit per centroid generation (retried after a failure)
                 self._drift_handled_gen = self.monitor.generation
             self.running_reason = reason
-            kw = dict(reason=reason, seed=self.seed + self.refits,
+            kw = dict(reason=reason, seed=self.seed + self.refits, workers=workers,
                       extra={"window_observations": last if last is not None else self.reservoir.horizon_len()})
             if self._executor is None:
                 fut: cf.Future = cf.Future()

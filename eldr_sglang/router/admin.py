@@ -1,5 +1,5 @@
 """Access to the router's mutating control endpoints (POST /eldr/refit, POST /flush_cache,
-POST /eldr/experiment/switch).
+POST /eldr/experiment/switch, POST and DELETE /eldr/workers).
 
 They are off unless the operator sets a token (--admin-token or $ELDR_ADMIN_TOKEN), as the
 SGLang gateway's API key; a request then needs `Authorization: Bearer TOKEN`, compared in

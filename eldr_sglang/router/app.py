@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import socket
 from typing import AsyncIterator
@@ -15,13 +14,7 @@ from aiohttp import web
 from eldr_sglang.router.config import COUNTS_POLICIES, RouterConfig
 from eldr_sglang.router.control import ControlPlane
 from eldr_sglang.router.dataplane import feed_drift
-from eldr_sglang.router.loads import (
-    check_health,
-    poll_loads,
-    probe_prefill_signature,
-    reload_centroids,
-    wait_for_workers,
-)
+from eldr_sglang.router.loads import WorkerPollers, probe_prefill_signature, reload_centroids, wait_for_workers
 from eldr_sglang.router.passthrough import WorkerPassthrough
 
 logger = logging.getLogger("eldr.router")
@@ -54,8 +47,15 @@ def build_app(cfg: RouterConfig, pd: ControlPlane | None = None) -> web.Applicat
     app.router.add_get("/eldr/status", status)
     if cfg.experiment is not None:
         add_experiment_routes(app, pd, cfg.admin_token)
+    applier = None
+    if pd.membership is not None:  # live membership: the applier and POST/DELETE /eldr/workers
+        from eldr_sglang.router.discovery.apply import MembershipApplier
+        from eldr_sglang.router.discovery.endpoints import add_worker_routes
+
+        applier = MembershipApplier(pd.membership, pd)
+        add_worker_routes(app, pd, applier, cfg.admin_token)
     WorkerPassthrough(pd).add_routes(app, cfg.admin_token)
-    app.cleanup_ctx.append(lambda _app: _lifecycle(pd, cfg))
+    app.cleanup_ctx.append(lambda _app: _lifecycle(pd, cfg, applier))
     return app
 
 
@@ -92,52 +92,54 @@ def add_experiment_routes(app: web.Application, pd: ControlPlane, admin_token: s
     app.router.add_post("/eldr/experiment/switch", guarded(switch, admin_token))
 
 
-async def _lifecycle(pd: ControlPlane, cfg: RouterConfig):
+async def _lifecycle(pd: ControlPlane, cfg: RouterConfig, applier=None):
     """Start-up (the control plane's upstream session, waiting for workers, probing which
-    prefills stream a signature) and the background loops (loads, health, hot reload, the
-    drift feed); their teardown."""
+    prefills stream a signature) and the background loops (per worker: loads and health, which
+    follow membership; hot reload, the drift feed, the membership applier); their teardown."""
     await pd.start()
     if cfg.worker_startup_timeout_s > 0:
         await wait_for_workers(pd, cfg.worker_startup_timeout_s)
     if cfg.late_binding:
-        await asyncio.gather(*(probe_prefill_signature(pd, i) for i in range(len(cfg.prefill))))
+        await asyncio.gather(*(probe_prefill_signature(pd, i, u) for i, u in pd.members("prefill")))
+    pd.pollers = WorkerPollers(pd)
+    for role in ("prefill", "decode"):
+        for slot, url in pd.members(role):
+            pd.pollers.start(role, slot, url, probe=False)
+    if applier is not None:  # after the pollers: it starts and stops theirs
+        applier.hook.apply_cb = applier.request
+        applier.start()
     loops = []
-    if cfg.load_monitor_interval_s > 0:
-        loops.append(poll_loads(pd, cfg.load_monitor_interval_s))
-    if cfg.health_check_interval_s > 0:
-        loops.append(check_health(pd, cfg.health_check_interval_s, cfg.health_failure_threshold))
     if cfg.centroids and cfg.reload_interval_ms > 0:
         loops.append(reload_centroids(pd, cfg.reload_interval_ms / 1000.0))
     if pd.drift is not None:
         loops.append(feed_drift(pd))
     tasks = [asyncio.ensure_future(c) for c in loops]
     yield
+    if applier is not None:
+        await applier.close()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await pd.pollers.close()
     await pd.close()
 
 
 @contextlib.asynccontextmanager
 async def running(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str]]:
     """The router, serving in this process until the block ends: (the control app, the
-    public base URL). With a discovery source (--workers-file, --service-discovery) the
-    router is built with its first membership, and the source keeps running beside it: each
-    later membership goes to `apply`, which today can only log it and show it pending in
-    /eldr/status (the core does not take workers added or removed while it serves yet)."""
-    from eldr_sglang.router.discovery.hook import discovered, pending_apply
+    public base URL). It is built with the first membership (the command line's workers, with
+    a discovery source's: --workers-file, --service-discovery), and the sources keep running
+    beside it: each later membership is applied live (discovery/apply.py), and so are the
+    admin's POST/DELETE /eldr/workers."""
+    from eldr_sglang.router.discovery.hook import discovered
 
     async with discovered(cfg) as (cfg, hook):
-        if hook is not None:  # set before the router is built, so no change goes unlogged
-            hook.apply_cb = functools.partial(pending_apply, hook)
-        async with _serving(cfg) as (app, url):
-            if hook is not None:
-                app[PD_KEY].membership = hook
+        async with _serving(cfg, hook) as (app, url):
             yield app, url
 
 
 @contextlib.asynccontextmanager
-async def _serving(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, str]]:
+async def _serving(cfg: RouterConfig, hook=None) -> AsyncIterator[tuple[web.Application, str]]:
     """The router on its workers. The control plane's socket is bound first, so the data plane
     is built knowing where to forward, and the start-up checks report straight into it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -146,6 +148,7 @@ async def _serving(cfg: RouterConfig) -> AsyncIterator[tuple[web.Application, st
     control_port = sock.getsockname()[1]
     try:
         pd = ControlPlane(cfg, f"http://127.0.0.1:{control_port}")
+        pd.membership = hook
         app = build_app(cfg, pd)
     except BaseException:
         sock.close()

@@ -391,7 +391,7 @@ def _client_flags(cl: argparse._ArgumentGroup) -> None:
                     help="reading a request body may take this long, else 408 (default 30)")
     cl.add_argument(
         "--admin-token", default=None,
-        help=f"token for POST /eldr/refit, /flush_cache and /eldr/experiment/switch (header 'Authorization: Bearer TOKEN'); "
+        help=f"token for POST /eldr/refit, /flush_cache, /eldr/experiment/switch and POST/DELETE /eldr/workers (header 'Authorization: Bearer TOKEN'); "
         f"at least 16 characters of printable ASCII; default: ${ADMIN_TOKEN_ENV}; unset: those endpoints are off",
     )
 

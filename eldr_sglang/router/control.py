@@ -58,14 +58,17 @@ class ControlPlane:
         # The control plane's own note, for /eldr/status and the gauges only (routes read the
         # data plane's state): what the /server_info probe found about each prefill (None: not
         # known yet). The decode workers' /v1/loads reports live in the queue tracker alone.
-        self.prefill_signs: list[bool | None] = [None] * len(cfg.prefill)
+        # Each is keyed by the worker's slot (the data plane's index, stable while it is a
+        # member; a slot reused by a later worker is cleared by `forget`).
+        self.prefill_signs: dict[int, bool | None] = {}
         # why a prefill streams none, as its /server_info says (None: it does, or not known yet)
-        self.prefill_signature_off: list[str | None] = [None] * len(cfg.prefill)
+        self.prefill_signature_off: dict[int, str | None] = {}
         # per decode worker: requests its last /v1/loads counted that this router did not send
         # (another router replica, or clients that reach the worker directly), and for how
         # many polls in a row there were at least FOREIGN_MIN of them
-        self.foreign_requests: list[int] = [0] * len(cfg.decode)
-        self._foreign_polls: list[int] = [0] * len(cfg.decode)
+        self.foreign_requests: dict[int, int] = {}
+        self._foreign_polls: dict[int, int] = {}
+        self.pollers = None  # eldr_sglang.router.loads.WorkerPollers, set by the app's lifecycle
         self._foreign_warned = False
         self.session: aiohttp.ClientSession | None = None
         self._reload_pool = None  # one thread: a stuck file read never takes another thread
@@ -97,7 +100,7 @@ class ControlPlane:
         several router replicas, a policy that reads loads herds between polls (simulated:
         benchmarks/results/replicas_study.md)."""
         self.foreign_requests[i] = foreign
-        self._foreign_polls[i] = self._foreign_polls[i] + 1 if foreign >= FOREIGN_MIN else 0
+        self._foreign_polls[i] = self._foreign_polls.get(i, 0) + 1 if foreign >= FOREIGN_MIN else 0
         if self._foreign_polls[i] >= FOREIGN_POLLS and not self._foreign_warned and self.router.policy not in LOAD_BLIND:
             self._foreign_warned = True
             logger.warning("decode %d has run %d or more requests this router did not send for %d polls in a row "
@@ -116,13 +119,27 @@ class ControlPlane:
         self.prefill_signature_off[i] = None if signs else reason
         self.dataplane.set_prefill_signature(i, signs)
 
+    # ------------------------------------------------------------------ membership
+    def members(self, role: str) -> list[tuple[int, str]]:
+        """The role's current workers, (slot, url) in slot order (the data plane's)."""
+        return [(int(slot), url) for slot, url in self.dataplane.members(role)]
+
+    def forget(self, role: str, slot: int) -> None:
+        """Drop the control plane's notes on a slot whose worker left (a later worker that
+        reuses the slot starts fresh, as the data plane's state for it does)."""
+        if role == "prefill":
+            self.prefill_signs.pop(slot, None)
+            self.prefill_signature_off.pop(slot, None)
+        else:
+            self.foreign_requests.pop(slot, None)
+            self._foreign_polls.pop(slot, None)
+
     # ------------------------------------------------------------------ state
     def on_centroids_reloaded(self) -> None:
         cs = self.router.centroid_set()
-        if cs is not None and cs.num_workers != len(self.cfg.decode):
-            raise ValueError(
-                f"the centroid file has {cs.num_workers} workers, the router {len(self.cfg.decode)} decode workers"
-            )
+        n = len(self.members("decode")) if hasattr(self, "dataplane") else len(self.cfg.decode)
+        if cs is not None and cs.num_workers != n:
+            raise ValueError(f"the centroid file has {cs.num_workers} workers, the router {n} decode workers")
 
     def experiment(self, blocks: bool = False) -> dict | None:
         """The switchback experiment (None: none): the current arm and block; with `blocks`,
@@ -147,14 +164,14 @@ class ControlPlane:
             "decode_inflight": list(self.router.inflight()),
             "prefill_inflight": [w["inflight"] for w in pre],
             "decode_reported": self.router.reported(),
-            "decode_foreign_requests": list(self.foreign_requests),
+            "decode_foreign_requests": [self.foreign_requests.get(i, 0) for i in range(len(dec))],
             "decode_healthy": dp.routable("decode"),
             "prefill_healthy": dp.routable("prefill"),
             "admission": dp.admission(),
             "decode_workers": dec,
             "prefill_workers": pre,
-            "prefill_signatures": list(self.prefill_signs),
-            "prefill_signature_off": list(self.prefill_signature_off),
+            "prefill_signatures": [self.prefill_signs.get(i) for i in range(len(pre))],
+            "prefill_signature_off": [self.prefill_signature_off.get(i) for i in range(len(pre))],
             "centroid_generation": int(self.router.centroid_generation),
             "centroid_reload_failures": int(self.router.reload_failures),
             "last_reload_error": reload_error,
@@ -163,9 +180,17 @@ class ControlPlane:
             "load_factor": self.router.load_factor,
             "paged_experts": self.router.paged_experts,
             "decode_expert_distinct": self.router.expert_distinct(),  # locality only, else None
-            # discovery: {"desired", "applied", "pending", ...}; None without a discovery source
-            "membership": self.membership.status() if self.membership is not None else None,
+            # {"desired", "applied", "pending", "workers": {role: [{slot, url, state}]}, ...}
+            "membership": self._membership(pre, dec),
         }
+
+    def _membership(self, pre: list[dict], dec: list[dict]) -> dict | None:
+        if self.membership is None:
+            return None
+        st = self.membership.status()
+        st["workers"] = {role: [{"slot": w.get("slot", i), "url": w["url"], "state": w.get("state", "serving")}
+                                for i, w in enumerate(ws)] for role, ws in (("prefill", pre), ("decode", dec))}
+        return st
 
     # ------------------------------------------------------------------ drift
     def sync_drift(self) -> None:

@@ -60,11 +60,15 @@ class DriftHook:
         self.check_interval_s = float(check_interval_s)
         # num_workers: a baseline whose shares are for another K is refused, at start and on a rebase
         monitor = DriftMonitor(router.centroid_set().provenance_json, window=window, num_workers=int(router.centroid_set().num_workers),
-                               baseline_loader=lambda: router.centroid_set().provenance_json, on_window=self._on_window)
-        # router=None: the router's own reload loop picks the new file up (and refreshes its layout)
+                               baseline_loader=self._baseline, on_window=self._on_window)
+        # router=None: the router's own reload loop picks the new file up (and refreshes its layout).
+        # A refit fits K = the decode members now (live membership: the router reloads a file
+        # whose K is that number).
+        members = getattr(pd, "members", None)
         self.ctl = RefitController(path, router=None, monitor=monitor, on_drift=refit_on_drift, interval_s=interval_s,
                                    cooldown_s=cooldown_s, executor=executor,
-                                   reservoir_kw=dict(capacity=reservoir_capacity, horizon=reservoir_horizon))
+                                   reservoir_kw=dict(capacity=reservoir_capacity, horizon=reservoir_horizon),
+                                   workers=(lambda: [u for _, u in members("decode")]) if members is not None else None)
         dp = getattr(pd, "dataplane", None)
         if dp is not None and dp.reservoir_shape != self.ctl.reservoir.shape:
             self.ctl.close()
@@ -74,6 +78,13 @@ class DriftHook:
         self._spec_gen = -1
         self.signature_errors = 0
         self._last_logged_refit = 0
+
+    def _baseline(self) -> str:
+        """The serving centroid file's provenance, to rebase on; its K is the monitor's from
+        now on (a refit after a membership change fits another K)."""
+        cs = self.pd.router.centroid_set()
+        self.ctl.monitor.num_workers = int(cs.num_workers)
+        return cs.provenance_json
 
     # ---------------------------------------------------------------- decisions
     def on_route(self, decision, counts=None) -> None:
@@ -274,7 +285,7 @@ def install(app, pd, admin_token: str | None = None, **options) -> DriftHook | N
     enabled = conf.pop("enabled", True) and pd.cfg.policy in COUNTS_POLICIES and bool(pd.cfg.centroids)
     hook = None
     if enabled:
-        check_baseline(pd.router.centroid_set().provenance_json, len(pd.cfg.decode), pd.cfg.centroids)
+        check_baseline(pd.router.centroid_set().provenance_json, len(pd.members("decode")), pd.cfg.centroids)
         try:
             hook = DriftHook(pd, admin_token=admin_token, **conf)
         except (ValueError, OSError) as exc:  # e.g. a centroid file without a baseline: route on, without drift handling

@@ -1,7 +1,8 @@
 """The control plane's background loops (`pd`: the ControlPlane): decode /v1/loads polling
 (reported into the core Router's queue tracker), health checks (reported into the data
 plane's worker pools), the prefill signature probe, centroid hot reload. Each reports through
-the control plane's typed calls; what the routes read lives in Rust."""
+the control plane's typed calls, by the worker's slot; what the routes read lives in Rust.
+The per-worker loops follow membership (WorkerPollers)."""
 
 from __future__ import annotations
 
@@ -88,42 +89,41 @@ class _Dropped(Exception):
         self.cause = cause
 
 
-async def poll_loads(pd, interval: float) -> None:
-    """Every `interval` seconds, read each decode worker's /v1/loads and report it. Each
-    worker is polled in its own loop with --worker-poll-timeout-secs (a slow worker delays
-    only its own next poll, never the others'); an answer that cannot be used is counted
-    (eldr_router_load_reports_dropped) and logged (rate-limited), and never stops the loop."""
+async def _load_once(pd, slot: int, url: str, timeout: aiohttp.ClientTimeout, log: RateLimitedLog) -> None:
+    ours = pd.inflight(slot)  # this router's share of what the answer will count
+    try:
+        running = await _read_loads(pd, url, timeout)
+    except _Dropped as exc:
+        cause, msg = exc.cause, str(exc)
+    except asyncio.TimeoutError:
+        cause, msg = "timeout", f"no answer in {timeout.total:g} s"
+    except aiohttp.ClientError as exc:
+        cause, msg = "connect", exc.__class__.__name__
+    except Exception as exc:  # anything else a worker can provoke: drop it, keep polling
+        cause, msg = "error", f"{exc.__class__.__name__}: {exc}"
+    else:
+        pd.report_load(slot, running, ours)
+        return
+    pd.metrics.loads_dropped.labels(str(slot), cause).inc()
+    if cause != "connect":  # a worker that is down is the health check's news
+        log.warning(("loads", slot, cause), "decode %d /v1/loads answer dropped (%s): %s", slot, cause, safe(msg))
+
+
+async def poll_loads_of(pd, slot: int, url: str, interval: float, log: RateLimitedLog) -> None:
+    """Every `interval` seconds, read decode worker `slot`'s /v1/loads and report it, each
+    call bounded by --worker-poll-timeout-secs (a slow worker delays only its own next poll);
+    an answer that cannot be used is counted (eldr_router_load_reports_dropped) and logged
+    (rate-limited), and never stops the loop. One such loop runs per decode member
+    (WorkerPollers), cancelled when the worker leaves."""
     timeout = aiohttp.ClientTimeout(total=pd.cfg.poll_timeout_s)
-    dropped_log = RateLimitedLog(logger)
-
-    async def one(i: int, url: str) -> None:
-        ours = pd.inflight(i)  # this router's share of what the answer will count
+    while True:
         try:
-            running = await _read_loads(pd, url, timeout)
-        except _Dropped as exc:
-            cause, msg = exc.cause, str(exc)
-        except asyncio.TimeoutError:
-            cause, msg = "timeout", f"no answer in {timeout.total:g} s"
-        except aiohttp.ClientError as exc:
-            cause, msg = "connect", exc.__class__.__name__
-        except Exception as exc:  # anything else a worker can provoke: drop it, keep polling
-            cause, msg = "error", f"{exc.__class__.__name__}: {exc}"
-        else:
-            pd.report_load(i, running, ours)
-            return
-        pd.metrics.loads_dropped.labels(str(i), cause).inc()
-        if cause != "connect":  # a worker that is down is the health check's news
-            dropped_log.warning(("loads", i, cause), "decode %d /v1/loads answer dropped (%s): %s", i, cause, safe(msg))
-
-    async def loop(i: int, url: str) -> None:
-        while True:
-            try:
-                await one(i, url)
-            except Exception as exc:  # never let one worker's loop die
-                dropped_log.warning(("loads-loop", i), "decode %d /v1/loads poll failed: %s", i, safe(str(exc)))
-            await asyncio.sleep(interval)
-
-    await asyncio.gather(*(loop(i, u) for i, u in enumerate(pd.cfg.decode)))
+            await _load_once(pd, slot, url, timeout, log)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never let one worker's loop die
+            log.warning(("loads-loop", slot), "decode %d /v1/loads poll failed: %s", slot, safe(str(exc)))
+        await asyncio.sleep(interval)
 
 
 def prefill_signature_state(info: dict) -> tuple[bool, str | None]:
@@ -143,12 +143,12 @@ def prefill_signature_state(info: dict) -> tuple[bool, str | None]:
     return False, "unpatched, or without --enable-eldr-signature"
 
 
-async def probe_prefill_signature(pd, i: int) -> None:
-    """Does prefill i stream signatures (prefill_signature_state of its /server_info)? If not,
-    the router binds decode at once for that worker instead of waiting for a signature that
-    never comes, and says why once (a warning, /eldr/status, a metric)."""
+async def probe_prefill_signature(pd, i: int, url: str) -> None:
+    """Does prefill slot i (at `url`) stream signatures (prefill_signature_state of its
+    /server_info)? If not, the router binds decode at once for that worker instead of waiting
+    for a signature that never comes, and says why once (a warning, /eldr/status, a metric)."""
     try:
-        async with pd.session.get(f"{pd.cfg.prefill[i].url}/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        async with pd.session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=5)) as r:
             if r.status != 200:
                 return
             info = await r.json(content_type=None)
@@ -156,47 +156,75 @@ async def probe_prefill_signature(pd, i: int) -> None:
         return  # unknown: keep waiting for signatures (bounded by the timeout)
     if isinstance(info, dict):
         signs, reason = prefill_signature_state(info)
-        if not signs and (pd.prefill_signs[i] is not signs or pd.prefill_signature_off[i] != reason):
+        if not signs and (pd.prefill_signs.get(i) is not signs or pd.prefill_signature_off.get(i) != reason):
             logger.warning("prefill worker %d (%s) does not stream ELDR signatures (%s): its requests are routed "
-                           "without one", i, pd.cfg.prefill[i].url, safe(reason))
+                           "without one", i, url, safe(reason))
         pd.set_prefill_signs(i, signs, reason)
 
 
-async def check_health(pd, interval: float, threshold: int) -> None:
-    """Mark workers unhealthy after `threshold` failed /health calls in a row, healthy on success.
-    A passing health check does not end an outlier ejection: a hung worker's /health may
-    answer. Each worker is checked in its own loop, each call bounded by
-    --worker-poll-timeout-secs (not by the interval: a busy CPU SGLang answers in seconds).
-    The failures in a row are counted by the data plane's worker set (rust/core/src/workers.rs),
-    which the routes read; this loop keeps only when to re-probe a prefill's signatures."""
+async def check_health_of(pd, role: str, slot: int, url: str, interval: float, threshold: int) -> None:
+    """Mark worker `slot` of `role` unhealthy after `threshold` failed /health calls in a row,
+    healthy on success. A passing health check does not end an outlier ejection: a hung
+    worker's /health may answer. Each call is bounded by --worker-poll-timeout-secs (not by the
+    interval: a busy CPU SGLang answers in seconds). The failures in a row are counted by the
+    data plane's worker set (rust/core/src/workers.rs), which the routes read; this loop keeps
+    only when to re-probe a prefill's signatures. One loop per member (WorkerPollers)."""
     timeout = aiohttp.ClientTimeout(total=pd.cfg.poll_timeout_s)
-    reprobe: set[int] = set()  # prefills whose last check failed: probe again when they answer
-
-    async def one(role: str, i: int, url: str) -> None:
+    reprobe = False  # a prefill whose last check failed: probe again when it answers (it may have restarted)
+    while True:
         try:
-            async with pd.session.get(f"{url}/health", timeout=timeout) as r:
-                ok = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            ok = False
-        if role == "prefill" and ok and (i in reprobe or pd.prefill_signs[i] is None):
-            await probe_prefill_signature(pd, i)
-            reprobe.discard(i)
-        if role == "prefill" and not ok:
-            reprobe.add(i)  # it may have been restarted
-        pd.health_check(role, i, ok, threshold)
-
-    async def loop(role: str, i: int, url: str) -> None:
-        while True:
             try:
-                await one(role, i, url)
-            except Exception as exc:  # never let one worker's loop die
-                logger.error("%s %d health check failed: %s", role, i, safe(str(exc)))
-            await asyncio.sleep(interval)
+                async with pd.session.get(f"{url}/health", timeout=timeout) as r:
+                    ok = r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            if role == "prefill" and ok and (reprobe or pd.prefill_signs.get(slot) is None):
+                await probe_prefill_signature(pd, slot, url)
+                reprobe = False
+            if role == "prefill" and not ok:
+                reprobe = True
+            pd.health_check(role, slot, ok, threshold)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never let one worker's loop die
+            logger.error("%s %d health check failed: %s", role, slot, safe(str(exc)))
+        await asyncio.sleep(interval)
 
-    await asyncio.gather(
-        *(loop("prefill", i, w.url) for i, w in enumerate(pd.cfg.prefill)),
-        *(loop("decode", i, u) for i, u in enumerate(pd.cfg.decode)),
-    )
+
+class WorkerPollers:
+    """The per-worker background loops: a health check per member of each role, a /v1/loads
+    poll per decode member. `start` when a worker joins (at start-up, or a membership change),
+    `stop` when it leaves: its loops are cancelled and awaited, so none reports into its slot
+    afterwards (a slot is reused by a later worker once drained)."""
+
+    def __init__(self, pd):
+        self.pd = pd
+        self.tasks: dict[tuple[str, int], list[asyncio.Task]] = {}
+        self._log = RateLimitedLog(logger)
+
+    def start(self, role: str, slot: int, url: str, probe: bool = True) -> None:
+        cfg = self.pd.cfg
+        if (role, slot) in self.tasks:
+            return
+        loops = []
+        if cfg.health_check_interval_s > 0:
+            loops.append(check_health_of(self.pd, role, slot, url, cfg.health_check_interval_s,
+                                         cfg.health_failure_threshold))
+        if role == "decode" and cfg.load_monitor_interval_s > 0:
+            loops.append(poll_loads_of(self.pd, slot, url, cfg.load_monitor_interval_s, self._log))
+        if role == "prefill" and cfg.late_binding and cfg.health_check_interval_s <= 0 and probe:
+            loops.append(probe_prefill_signature(self.pd, slot, url))  # else the health loop probes it
+        self.tasks[(role, slot)] = [asyncio.ensure_future(c) for c in loops]
+
+    async def stop(self, role: str, slot: int) -> None:
+        tasks = self.tasks.pop((role, slot), [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        for role, slot in list(self.tasks):
+            await self.stop(role, slot)
 
 
 async def reload_centroids(pd, interval: float) -> None:
@@ -214,7 +242,7 @@ async def wait_for_workers(pd, timeout_s: float) -> None:
     """At startup: wait until every worker answers /health, or give up after timeout_s."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    urls = [w.url for w in pd.cfg.prefill] + list(pd.cfg.decode)
+    urls = [u for role in ("prefill", "decode") for _, u in pd.members(role)]
     pending = set(urls)
     while pending and loop.time() < deadline:
         for url in list(pending):

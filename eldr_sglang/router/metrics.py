@@ -72,9 +72,9 @@ class _StateCollector:
 
 
 def _membership_gauges(m: dict):
-    """Worker discovery (router/discovery/): the membership found and the one serving."""
-    pend = GaugeMetricFamily("eldr_router_membership_pending", "1 while the discovered workers differ from the ones the "
-                             "router serves (runtime membership is not applied yet: a restart picks it up)")
+    """Membership (router/discovery/): the workers wanted, those serving, each slot's state."""
+    pend = GaugeMetricFamily("eldr_router_membership_pending", "1 while the desired workers (discovery sources and "
+                             "/eldr/workers) differ from the ones the router serves (until the change is applied)")
     pend.add_metric([], 1.0 if m["pending"] else 0.0)
     n = GaugeMetricFamily("eldr_router_membership_workers", "Workers by role, as discovered (desired) and as served (applied)",
                           labels=["role", "state"])
@@ -87,7 +87,13 @@ def _membership_gauges(m: dict):
     for name, st in m["sources"].items():
         errors = [st.get("last_error")] + [r.get("last_error") for r in st.get("roles", {}).values()]
         ok.add_metric([name], 0.0 if any(errors) else 1.0)
-    yield from (pend, n, ok)
+    slots = GaugeMetricFamily("eldr_router_worker_slots", "Worker slots by role and state (serving: a member; draining: "
+                              "removed, requests still in flight; free: removed and drained, reusable)",
+                              labels=["role", "state"])
+    for role, ws in (m.get("workers") or {}).items():
+        for state in ("serving", "draining", "free"):
+            slots.add_metric([role, state], sum(1 for w in ws if w["state"] == state))
+    yield from (pend, n, ok, slots)
 
 
 # The request path's metrics: the Rust data plane keeps the counters (rust/dataplane/src/

@@ -22,7 +22,7 @@ class WorkerPassthrough:
         self.pd = pd
 
     def _urls(self) -> tuple[list[str], list[str]]:
-        return [w.url for w in self.pd.cfg.prefill], list(self.pd.cfg.decode)
+        return [u for _, u in self.pd.members("prefill")], [u for _, u in self.pd.members("decode")]
 
     async def models(self, _request: web.Request) -> web.Response:
         """The first worker's answer (decode workers first: they serve the model's name too)."""

@@ -46,7 +46,8 @@ class KubeSettings:
 
 @dataclass(frozen=True)
 class DiscoverySettings:
-    """The discovery sources the router runs (either or both)."""
+    """The discovery sources the router runs (either, both, or neither: the command line's
+    workers and the admin's /eldr/workers alone)."""
     workers_file: str | None = None
     file_interval_s: float = DEFAULT_FILE_INTERVAL_S
     kube: KubeSettings | None = None
@@ -60,7 +61,7 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                    '"http://p0:30000", "bootstrap_port": 8998}], "decode": [{"url": "http://d0:30001"}]}. Alone, or beside '
                    "--prefill/--decode (their union; a worker in both keeps the command line's entry). A half-written "
                    "or invalid version is refused in one log line and the last good one stays. Changes after start are "
-                   "shown in /eldr/status but not yet applied (live membership awaits the core)")
+                   "applied live: a new worker is routed to, a removed one drains (docs/discovery.md)")
     g.add_argument("--workers-file-interval", type=float, default=DEFAULT_FILE_INTERVAL_S, metavar="SECS",
                    help=f"seconds between reads of --workers-file (default {DEFAULT_FILE_INTERVAL_S:g})")
     g.add_argument("--service-discovery", action="store_true",

@@ -6,11 +6,14 @@ A worker that two sources list (same host, port and path) is kept once, with the
 source's entry: its role and its bootstrap port; each such conflict is logged once. A union
 without a prefill or a decode worker is refused (one log line) and the last good one stays.
 
-What `apply` can do today: the Rust core builds its worker sets once, so the first membership
-is the one the data plane is built with (`applied`). A later change becomes `desired`; until
-the core takes runtime membership (issue 31, part 1) the router keeps serving `applied`, logs
-the difference and shows `{"desired", "applied", "pending": true}` in /eldr/status. Live apply
-is not done.
+A fourth layer, the admin overlay, is the operator's (POST/DELETE /eldr/workers, `admin_add`
+and `admin_remove`): a worker it adds joins the union; one it removes is left out of the union
+even while another source lists it, until it is POSTed again.
+
+The first membership is the one the data plane is built with (`applied`). A later change
+becomes `desired` and goes to `apply_cb`, which the router binds to `membership.apply`
+(`MembershipApplier`): it adds and removes workers in the running data plane and sets `applied`
+to the members it serves; /eldr/status shows `{"desired", "applied", "pending"}`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from urllib.parse import urlparse
 
 from eldr_sglang.router.config import PrefillWorker, RouterConfig
 from eldr_sglang.router.discovery.flags import DiscoverySettings
-from eldr_sglang.router.discovery.membership import Membership, MembershipError, PrefillSpec, diff, same_workers
+from eldr_sglang.router.discovery.membership import (
+    Membership,
+    MembershipError,
+    PrefillSpec,
+    check_bootstrap_port,
+    check_url,
+    diff,
+    same_workers,
+    worker_key,
+)
 
 logger = logging.getLogger("eldr.router.discovery")
 
@@ -45,7 +57,11 @@ class MembershipHook:
         self.applied: Membership | None = None
         self.last_refused: str | None = None
         self.changes = 0  # desired memberships after the applied one
+        self.last_apply_error: str | None = None  # set by the applier
         self._conflicts: tuple = ()
+        # the admin overlay: workers POSTed (kept in a Membership) and the (role, worker_key) DELETEd
+        self.admin_added = Membership()
+        self.admin_removed: set[tuple[str, tuple]] = set()
         self._event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         if settings.workers_file is not None:
@@ -66,18 +82,24 @@ class MembershipHook:
             self._recompute()
         return report
 
-    def _recompute(self) -> None:
+    def _union(self) -> Membership:
+        """The sources' union with the admin overlay, checked (MembershipError: refused)."""
         conflicts: list[str] = []
         union = self.static
         for src in self.sources:
             if src.name in self.reported:
                 union = union.union(self.reported[src.name], conflicts)
+        union = self._overlay(union.union(self.admin_added, conflicts))
         if tuple(conflicts) != self._conflicts and conflicts:
             logger.warning("discovery: %d worker(s) listed by two sources, the first source's entry kept "
-                           "(--prefill/--decode, then --workers-file, then Kubernetes): %s", len(conflicts), "; ".join(conflicts))
+                           "(--prefill/--decode, then --workers-file, then Kubernetes, then POST /eldr/workers): %s",
+                           len(conflicts), "; ".join(conflicts))
         self._conflicts = tuple(conflicts)
+        return union.check("discovered workers")
+
+    def _recompute(self) -> None:
         try:
-            union = union.check("discovered workers")
+            union = self._union()
         except MembershipError as exc:
             if self.desired is not None or self.reported:
                 if str(exc) != self.last_refused:
@@ -94,6 +116,68 @@ class MembershipHook:
             if self.apply_cb is not None:
                 self.apply_cb(union)
         self._event.set()
+
+    def _overlay(self, m: Membership) -> Membership:
+        """`m` without the workers the admin overlay removed."""
+        if not self.admin_removed:
+            return m
+        return Membership(tuple(w for w in m.prefill if ("prefill", worker_key(w.url)) not in self.admin_removed),
+                          tuple(u for u in m.decode if ("decode", worker_key(u)) not in self.admin_removed))
+
+    # ------------------------------------------------------------------ the admin overlay
+    def admin_add(self, role: str, url: str, bootstrap_port: int | None = None) -> Membership:
+        """POST /eldr/workers: `url` joins `role` (MembershipError: bad input, or a worker the
+        union already holds in the other role). Returns the new desired membership."""
+        if role not in ("prefill", "decode"):
+            raise MembershipError(f"role must be \"prefill\" or \"decode\", got {role!r}")
+        where = f"POST /eldr/workers {role}"
+        url = check_url(url, where)
+        if role == "decode" and bootstrap_port is not None:
+            raise MembershipError(f"{where}: a decode worker takes no bootstrap_port")
+        port = check_bootstrap_port(bootstrap_port, f"{where} {url}")
+        key = worker_key(url)
+        other = "decode" if role == "prefill" else "prefill"
+        if self.desired is not None and any(worker_key(u) == key for u in _urls(self.desired, other)):
+            raise MembershipError(f"{where}: {url!r} is already a {other} worker")
+        keep = Membership(tuple(w for w in self.admin_added.prefill if worker_key(w.url) != key),
+                          tuple(u for u in self.admin_added.decode if worker_key(u) != key))
+        if role == "prefill":
+            keep = Membership(keep.prefill + (PrefillSpec(url, port),), keep.decode)
+        else:
+            keep = Membership(keep.prefill, keep.decode + (url,))
+        return self._admin_change(keep, self.admin_removed - {(role, key)})
+
+    def admin_remove(self, role: str, url: str) -> Membership:
+        """DELETE /eldr/workers: `url` leaves `role`, whatever source lists it, until POSTed
+        again. MembershipError for bad input or a worker that is not a member (LookupError) or
+        the role's last one (LastWorkerError)."""
+        if role not in ("prefill", "decode"):
+            raise MembershipError(f"role must be \"prefill\" or \"decode\", got {role!r}")
+        url = check_url(url, f"DELETE /eldr/workers {role}")
+        key = worker_key(url)
+        if self.desired is None or not any(worker_key(u) == key for u in _urls(self.desired, role)):
+            raise NotAMemberError(f"{url} is not a {role} worker of this router")
+        if len(_urls(self.desired, role)) == 1:
+            raise LastWorkerError(f"{url} is the last {role} worker: the router needs at least one")
+        keep = Membership(tuple(w for w in self.admin_added.prefill if worker_key(w.url) != key),
+                          tuple(u for u in self.admin_added.decode if worker_key(u) != key))
+        return self._admin_change(keep, self.admin_removed | {(role, key)})
+
+    def _admin_change(self, added: Membership, removed: set) -> Membership:
+        old = (self.admin_added, self.admin_removed)
+        self.admin_added, self.admin_removed = added, removed
+        try:
+            self._union()
+        except MembershipError:
+            self.admin_added, self.admin_removed = old
+            raise
+        self._recompute()
+        assert self.desired is not None
+        return self.desired
+
+    def overlay_json(self) -> dict:
+        return {"added": self.admin_added.to_json(),
+                "removed": sorted(f"{role} {_key_url(k)}" for role, k in self.admin_removed)}
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -154,11 +238,30 @@ class MembershipHook:
             "applied": self.applied.to_json() if self.applied is not None else None,
             "pending": pending,
             "pending_change": diff(self.applied, self.desired).to_json() if pending else None,
-            "live_apply": False,  # the core does not take runtime membership yet
+            "live_apply": True,
             "changes": self.changes,
             "last_refused": self.last_refused,
+            "last_apply_error": self.last_apply_error,
+            "admin": self.overlay_json(),
             "sources": {s.name: s.state() for s in self.sources},
         }
+
+
+class NotAMemberError(MembershipError):
+    """DELETE of a worker the router does not have (404)."""
+
+
+class LastWorkerError(MembershipError):
+    """DELETE of a role's last worker (409)."""
+
+
+def _urls(m: Membership, role: str) -> list[str]:
+    return [w.url for w in m.prefill] if role == "prefill" else list(m.decode)
+
+
+def _key_url(key: tuple) -> str:
+    scheme, host, port, path = key
+    return f"{scheme}://{host}:{port}{path}"
 
 
 def _errors(src) -> list[str]:
@@ -179,30 +282,13 @@ def with_workers(cfg: RouterConfig, m: Membership) -> RouterConfig:
     return dataclasses.replace(cfg, prefill=prefill, decode=list(m.decode))
 
 
-def pending_apply(hook: MembershipHook, m: Membership) -> None:
-    """Today's `apply` (the app binds it to its hook): the core cannot take the change while
-    serving, so it is logged and left pending in /eldr/status."""
-    if hook.applied is None:
-        return
-    d = diff(hook.applied, m)
-    if d.empty:
-        logger.info("discovery: membership is back to the applied one")
-        return
-    logger.warning("discovery: membership changed (%s) but is NOT applied: the router's core does not take workers "
-                   "added or removed while it serves yet; it keeps serving the %d prefill and %d decode workers it "
-                   "started with (a restart picks the change up)", d.describe(), len(hook.applied.prefill),
-                   len(hook.applied.decode))
-
-
 @contextlib.asynccontextmanager
 async def discovered(cfg: RouterConfig) -> AsyncIterator[tuple[RouterConfig, MembershipHook | None]]:
     """Runs the discovery sources `cfg` asks for around the router: yields the config to build
     the router with (its workers: the first membership) and the hook (None without discovery),
-    whose `apply_cb` the caller sets to what applies a later membership."""
-    if cfg.discovery is None:
-        yield cfg, None
-        return
-    hook = MembershipHook(static_membership(cfg), cfg.discovery)
+    whose `apply_cb` the caller sets to what applies a later membership. Without a discovery
+    source the hook holds the command line's workers and the admin overlay alone."""
+    hook = MembershipHook(static_membership(cfg), cfg.discovery or DiscoverySettings())
     await hook.start()
     try:
         t0 = time.monotonic()
