@@ -319,9 +319,14 @@ impl Router {
                 generation = snap.generation;
                 match distances_of(&snap.set) {
                     Ok(d) => {
-                        let map = self.map_for(snap.generation, snap.set.num_workers());
-                        if !(map.identity && d.len() == loads.len()) {
-                            per_slot = Some(map.per_slot(&d, loads.len()));
+                        // the common case (no membership change since the file) costs one guard load
+                        let cur = self.centroid_map.load();
+                        let as_is = cur.generation == snap.generation && cur.identity && d.len() == loads.len();
+                        if !as_is {
+                            let map = self.map_for(snap.generation, snap.set.num_workers());
+                            if !(map.identity && d.len() == loads.len()) {
+                                per_slot = Some(map.per_slot(&d, loads.len()));
+                            }
                         }
                         distances = Some(d);
                     }
