@@ -7,11 +7,16 @@
 R router replicas (eldr_sglang/sim/replicas.py) in front of one simulated cluster, K = 8
 decode workers; each client request reaches a replica at random. Every replica is its own
 Rust Router with its own in-flight counts and expert view, reading the workers' loads every
-load-monitor interval (1 s). Three modes: `own_view` (today: each replica's expert view holds
+load-monitor interval (1 s). Modes: `own_view` (today: each replica's expert view holds
 only its own requests), `worker_reports` (the workers report their expert occupancy beside
-their load; each replica sees the others' requests as of the last poll) and `no_polls` (the
-service with `--load-monitor-interval 0`: each replica balances its own share alone). The balancers run
-behind the same replicas, so each change is against the best balancer of the same R and mode.
+their load; each replica sees the others' requests as of the last poll), `no_polls` (the
+service with `--load-monitor-interval 0`: each replica balances its own share alone), and two
+projections on top of `worker_reports`: `worker_reports_projected` (each routed request also
+counts R - 1 load-only leases on its worker until that worker's next poll) and
+`worker_reports_mirrored` (the same leases, also ended when the request finishes). The
+balancers run behind the same replicas, so each change is against the best balancer of the
+same R and mode. `--modes` runs a subset; `--add-to` keeps an earlier JSON's runs of the
+other modes (same seed, requests and interval), so the summary covers both.
 
 Workloads: GPT-OSS-20B's real trace (../shared, H100) and DeepSeek-V3 synthetic (8xH200), the
 strict protocol's closed-loop cells (8 and 32 clients per worker, shuffled held-out requests,
@@ -33,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPLICAS = (1, 2, 4, 8)
-MODES = ("own_view", "worker_reports", "no_polls")  # eldr_sglang/sim/replicas.py
+MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected", "worker_reports_mirrored")  # sim/replicas.py
 BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
 
 
@@ -79,7 +84,7 @@ def run_cell(replay, em, K: int, idx, clients: int, R: int, mode: str, seed: int
             "distinct": d["distinct"], "herding": d["herding"]}
 
 
-def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0) -> list[dict]:
+def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0, modes=MODES) -> list[dict]:
     import per_request_cost_study as prc
     from eldr_sglang.sim.protocol import eval_sequence, random_splits
     from eldr_sglang.sim.replay import TraceReplay
@@ -92,7 +97,7 @@ def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0) ->
     rows = []
     for per_worker in (8, 32):
         for R in REPLICAS:
-            for mode in MODES:
+            for mode in modes:
                 t0 = time.perf_counter()
                 r = run_cell(replay, em, w["K"], idx, per_worker * w["K"], R, mode, seed, poll_s)
                 rows.append({"workload": w["name"], "per_worker": per_worker, "R": R, "mode": mode, **r})
@@ -104,27 +109,56 @@ def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0) ->
 
 def summary(rows: list[dict]) -> dict:
     out: dict = {"by_R": {}}
+    present = {r["mode"] for r in rows}
+    modes = [m for m in MODES if m in present]
     for R in REPLICAS:
         out["by_R"][str(R)] = {mode: {"p50_change_median": float(np.median([r["p50_change"] for r in rows if r["R"] == R and r["mode"] == mode])),
                                       "p99_change_median": float(np.median([r["p99_change"] for r in rows if r["R"] == R and r["mode"] == mode])),
                                       "runs": sum(r["R"] == R and r["mode"] == mode for r in rows)}
-                               for mode in MODES}
-    for mode in MODES:
+                               for mode in modes}
+    for mode in modes:
         out[f"gap_points_r4_{mode}"] = out["by_R"]["4"][mode]["p50_change_median"] - out["by_R"]["1"][mode]["p50_change_median"]
     return out
 
 
 def table(rows: list[dict], s: dict) -> list[str]:
+    modes = list(s["by_R"]["1"])
     lines = ["| workload | clients/worker | R | mode | default p50 | default p99 | distinct/layer-step | herding | best balancer |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['per_worker']} | {r['R']} | {r['mode']} | {r['p50_change']:+.1f}% | {r['p99_change']:+.1f}% | "
               f"{r['distinct']:.2f} | {r['herding']:.2f} | {r['best_balancer']} |" for r in rows]
     lines += ["", "Changes: the default against the best balancer behind the same replicas (negative: faster).", "",
-              "| R | " + " | ".join(f"{m} p50 (median) | {m} p99" for m in MODES) + " |", "|---|" + "---|---|" * len(MODES)]
+              "| R | " + " | ".join(f"{m} p50 (median) | {m} p99" for m in modes) + " |", "|---|" + "---|---|" * len(modes)]
     for R, v in s["by_R"].items():
-        lines.append(f"| {R} | " + " | ".join(f"{v[m]['p50_change_median']:+.2f}% | {v[m]['p99_change_median']:+.2f}%" for m in MODES) + " |")
-    lines += ["", "; ".join(f"gap_points_r4_{m}: {s[f'gap_points_r4_{m}']:+.2f}" for m in MODES)]
+        lines.append(f"| {R} | " + " | ".join(f"{v[m]['p50_change_median']:+.2f}% | {v[m]['p99_change_median']:+.2f}%" for m in modes) + " |")
+    lines += ["", "; ".join(f"gap_points_r4_{m}: {s[f'gap_points_r4_{m}']:+.2f}" for m in modes)]
     return lines
+
+
+def _earlier_runs(ap, a, modes) -> list[dict]:
+    """The --add-to JSON's runs of the modes not run now; refuses one of another interval, seed or size."""
+    import json
+
+    from eldr_sglang.sim.protocol import STRICT_MIN_REQUESTS
+
+    try:
+        old = json.loads(Path(a.add_to).read_text())
+        runs, interval = old["runs"], float(old["load_monitor_interval_s"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        ap.error(f"--add-to {a.add_to}: not a replicas_study JSON ({exc})")
+    if interval != a.load_monitor_interval:
+        ap.error(f"--add-to {a.add_to}: its load-monitor interval is {interval} s, this run's {a.load_monitor_interval} s")
+    # the committed 1 s study predates these keys: it ran seed 0 at the protocol's minimum
+    if old.get("seed", 0) != a.seed or old.get("requests", STRICT_MIN_REQUESTS) != (a.requests or STRICT_MIN_REQUESTS):
+        ap.error(f"--add-to {a.add_to}: another seed or request count than this run's")
+    return [r for r in runs if r.get("mode") not in modes]
+
+
+def _merged(kept: list[dict], rows: list[dict]) -> list[dict]:
+    """Both sets of runs in the study's order: workload as first seen, clients, R, then mode."""
+    order = {w: i for i, w in enumerate(dict.fromkeys(r["workload"] for r in kept + rows))}
+    return sorted(kept + rows, key=lambda r: (order[r["workload"]], r["per_worker"], r["R"],
+                                              MODES.index(r["mode"]) if r["mode"] in MODES else len(MODES)))
 
 
 def main(argv=None) -> int:
@@ -133,14 +167,21 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load-monitor-interval", type=float, default=1.0, metavar="S",
                     help="seconds between the replicas' polls of the workers (default 1, the router's default)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes to run (default: all of {', '.join(MODES)})")
+    ap.add_argument("--add-to", metavar="PATH", help="an earlier JSON of this study: its runs of the modes not run now are kept")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
     a = ap.parse_args(argv)
+    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        ap.error(f"--modes: unknown mode {bad[0]!r} (known: {', '.join(MODES)})" if bad else "--modes: none given")
     for p in (a.json, a.md):
         if p and Path(p).exists():
             ap.error(f"{p} exists; move it away first (nothing is overwritten)")
     if not a.load_monitor_interval > 0:
         ap.error("--load-monitor-interval must be > 0")
+    kept = _earlier_runs(ap, a, modes) if a.add_to else []
     import per_request_cost_study as prc
     from eldr_sglang.sim.protocol import STRICT_MIN_REQUESTS
 
@@ -149,17 +190,20 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     try:
-        rows = [r for w in prc.workloads() for r in run_workload(w, a.seed, a.requests or STRICT_MIN_REQUESTS, log, a.load_monitor_interval)]
+        rows = [r for w in prc.workloads() for r in run_workload(w, a.seed, a.requests or STRICT_MIN_REQUESTS, log, a.load_monitor_interval, modes)]
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    rows = _merged(kept, rows)
     s = summary(rows)
     lines = table(rows, s)
     print("\n".join(lines))
     from eldr_sglang import io_safe
 
     if a.json:
-        io_safe.write_json({"runs": rows, **s, "load_monitor_interval_s": a.load_monitor_interval, "runtime_s": round(time.perf_counter() - t0, 1)}, a.json, indent=1)
+        io_safe.write_json({"runs": rows, **s, "load_monitor_interval_s": a.load_monitor_interval, "seed": a.seed,
+                            "requests": a.requests or STRICT_MIN_REQUESTS, "modes_run_now": list(modes),
+                            "runtime_s": round(time.perf_counter() - t0, 1)}, a.json, indent=1)
     if a.md:
         io_safe.write_text(a.md, "\n".join(lines) + "\n", what="--md")
     return 0

@@ -15,6 +15,14 @@ requests:
   as a report would (finished requests linger, new ones are missing).
 - `no_polls`: the service with `--load-monitor-interval 0`: no replica reads the workers'
   loads, so each bounds and balances its own share of the traffic alone.
+- `worker_reports_projected`: `worker_reports`, plus a projection of the other replicas'
+  arrivals between polls. Each request a replica routes to a worker also counts R - 1
+  load-only leases there (no expert profile: the others' requests' experts are unknown), as if
+  every other replica sent its share where this one did; the next poll of that worker drops
+  them (its report then shows the others' real requests). With R = 1 it is `worker_reports`.
+- `worker_reports_mirrored`: as `worker_reports_projected`, but the R - 1 load-only leases also
+  end when the request that brought them finishes (before the next poll if it comes first): the
+  others' requests are assumed to leave as this replica's own do, not only to arrive.
 
 The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `acquire`
 (right after `route`, for the same request), `report_load`, `loads`.
@@ -26,21 +34,27 @@ from typing import Callable
 
 import numpy as np
 
-MODES = ("own_view", "worker_reports", "no_polls")
+MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected",
+         "worker_reports_mirrored")
+PROJECTED = ("worker_reports_projected", "worker_reports_mirrored")  # modes with load-only leases
 
 
 class _Lease:
     """One request's lease on the replica that routed it, known to the wrapper until release."""
 
-    __slots__ = ("owner", "replica", "worker", "tokens", "trace_r", "inner")
+    __slots__ = ("owner", "replica", "worker", "tokens", "trace_r", "inner", "mirrors")
 
     def __init__(self, owner: Replicas, replica: int, worker: int, tokens: int, trace_r: int, inner):
         self.owner, self.replica, self.worker, self.tokens, self.trace_r, self.inner = owner, replica, worker, tokens, trace_r, inner
+        self.mirrors: list = []  # worker_reports_mirrored: the load-only leases that end with this one
 
     def release(self) -> None:
         if self.inner is not None:
             self.inner.release()
             self.inner = None
+            for m in self.mirrors:
+                m.release()  # a no-op for one the poll already dropped
+            self.mirrors = []
             self.owner.held[self.worker].pop(self, None)
 
 
@@ -57,6 +71,7 @@ class Replicas:
         self.rng = np.random.default_rng(seed)
         self.held: list[dict] = [{} for _ in range(num_workers)]  # every replica's leases, per worker
         self.pictures: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
+        self.projected: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
         self._last = (0, 0)
 
     def route(self, trace_r: int) -> int:
@@ -68,6 +83,12 @@ class Replicas:
         k, trace_r = self._last
         lease = _Lease(self, k, worker, tokens, trace_r, self.reps[k].acquire(worker, tokens, trace_r=trace_r))
         self.held[worker][lease] = None
+        if self.mode in PROJECTED:
+            router = self.reps[k].router  # a load-only lease: Router.acquire without a profile
+            extra = [router.acquire(worker, tokens) for _ in range(len(self.reps) - 1)]
+            self.projected[k][worker] += extra
+            if self.mode == "worker_reports_mirrored":
+                lease.mirrors = extra
         return lease
 
     def report_load(self, worker: int, running: int) -> None:
@@ -79,8 +100,9 @@ class Replicas:
                 rep.report_load(worker, running)
             return
         for k, rep in enumerate(self.reps):
-            for old in self.pictures[k][worker]:
+            for old in self.pictures[k][worker] + self.projected[k][worker]:
                 old.release()
+            self.projected[k][worker] = []
             self.pictures[k][worker] = [rep.acquire(worker, x.tokens, trace_r=x.trace_r)
                                         for x in self.held[worker] if x.replica != k]
 
