@@ -15,8 +15,7 @@ projections on top of `worker_reports`: `worker_reports_projected` (each routed 
 counts R - 1 load-only leases on its worker until that worker's next poll) and
 `worker_reports_mirrored` (the same leases, also ended when the request finishes). The
 balancers run behind the same replicas, so each change is against the best balancer of the
-same R and mode. `--modes` runs a subset; `--add-to` keeps an earlier JSON's runs of the
-other modes (same seed, requests and interval), so the summary covers both.
+same R and mode. `--modes` runs a subset of the modes.
 
 Workloads: GPT-OSS-20B's real trace (../shared, H100) and DeepSeek-V3 synthetic (8xH200), the
 strict protocol's closed-loop cells (8 and 32 clients per worker, shuffled held-out requests,
@@ -135,32 +134,6 @@ def table(rows: list[dict], s: dict) -> list[str]:
     return lines
 
 
-def _earlier_runs(ap, a, modes) -> list[dict]:
-    """The --add-to JSON's runs of the modes not run now; refuses one of another interval, seed or size."""
-    import json
-
-    from eldr_sglang.sim.protocol import STRICT_MIN_REQUESTS
-
-    try:
-        old = json.loads(Path(a.add_to).read_text())
-        runs, interval = old["runs"], float(old["load_monitor_interval_s"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        ap.error(f"--add-to {a.add_to}: not a replicas_study JSON ({exc})")
-    if interval != a.load_monitor_interval:
-        ap.error(f"--add-to {a.add_to}: its load-monitor interval is {interval} s, this run's {a.load_monitor_interval} s")
-    # the committed 1 s study predates these keys: it ran seed 0 at the protocol's minimum
-    if old.get("seed", 0) != a.seed or old.get("requests", STRICT_MIN_REQUESTS) != (a.requests or STRICT_MIN_REQUESTS):
-        ap.error(f"--add-to {a.add_to}: another seed or request count than this run's")
-    return [r for r in runs if r.get("mode") not in modes]
-
-
-def _merged(kept: list[dict], rows: list[dict]) -> list[dict]:
-    """Both sets of runs in the study's order: workload as first seen, clients, R, then mode."""
-    order = {w: i for i, w in enumerate(dict.fromkeys(r["workload"] for r in kept + rows))}
-    return sorted(kept + rows, key=lambda r: (order[r["workload"]], r["per_worker"], r["R"],
-                                              MODES.index(r["mode"]) if r["mode"] in MODES else len(MODES)))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: the strict protocol's minimum)")
@@ -168,7 +141,6 @@ def main(argv=None) -> int:
     ap.add_argument("--load-monitor-interval", type=float, default=1.0, metavar="S",
                     help="seconds between the replicas' polls of the workers (default 1, the router's default)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes to run (default: all of {', '.join(MODES)})")
-    ap.add_argument("--add-to", metavar="PATH", help="an earlier JSON of this study: its runs of the modes not run now are kept")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
     a = ap.parse_args(argv)
@@ -181,7 +153,6 @@ def main(argv=None) -> int:
             ap.error(f"{p} exists; move it away first (nothing is overwritten)")
     if not a.load_monitor_interval > 0:
         ap.error("--load-monitor-interval must be > 0")
-    kept = _earlier_runs(ap, a, modes) if a.add_to else []
     import per_request_cost_study as prc
     from eldr_sglang.sim.protocol import STRICT_MIN_REQUESTS
 
@@ -194,7 +165,6 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rows = _merged(kept, rows)
     s = summary(rows)
     lines = table(rows, s)
     print("\n".join(lines))
@@ -202,7 +172,7 @@ def main(argv=None) -> int:
 
     if a.json:
         io_safe.write_json({"runs": rows, **s, "load_monitor_interval_s": a.load_monitor_interval, "seed": a.seed,
-                            "requests": a.requests or STRICT_MIN_REQUESTS, "modes_run_now": list(modes),
+                            "requests": a.requests or STRICT_MIN_REQUESTS,
                             "runtime_s": round(time.perf_counter() - t0, 1)}, a.json, indent=1)
     if a.md:
         io_safe.write_text(a.md, "\n".join(lines) + "\n", what="--md")
