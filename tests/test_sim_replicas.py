@@ -128,7 +128,7 @@ def test_mirrored_replica_projection_ends_with_the_request_or_the_poll():
     assert reps.reps[second.replica].loads()[1] == 0
 
 
-def test_projected_replica_modes_with_one_replica_route_as_worker_reports(gptoss_trace):
+def test_replica_modes_on_worker_reports_with_one_replica_route_as_it(gptoss_trace):
     from eldr_sglang.models import get_model
     from eldr_sglang.sim.cluster import ClusterConfig, simulate
     from eldr_sglang.sim.cost_model import ExecutionModel
@@ -148,9 +148,43 @@ def test_projected_replica_modes_with_one_replica_route_as_worker_reports(gptoss
         return simulate(small, wl, Replicas(make, R, 3, mode=mode), em, ClusterConfig(num_decode=3, load_report_interval_s=0.05))
 
     base = run(1, "worker_reports")
-    for m in ("worker_reports_projected", "worker_reports_mirrored"):
+    for m in ("worker_reports_projected", "worker_reports_mirrored", "worker_reports_own_cap"):
         one = run(1, m)
         assert np.array_equal(base.worker, one.worker) and np.array_equal(base.finish, one.finish)
     three = [run(3, m) for m in ("worker_reports", "worker_reports_projected")]
     assert all(np.all(r.completions == 1) for r in three)
     assert not np.array_equal(three[0].worker, three[1].worker)  # with 3 replicas the projection routes otherwise
+
+
+def _route_by(reps, k, r=0):
+    """Route request r (and the next ones) until replica k takes one; its decision."""
+    while True:
+        w = reps.route(r)
+        if reps._last[0] == k:
+            return w
+        r += 1
+
+
+def _own_cap_scene(mode):
+    """Replica 0 holds 2 requests on worker 0, replica 1 holds 6 on worker 1; both polled."""
+    reps = Replicas(_loc, 2, 2, mode=mode, seed=3)
+    for k, w, n in ((0, 0, 2), (1, 1, 6)):
+        for i in range(n):
+            _route_by(reps, k, i)
+            reps.acquire(w, 10)
+    reps.report_load(0, 2)
+    reps.report_load(1, 6)
+    return reps
+
+
+def test_own_cap_replica_bounds_its_own_share_not_the_reports():
+    plain, own = _own_cap_scene("worker_reports"), _own_cap_scene("worker_reports_own_cap")
+    for reps in (plain, own):
+        assert reps.reps[0].loads() == [2, 6]  # its own 2, and the report's 6 of replica 1
+    # the cap on every request (8 in all: under 5 per worker) shuts worker 1 out ...
+    assert _route_by(plain, 0) == 0
+    # ... the cap on its own 2 (under 2 per worker) shuts worker 0 out instead
+    assert _route_by(own, 0) == 1
+    assert all(rep.router.load_factor is None and rep.router.healthy() == [True, True] for rep in own.reps)
+    assert plain.reps[0].router.load_factor == 0.05
+    assert own.own == [[2, 0], [0, 6]]

@@ -30,12 +30,13 @@ The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
 
 MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected",
-         "worker_reports_mirrored")
+         "worker_reports_mirrored", "worker_reports_own_cap")
 PROJECTED = ("worker_reports_projected", "worker_reports_mirrored")  # modes with load-only leases
 
 
@@ -56,6 +57,7 @@ class _Lease:
                 m.release()  # a no-op for one the poll already dropped
             self.mirrors = []
             self.owner.held[self.worker].pop(self, None)
+            self.owner.own[self.replica][self.worker] -= 1
 
 
 class Replicas:
@@ -72,17 +74,36 @@ class Replicas:
         self.held: list[dict] = [{} for _ in range(num_workers)]  # every replica's leases, per worker
         self.pictures: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
         self.projected: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
+        self.own = [[0] * num_workers for _ in range(replicas)]  # each replica's own in-flight requests
         self._last = (0, 0)
+        # worker_reports_own_cap: the bounded policies' load factors, their Routers' caps off
+        self.own_cap: list = [None] * replicas
+        if mode == "worker_reports_own_cap":
+            for k, rep in enumerate(self.reps):
+                self.own_cap[k], rep.router.load_factor = rep.router.load_factor, None
 
     def route(self, trace_r: int) -> int:
         k = int(self.rng.integers(len(self.reps)))  # the client's replica
         self._last = (k, trace_r)
-        return self.reps[k].route(trace_r)
+        f = self.own_cap[k]
+        if f is None:
+            return self.reps[k].route(trace_r)
+        own, router = self.own[k], self.reps[k].router
+        cap = math.ceil((1.0 + f) * (sum(own) + 1) / len(own))  # the core's load_cap, on own loads
+        over = [w for w, n in enumerate(own) if n >= cap]  # never all: the least loaded is under
+        for w in over:
+            router.set_healthy(w, False)
+        try:
+            return self.reps[k].route(trace_r)
+        finally:
+            for w in over:
+                router.set_healthy(w, True)
 
     def acquire(self, worker: int, tokens: int) -> _Lease:
         k, trace_r = self._last
         lease = _Lease(self, k, worker, tokens, trace_r, self.reps[k].acquire(worker, tokens, trace_r=trace_r))
         self.held[worker][lease] = None
+        self.own[k][worker] += 1
         if self.mode in PROJECTED:
             router = self.reps[k].router  # a load-only lease: Router.acquire without a profile
             extra = [router.acquire(worker, tokens) for _ in range(len(self.reps) - 1)]
