@@ -10,12 +10,13 @@ Rust Router with its own in-flight counts and expert view, reading the workers' 
 load-monitor interval (1 s). Modes: `own_view` (today: each replica's expert view holds
 only its own requests), `worker_reports` (the workers report their expert occupancy beside
 their load; each replica sees the others' requests as of the last poll), `no_polls` (the
-service with `--load-monitor-interval 0`: each replica balances its own share alone), and two
-projections on top of `worker_reports`: `worker_reports_projected` (each routed request also
-counts R - 1 load-only leases on its worker until that worker's next poll) and
-`worker_reports_mirrored` (the same leases, also ended when the request finishes). The
-balancers run behind the same replicas, so each change is against the best balancer of the
-same R and mode. `--modes` runs a subset of the modes.
+service with `--load-monitor-interval 0`: each replica balances its own share alone), and
+three variants of `worker_reports`: `worker_reports_projected` (each routed request also
+counts R - 1 load-only leases on its worker until that worker's next poll),
+`worker_reports_mirrored` (the same leases, also ended when the request finishes), and
+`worker_reports_own_cap` (each replica's load cap on its own requests only, as in
+`no_polls`). The balancers run behind the same replicas, so each change is against the
+best balancer of the same R and mode. `--modes` runs a subset of the modes.
 
 Workloads: GPT-OSS-20B's real trace (../shared, H100) and DeepSeek-V3 synthetic (8xH200), the
 strict protocol's closed-loop cells (8 and 32 clients per worker, shuffled held-out requests,
@@ -37,7 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPLICAS = (1, 2, 4, 8)
-MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected", "worker_reports_mirrored")  # sim/replicas.py
+MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected", "worker_reports_mirrored",
+         "worker_reports_own_cap")  # eldr_sglang/sim/replicas.py
 BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
 
 
