@@ -22,7 +22,7 @@ from typing_extensions import Self
 __all__ = [
     "__version__", "FORMAT_VERSION", "POLICIES", "COUNTS_POLICIES", "PREFILL_POLICIES", "DEFAULT_POLICY",
     "DEFAULT_PREFILL_POLICY", "DEFAULT_TAU", "DEFAULT_LOAD_FACTOR", "DEFAULT_REQUEST_COST", "MAX_TAU", "MAX_LOAD_FACTOR", "MAX_REQUEST_COST",
-    "MAX_EXPERTS", "RouterSpec", "parse_arms", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
+    "MAX_EXPERTS", "RouterSpec", "parse_arms", "parse_policy_label", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
     "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
     "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane", "ReservoirSampler",
@@ -285,6 +285,9 @@ class RouterSpec:
         """ValueError (the command line's message; `arm`: the experiment arm's label) when the
         policy needs a centroid file and has none."""
 
+def parse_policy_label(label: str) -> tuple[str, float | None, bool, float | None, float | None]:
+    """One policy label `name[@tau][/F][:rc=R]` -> (policy, tau, load factor given, load factor,
+    request cost), parsed with the router's bounds; ValueError with the message."""
 def parse_arms(text: str, default_load_factor: float | None = None) -> list[tuple[str, str, float | None]]:
     """'locality/0.05,round_robin' -> the arms of a switchback experiment, each (label, policy, load factor):
     a policy, optionally /F for eldr and locality (F in [0, 1e6], or none/off: the paper's rule); a plain eldr or
@@ -359,6 +362,7 @@ class Router:
     def acquire(self, worker: int, tokens: int = 0, profile: ExpertProfile | None = None) -> Lease:
         """Count a request on `worker`; with `profile` the locality balancer also counts its experts
         (ProfileError when the profile predates a change of layer selection)."""
+    def centroid_of_slots(self) -> list[int | None]: ...
     def inflight(self) -> list[int]:
         """This router's own in-flight requests per worker (without external reports)."""
     def loads(self) -> list[int]: ...
@@ -408,6 +412,9 @@ class DataPlane:
         """One /health check's result: a pass marks the worker healthy, `threshold` failures in
         a row unhealthy (the data plane's worker set counts them)."""
     def set_prefill_signature(self, worker: int, signs: bool | None) -> None: ...
+    def add_worker(self, role: Literal["prefill", "decode"], url: str, bootstrap_port: int | None = None) -> int: ...
+    def remove_worker(self, role: Literal["prefill", "decode"], url: str) -> int: ...
+    def members(self, role: Literal["prefill", "decode"]) -> list[tuple[int, str]]: ...
     def workers(self, role: Literal["prefill", "decode"]) -> list[dict[str, object]]: ...
     def routable(self, role: Literal["prefill", "decode"]) -> list[bool]: ...
     def counters(self) -> dict[str, object]:

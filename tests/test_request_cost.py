@@ -94,13 +94,13 @@ def test_simulator_labels_give_the_request_cost():
 
 
 @pytest.mark.parametrize("label, msg", [
-    ("eldr/0.05:rc=0.4", r"^only locality and paged take :rc=R \(the locality cost's per-request term\), got 'eldr/0.05:rc=0.4'$"),
-    ("round_robin:rc=0.4", "^only locality and paged take :rc=R"),
-    ("clairvoyant:rc=0.4", "^only locality and paged take :rc=R"),
-    ("locality:rc=-1", r"^the request cost must be finite and >= 0 in 'locality:rc=-1'$"),
-    ("locality:rc=nan", "^the request cost must be finite and >= 0 in 'locality:rc=nan'$"),
-    ("locality:rc=abc", r"^bad request cost in policy 'locality:rc=abc': use locality/0.05:rc=0.4$"),
-    ("locality:tau=1", r"^bad option 'tau=1' in policy 'locality:tau=1': use locality/0.05:rc=0.4$"),
+    ("eldr/0.05:rc=0.4", r"^policy 'eldr/0.05:rc=0.4': :rc=R \(the locality cost's per-request term\) applies to locality and paged only$"),
+    ("round_robin:rc=0.4", ":rc=R .* applies to locality and paged only"),
+    ("clairvoyant:rc=0.4", "^policy 'clairvoyant:rc=0.4': :rc=R .* applies to locality and paged only"),
+    ("locality:rc=-1", r"^policy 'locality:rc=-1': the request cost must be between 0 and 1e6$"),
+    ("locality:rc=nan", r"^policy 'locality:rc=nan': the request cost must be between 0 and 1e6$"),
+    ("locality:rc=abc", r"^policy 'locality:rc=abc': expected a number for rc=, got 'abc'$"),
+    ("locality:tau=1", r"^policy 'locality:tau=1': unknown option 'tau=1': use :rc=R \(the per-request term\)$"),
     ("locality:rc=0.4,locality:rc=0.4", "listed twice"),
 ])
 def test_simulator_labels_refuse_bad_request_costs_in_one_line(label, msg):

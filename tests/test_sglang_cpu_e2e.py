@@ -559,6 +559,45 @@ def test_no_leaks_in_flight_back_to_zero_and_loads_polled_cleanly(pd):
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
+def test_two_router_replicas_serve_the_real_cluster_together(cpu, pd, centroids):
+    """Issue 32 part 3 on real SGLang: a second router replica with the same flags in front of
+    the same servers; clients alternate between the two. Counts only: every request finishes
+    in full, each replica routed its own half, the decode servers received every request once,
+    and both replicas' in-flight counts return to zero."""
+    from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
+
+    replica = cpu.start_router("router-replica", [(pd.ptap.url, pd.boot)], [t.url for t in pd.dtaps], [
+        "--disagg-router", "eldr", "--eldr-centroids", str(centroids), "--no-eldr-drift",
+        "--eldr-signature-timeout-secs", "120", "--request-timeout-secs", "600",
+        "--load-monitor-interval", "3", "--health-check-interval-secs", "5"])
+    try:
+        wait_ready([replica], 120)
+        pd.settle()
+        urls = [pd.url, replica.url]
+        before = [metric(get_json_text(u + "/metrics"), "eldr_router_requests_total") for u in urls]
+        prompts = [f"Replica request {i} about {TOPICS[i % len(TOPICS)]}" for i in range(6)]
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda i: generate(urls[i % 2], prompts[i], max_new=4, stream=bool(i % 3 == 0)),
+                               range(len(prompts))))
+        rooms = [int(h["X-ELDR-Bootstrap-Room"]) for h, _ in outs]
+        assert len(set(rooms)) == len(prompts)
+        after = [metric(get_json_text(u + "/metrics"), "eldr_router_requests_total") for u in urls]
+        assert [a - b for a, b in zip(after, before)] == [3, 3], (before, after)
+        received = [sum(1 for t in pd.dtaps for e in t.snapshot() if e["event"] == "request" and e["room"] == r)
+                    for r in rooms]
+        assert received == [1] * len(prompts), received
+        st = get_json(replica.url + "/eldr/status")
+        deadline = time.monotonic() + 120
+        while any(st["decode_inflight"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            st = get_json(replica.url + "/eldr/status")
+        assert st["decode_inflight"] == [0, 0] and pd.settle()["decode_inflight"] == [0, 0]
+        log = replica.log.read_text()
+        assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+    finally:
+        cpu.stop([replica])
+
+
 def get_json_text(url: str) -> str:
     import urllib.request
 

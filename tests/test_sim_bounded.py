@@ -17,7 +17,9 @@ def test_grammar():
     assert (specs["eldr@0.2/0.1"].tau, specs["eldr@0.2/0.1"].load_factor) == (0.2, 0.1)
     assert specs["shortest_queue"].load_factor is None
     assert parse_policies("eldr", load_factor=0.25)[0].load_factor == 0.25
-    for bad, msg in (("round_robin/0.1", "only eldr"), ("eldr/abc", "bad load factor"), ("eldr/-0.5", ">= 0")):
+    for bad, msg in (("round_robin/0.1", "applies to eldr, locality and paged only"),
+                     ("eldr/abc", "expected a number >= 0 or 'none'"), ("eldr/-0.5", "between 0 and 1e6"),
+                     ("eldr/2e6", "between 0 and 1e6"), ("eldr@2.5", "tau must be between 0 and 2")):
         with pytest.raises(ValueError, match=msg):
             parse_policies(bad)
 

@@ -499,6 +499,8 @@ class DecodeWorker:
         self.distinct_total = 0.0
         self.tokens = 0
         self.batch_hist: collections.Counter = collections.Counter()
+        # summed mean distinct experts per layer by batch size: routing quality at equal batch
+        self.distinct_by_batch: collections.Counter = collections.Counter()
         self.step_wall_total = 0.0
         self._loop_task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -543,6 +545,7 @@ class DecodeWorker:
                 "mean_step_ms_model": 1e3 * self.step_time_total / s,
                 "step_time_total_s": self.step_time_total, "step_wall_total_s": self.step_wall_total,
                 "batch_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
+                "distinct_by_batch": {str(k): v for k, v in sorted(self.distinct_by_batch.items())},
                 "running": len(self.running), "waiting": len(self.waiting), "transferring": self.transferring}
 
     async def _batch_loop(self) -> None:
@@ -572,6 +575,7 @@ class DecodeWorker:
             self.step_time_total += dt
             self.batch_total += len(batch)
             self.distinct_total += float(distinct.mean())
+            self.distinct_by_batch[len(batch)] += float(distinct.mean())
             for x in batch:
                 if x.done:
                     continue

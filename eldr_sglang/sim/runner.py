@@ -12,7 +12,7 @@ from eldr_sglang.sim.cluster import ClusterConfig, SimResult, simulate
 from eldr_sglang.sim.cost_model import PAPER_MOE_16_TO_128_SLOWDOWN, ExecutionModel
 from eldr_sglang.sim.metrics import compute_metrics
 from eldr_sglang.defaults import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_TAU
-from eldr_sglang.sim.policies import BOUNDED, LOCALITY, POLICY_NAMES, eldr_signatures, make_policy
+from eldr_sglang.sim.policies import BOUNDED, eldr_signatures, make_policy
 from eldr_sglang.sim.replay import TraceReplay
 from eldr_sglang.workload import Workload
 
@@ -42,53 +42,15 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
     Two bounds may be listed too: `perfect_overlap` and `clairvoyant[@T][/F]` (ELDR fed the
     decode-time routing it cannot know). A locality label (`locality`, `locality/F`, `paged`,
     `paged/F`, `default`) may end in `:rc=R`, the cost's per-request term (R >= 0, distinct
-    experts per layer; rust/core/src/policies/locality.rs)."""
+    experts per layer; rust/core/src/policies/locality.rs). The labels are the router's grammar,
+    parsed and bounded by the core (`_core.parse_policy_label`); `oracle`, `default` and the
+    bounds are the simulator's words around it."""
     specs = []
     for raw in text.split(","):
-        name = raw.strip()
-        if not name:
+        label = raw.strip()
+        if not label:
             continue
-        name, rc = _request_cost(name)
-        t, lf = tau, load_factor
-        bound = None
-        if name == "default":
-            name = DEFAULT_POLICY + (f"/{DEFAULT_LOAD_FACTOR:g}" if DEFAULT_LOAD_FACTOR is not None else "")
-            raw = name + (raw.strip()[raw.strip().index(":"):] if rc is not None else "")
-            t = DEFAULT_TAU if tau is None else tau
-        if name == "perfect_overlap":
-            specs.append(PolicySpec("perfect_overlap", "shortest_queue", bound="perfect"))
-            continue
-        if name.startswith("clairvoyant"):
-            bound = "clairvoyant"
-            name = "eldr" + name[len("clairvoyant"):]
-        if "/" in name:
-            name, _, fv = name.partition("/")
-            try:
-                lf = float(fv)
-            except ValueError:
-                raise ValueError(f"bad load factor in policy {raw!r}: use eldr/0.05") from None
-            if not (lf >= 0 and np.isfinite(lf)):
-                raise ValueError(f"load factor must be finite and >= 0 in {raw!r}")
-            if name.partition("@")[0] not in BOUNDED:
-                raise ValueError(f"only {' and '.join(BOUNDED)} take /load_factor, got {raw!r}")
-        if "@" in name:
-            name, _, tv = name.partition("@")
-            try:
-                t = float(tv)
-            except ValueError:
-                raise ValueError(f"bad tau in policy {raw!r}: use eldr@0.1") from None
-            if not (np.isfinite(t) and 0 <= t <= _core.MAX_TAU):  # the core's bound, the router's too
-                raise ValueError(f"tau must be finite and in [0, {_core.MAX_TAU:g}] in {raw!r}")
-            if name != "eldr":
-                raise ValueError(f"only eldr takes @tau, got {raw!r}")
-        if name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-        if rc is not None and (name not in LOCALITY or bound is not None):
-            raise ValueError(f"only {' and '.join(LOCALITY)} take :rc=R (the locality cost's per-request term), got {raw.strip()!r}")
-        label = raw.strip() if ("@" in raw or "/" in raw or rc is not None) else name
-        if bound == "clairvoyant":
-            label = raw.strip()
-        specs.append(PolicySpec(label, name, t, lf if name in BOUNDED else None, bound=bound, request_cost=rc))
+        specs.append(_spec(label, tau, load_factor))
     if not specs:
         raise ValueError("no policies given")
     labels = [s.label for s in specs]
@@ -97,21 +59,27 @@ def parse_policies(text: str, tau: float | None = None, load_factor: float | Non
     return specs
 
 
-def _request_cost(label: str) -> tuple[str, float | None]:
-    """'locality/0.05:rc=0.4' -> ('locality/0.05', 0.4); a label without ':' -> (label, None)."""
-    name, colon, opt = label.partition(":")
-    if not colon:
-        return label, None
-    key, eq, value = opt.partition("=")
-    if key.strip() != "rc" or not eq:
-        raise ValueError(f"bad option {opt!r} in policy {label!r}: use locality/0.05:rc=0.4")
+def _spec(label: str, tau: float | None, load_factor: float | None) -> PolicySpec:
+    if label == "perfect_overlap":
+        return PolicySpec("perfect_overlap", "shortest_queue", bound="perfect")
+    if label == "oracle":
+        return PolicySpec("oracle", "oracle", tau)
+    bound = None
+    text = label
+    if label == "default" or label.startswith("default:"):
+        text = DEFAULT_POLICY + (f"/{DEFAULT_LOAD_FACTOR:g}" if DEFAULT_LOAD_FACTOR is not None else "") + label[len("default"):]
+        label = text
+        tau = DEFAULT_TAU if tau is None else tau
+    elif label.startswith("clairvoyant"):
+        bound = "clairvoyant"
+        text = "eldr" + label[len("clairvoyant"):]
     try:
-        r = float(value)
-    except ValueError:
-        raise ValueError(f"bad request cost in policy {label!r}: use locality/0.05:rc=0.4") from None
-    if not (np.isfinite(r) and r >= 0):
-        raise ValueError(f"the request cost must be finite and >= 0 in {label!r}")
-    return name.strip(), r
+        name, t, lf_given, lf, rc = _core.parse_policy_label(text)
+    except ValueError as exc:
+        raise ValueError(f"policy {label!r}: {exc}") from None
+    plain = label == name
+    return PolicySpec(label if not plain else name, name, tau if t is None else t,
+                      (lf if lf_given else load_factor) if name in BOUNDED else None, bound=bound, request_cost=rc)
 
 
 def run_comparison(

@@ -35,11 +35,11 @@ pub use policies::{
     band_size, counts_policies, fallback_reasons, is_counts_policy, is_prefill_policy, make_policy, prefill_policies, Decision, ExpertGuard, ExpertProfile, Policy, PolicyConfig, RouterSpec, RouterSpecError, Bind, fmt_g,
     PolicyInfo, Reason, RouteContext, DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_REQUEST_COST, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
-pub use queue::{LoadGuard, QueueTracker};
+pub use queue::{LoadGuard, QueueTracker, SLOT_CAPACITY};
 pub use distance::Counts;
 pub use limits::SizeError;
 pub use payload::{DecodeLimits, DecodedCounts, Payload, PayloadError};
 pub use router::{BuildError, RouteError, Router};
 pub use signature::{BatchError, CountValue, NoSignature, SignatureSpec, SparseIndex, SparseSignature};
 pub use store::{CentroidStore, Snapshot};
-pub use workers::{Circuit, Event as WorkerEvent, WorkerSet, WorkerView};
+pub use workers::{Circuit, Event as WorkerEvent, MembershipError, SlotState, WorkerSet, WorkerView};

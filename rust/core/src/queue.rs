@@ -19,8 +19,15 @@
 //! switchback_emulated.md.) A [`LoadGuard`]
 //! releases its slot exactly once, on drop or on explicit release, whatever path the request
 //! takes (success, error, cancellation).
+//!
+//! Workers come and go at run time (issue 31): the slots are allocated once, up to
+//! [`SLOT_CAPACITY`] (or the starting count if larger), and `len` slots are in use. A slot is a
+//! worker's identity while it is a member; a removed worker keeps its slot (not a member, so
+//! not routable) until its requests drain, and a later worker may then take it, fresh
+//! ([`QueueTracker::reuse`]). Slots are never moved, so an index held by an in-flight request
+//! or a guard stays valid.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -35,22 +42,81 @@ struct Slot {
     /// Milliseconds since `epoch` + 1 of the last report; 0 = never reported.
     ext_at_ms: AtomicU64,
     unhealthy: AtomicBool,
+    /// A current member (a removed worker draining its requests, or a free slot: false).
+    member: AtomicBool,
 }
+
+/// Slots a tracker can hold at most (workers added at run time beyond the starting ones):
+/// 64 bytes each, allocated once so the lock-free reads never see a moving array.
+pub const SLOT_CAPACITY: usize = 1024;
 
 pub struct QueueTracker {
     slots: Box<[Slot]>,
+    /// Slots in use (members, draining and free ones): what routes read.
+    len: AtomicUsize,
     epoch: Instant,
     report_ttl_ms: u64,
 }
 
 impl QueueTracker {
-    /// `report_ttl_ms`: how long an external load report stays in the blend.
+    /// `workers` members to start with; `report_ttl_ms`: how long an external load report
+    /// stays in the blend.
     pub fn new(workers: usize, report_ttl_ms: u64) -> Self {
-        QueueTracker { slots: (0..workers).map(|_| Slot::default()).collect(), epoch: Instant::now(), report_ttl_ms }
+        let slots: Box<[Slot]> = (0..workers.max(SLOT_CAPACITY)).map(|_| Slot::default()).collect();
+        for s in &slots[..workers] {
+            s.member.store(true, Ordering::Relaxed);
+        }
+        QueueTracker { slots, len: AtomicUsize::new(workers), epoch: Instant::now(), report_ttl_ms }
     }
 
+    /// Slots in use: every index a route sees is below this.
     pub fn num_workers(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    pub fn capacity(&self) -> usize {
         self.slots.len()
+    }
+
+    /// A new slot for a worker joining (a member, healthy, no report); None when all
+    /// [`QueueTracker::capacity`] slots are in use. One writer at a time (the worker set's lock).
+    pub fn push_slot(&self) -> Option<usize> {
+        let i = self.num_workers();
+        let s = self.slots.get(i)?;
+        Self::fresh(s);
+        self.len.store(i + 1, Ordering::Release);
+        Some(i)
+    }
+
+    /// Slot `i`, freed by a drained worker, for a worker joining: member, healthy, and no load
+    /// report of its previous occupant (in-flight counts are already zero: the caller checks).
+    pub fn reuse(&self, i: usize) {
+        Self::fresh(&self.slots[i]);
+    }
+
+    fn fresh(s: &Slot) {
+        s.ext_at_ms.store(0, Ordering::Release);
+        s.ext_running.store(0, Ordering::Release);
+        s.ext_others.store(0, Ordering::Release);
+        s.unhealthy.store(false, Ordering::Release);
+        s.member.store(true, Ordering::Release);
+    }
+
+    /// Mark slot `i` a member or not (removed: not routable, draining; see [`crate::WorkerSet`]).
+    pub fn set_member(&self, i: usize, member: bool) {
+        self.slots[i].member.store(member, Ordering::Release);
+        if !member {
+            self.slots[i].unhealthy.store(true, Ordering::Release);
+        }
+    }
+
+    pub fn is_member(&self, i: usize) -> bool {
+        i < self.num_workers() && self.slots[i].member.load(Ordering::Acquire)
+    }
+
+    /// The members' slots, in slot order.
+    pub fn members(&self) -> Vec<usize> {
+        (0..self.num_workers()).filter(|&i| self.is_member(i)).collect()
     }
 
     /// Count one request (and its tokens) on `worker`. Returns a guard that releases it.
@@ -126,10 +192,11 @@ impl QueueTracker {
 
     pub fn loads_into(&self, out: &mut Vec<i64>) {
         out.clear();
-        if self.slots.iter().any(|s| s.ext_at_ms.load(Ordering::Relaxed) != 0) {
-            out.extend((0..self.slots.len()).map(|w| self.load(w)));
+        let used = &self.slots[..self.num_workers()];
+        if used.iter().any(|s| s.ext_at_ms.load(Ordering::Relaxed) != 0) {
+            out.extend((0..used.len()).map(|w| self.load(w)));
         } else {
-            out.extend(self.slots.iter().map(|s| s.inflight.load(Ordering::Acquire)));
+            out.extend(used.iter().map(|s| s.inflight.load(Ordering::Acquire)));
         }
     }
 
@@ -142,9 +209,21 @@ impl QueueTracker {
         !self.slots[worker].unhealthy.load(Ordering::Acquire)
     }
 
+    /// Loads and health of the same slots (one read of the slot count, so a worker joining
+    /// meanwhile never makes the two differ in length).
+    pub fn state_into(&self, loads: &mut Vec<i64>, healthy: &mut Vec<bool>) {
+        let n = self.num_workers();
+        loads.clear();
+        healthy.clear();
+        let used = &self.slots[..n];
+        let reported = used.iter().any(|s| s.ext_at_ms.load(Ordering::Relaxed) != 0);
+        loads.extend(used.iter().enumerate().map(|(w, s)| if reported { self.load(w) } else { s.inflight.load(Ordering::Acquire) }));
+        healthy.extend(used.iter().map(|s| !s.unhealthy.load(Ordering::Acquire)));
+    }
+
     pub fn healthy_into(&self, out: &mut Vec<bool>) {
         out.clear();
-        out.extend(self.slots.iter().map(|s| !s.unhealthy.load(Ordering::Acquire)));
+        out.extend(self.slots[..self.num_workers()].iter().map(|s| !s.unhealthy.load(Ordering::Acquire)));
     }
 }
 
@@ -282,5 +361,24 @@ mod tests {
         for w in 0..4 {
             assert_eq!((t.inflight(w), t.tokens(w)), (0, 0), "worker {w} leaked");
         }
+    }
+
+    #[test]
+    fn membership_slots_grow_to_capacity_and_reads_agree_on_length() {
+        let t = QueueTracker::new(2, 1000);
+        assert_eq!((t.num_workers(), t.capacity()), (2, SLOT_CAPACITY));
+        assert_eq!(t.push_slot(), Some(2));
+        let (mut l, mut h) = (Vec::new(), Vec::new());
+        t.state_into(&mut l, &mut h);
+        assert_eq!((l.len(), h.len()), (3, 3));
+        t.set_member(0, false);
+        assert_eq!(t.members(), vec![1, 2]);
+        t.state_into(&mut l, &mut h);
+        assert_eq!(h, vec![false, true, true]);
+        t.report(0, 5, Some(0));
+        t.reuse(0);
+        assert_eq!((t.reported(0), t.is_member(0), t.is_healthy(0)), (None, true, true));
+        while t.push_slot().is_some() {}
+        assert_eq!(t.num_workers(), SLOT_CAPACITY);
     }
 }

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use thiserror::Error;
 
 use crate::centroid_file::{CentroidFileError, CentroidSet};
@@ -60,6 +61,42 @@ pub struct Routed {
     /// The signature the distances came from, when the caller asked to keep it
     /// ([`Router::route_counts`]); its `value / norm` is the unit signature.
     pub signature: Option<SparseSignature>,
+    /// The chosen worker's distance (its centroid's; None: no distances, or it has none).
+    pub chosen_distance: Option<f64>,
+}
+
+/// Which decode worker (slot) each centroid of the serving file belongs to. `distances` are
+/// per centroid; the policies read them per worker slot. The first file maps centroid k to
+/// worker k. A worker that leaves drops its centroid; one that joins has none (infinitely far:
+/// the band rule reaches it only through its fallback) until a file of the next generation,
+/// whose K must equal the members then, maps its centroids to the members in slot order (what
+/// a refit writes). Shared by a router's siblings.
+#[derive(Debug, Clone)]
+struct CentroidMap {
+    generation: u64,
+    slot_of: Vec<Option<usize>>,
+    /// Every centroid k on slot k, and as many slots as centroids: distances are used as they are.
+    identity: bool,
+}
+
+impl CentroidMap {
+    fn new(generation: u64, slot_of: Vec<Option<usize>>, slots: usize) -> Self {
+        let identity = slot_of.len() == slots && slot_of.iter().enumerate().all(|(k, s)| *s == Some(k));
+        CentroidMap { generation, slot_of, identity }
+    }
+
+    /// Per-slot distances from per-centroid ones (a slot without a centroid: +inf).
+    fn per_slot(&self, d: &[f64], slots: usize) -> Vec<f64> {
+        let mut out = vec![f64::INFINITY; slots];
+        for (k, s) in self.slot_of.iter().enumerate() {
+            if let (Some(s), Some(&v)) = (s, d.get(k)) {
+                if *s < slots {
+                    out[*s] = v;
+                }
+            }
+        }
+        out
+    }
 }
 
 pub struct Router {
@@ -74,6 +111,7 @@ pub struct Router {
     /// f64 bits of the bounded-load factor; NaN = off (the paper's rule).
     load_factor_bits: AtomicU64,
     auto_reload: bool,
+    centroid_map: Arc<ArcSwap<CentroidMap>>,
 }
 
 impl Router {
@@ -94,7 +132,9 @@ impl Router {
         };
         let tau = spec.tau.or_else(|| store.as_ref().map(|s| s.set().tau() as f64)).unwrap_or(DEFAULT_TAU);
         check_tau(tau)?;
+        let generation = store.as_ref().map_or(0, |s| s.generation());
         let r = Router {
+            centroid_map: Arc::new(ArcSwap::from_pointee(CentroidMap::new(generation, (0..k).map(Some).collect(), k))),
             spec,
             policy: spec.policy.build(),
             tracker: Arc::new(QueueTracker::new(k, load_report_ttl_ms)),
@@ -147,6 +187,7 @@ impl Router {
             tau_bits: Arc::clone(&self.tau_bits),
             load_factor_bits: AtomicU64::new(f64::NAN.to_bits()),
             auto_reload: self.auto_reload,
+            centroid_map: Arc::clone(&self.centroid_map),
         };
         r.set_load_factor(spec.load_factor)?;
         Ok(r)
@@ -184,6 +225,50 @@ impl Router {
         self.policy.paged_experts()
     }
 
+    /// Follow a membership change of the tracker (a worker added or removed; the data plane
+    /// calls it after each): a centroid whose worker left is dropped, and a reloaded file must
+    /// have one centroid per member from now on.
+    pub fn sync_membership(&self) {
+        let members = self.tracker.members();
+        if let Some(store) = &self.store {
+            store.set_expected_workers(members.len());
+        }
+        let cur = self.centroid_map.load_full();
+        let slot_of = cur.slot_of.iter().map(|s| s.filter(|&s| self.tracker.is_member(s))).collect();
+        self.centroid_map.store(Arc::new(CentroidMap::new(cur.generation, slot_of, self.tracker.num_workers())));
+    }
+
+    /// The centroid index of each worker slot (None: it has none), under the serving file.
+    pub fn centroid_of_slots(&self) -> Vec<Option<usize>> {
+        let n = self.num_workers();
+        let map = match &self.store {
+            Some(s) => self.map_for(s.generation(), s.set().num_workers()),
+            None => return vec![None; n],
+        };
+        let mut out = vec![None; n];
+        for (k, s) in map.slot_of.iter().enumerate() {
+            if let Some(s) = s.filter(|&s| s < n) {
+                out[s] = Some(k);
+            }
+        }
+        out
+    }
+
+    /// The map for centroid `generation` with `k` centroids: a newer file maps its centroids to
+    /// the members in slot order when it has one per member, else (a file the store took
+    /// before a change: it checks K) centroid k stays on slot k while that is a member.
+    fn map_for(&self, generation: u64, k: usize) -> Arc<CentroidMap> {
+        let cur = self.centroid_map.load_full();
+        if cur.generation == generation {
+            return cur;
+        }
+        let members = self.tracker.members();
+        let slot_of = if members.len() == k { members.into_iter().map(Some).collect() } else { (0..k).map(|s| Some(s).filter(|&s| self.tracker.is_member(s))).collect() };
+        let map = Arc::new(CentroidMap::new(generation, slot_of, self.tracker.num_workers()));
+        self.centroid_map.rcu(|c| if c.generation >= generation { Arc::clone(c) } else { Arc::clone(&map) });
+        self.centroid_map.load_full()
+    }
+
     pub fn reload(&self) -> Result<bool, CentroidFileError> {
         match &self.store {
             Some(s) => s.reload().map(|_| true),
@@ -218,10 +303,10 @@ impl Router {
     {
         let mut loads = Vec::with_capacity(self.num_workers());
         let mut healthy = Vec::with_capacity(self.num_workers());
-        self.tracker.loads_into(&mut loads);
-        self.tracker.healthy_into(&mut healthy);
+        self.tracker.state_into(&mut loads, &mut healthy);
         let tau = self.tau();
         let mut distances = None;
+        let mut per_slot = None; // the distances by worker slot, where they differ
         let mut fallback = Reason::NoCentroids;
         let mut generation = 0;
         let mut distances_of = Some(distances_of);
@@ -233,7 +318,13 @@ impl Router {
                 let snap = store.snapshot();
                 generation = snap.generation;
                 match distances_of(&snap.set) {
-                    Ok(d) => distances = Some(d),
+                    Ok(d) => {
+                        let map = self.map_for(snap.generation, snap.set.num_workers());
+                        if !(map.identity && d.len() == loads.len()) {
+                            per_slot = Some(map.per_slot(&d, loads.len()));
+                        }
+                        distances = Some(d);
+                    }
                     Err(why) => fallback = Reason::NoSignature(why),
                 }
             }
@@ -250,12 +341,14 @@ impl Router {
             generation = p.generation(); // the centroids its layer selection came from
         }
         let load_factor = self.load_factor();
-        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: distances.as_deref(), fallback, tau, load_factor, profile, explain };
+        let by_slot = per_slot.as_deref().or(distances.as_deref());
+        let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: by_slot, fallback, tau, load_factor, profile, explain };
         let decision = self.policy.choose(&ctx);
-        if decision.worker.is_none() {
+        let Some(w) = decision.worker else {
             return Err(RouteError::NoHealthyWorker);
-        }
-        Ok(Routed { decision, distances, loads, tau, generation, signature: None })
+        };
+        let chosen_distance = by_slot.and_then(|d| d.get(w).copied()).filter(|d| d.is_finite());
+        Ok(Routed { decision, distances, loads, tau, generation, signature: None, chosen_distance })
     }
 
     /// Route from a decoded wire payload: the distances are read straight from the packed

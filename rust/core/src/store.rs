@@ -7,7 +7,7 @@
 //! always that of the centroids it was computed from.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
@@ -46,8 +46,10 @@ pub struct CentroidStore {
     path: PathBuf,
     current: ArcSwap<Snapshot>,
     loaded_id: Mutex<Option<FileId>>,
-    /// (K, L, E) every later file must keep: the workers and the prefill count shape are fixed.
-    shape: (usize, usize, usize),
+    /// (L, E) every later file must keep: the prefill count shape is fixed.
+    shape: (usize, usize),
+    /// K a later file must have: the decode members now (membership changes set it).
+    workers: AtomicUsize,
     failures: AtomicU64,
     interval_ms: u64,
     epoch: Instant,
@@ -69,9 +71,10 @@ impl CentroidStore {
                 });
             }
         }
-        let shape = (set.num_workers(), set.num_layers(), set.num_experts());
+        let shape = (set.num_layers(), set.num_experts());
         Ok(CentroidStore {
             path,
+            workers: AtomicUsize::new(set.num_workers()),
             current: ArcSwap::from_pointee(Snapshot { set: Arc::new(set), generation: 1 }),
             loaded_id: Mutex::new(id),
             shape,
@@ -81,6 +84,15 @@ impl CentroidStore {
             next_check_ms: AtomicU64::new(interval_ms),
             last_error: Mutex::new(None),
         })
+    }
+
+    /// The K a reloaded file must have from now on (the decode members after a change).
+    pub fn set_expected_workers(&self, k: usize) {
+        self.workers.store(k, Ordering::Release);
+    }
+
+    pub fn expected_workers(&self) -> usize {
+        self.workers.load(Ordering::Acquire)
     }
 
     /// The snapshot a route should use from start to finish.
@@ -118,12 +130,13 @@ impl CentroidStore {
         let id = file_id(&self.path);
         let result = CentroidSet::open(&self.path).and_then(|set| {
             let got = (set.num_workers(), set.num_layers(), set.num_experts());
-            if got != self.shape {
+            let want = (self.expected_workers(), self.shape.0, self.shape.1);
+            if got != want {
                 return Err(CentroidFileError::Mismatch {
                     path: self.path.display().to_string(),
                     msg: format!(
-                        "the new file has K={}, L={}, E={}; the router serves K={}, L={}, E={}",
-                        got.0, got.1, got.2, self.shape.0, self.shape.1, self.shape.2
+                        "the new file has K={}, L={}, E={}; the router serves K={} (its decode workers now), L={}, E={}",
+                        got.0, got.1, got.2, want.0, want.1, want.2
                     ),
                 });
             }

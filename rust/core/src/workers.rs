@@ -25,13 +25,46 @@
 //! its state changes. The set has no clock task of its own: an ejection returns
 //! [`Event::Ejected`] and its owner calls [`WorkerSet::probation`] when it ends (the data
 //! plane's runtime timer), so the core stays free of an async runtime.
+//!
+//! Membership (issue 31): workers join ([`WorkerSet::add`]) and leave ([`WorkerSet::remove`])
+//! while the router serves. Index = slot: a removed worker keeps its slot, not routable,
+//! until its in-flight requests finish (draining), and only then may a joining worker take
+//! it, with fresh state (no circuit, no failures, no load report). A worker re-added at the
+//! same URL while its old slot drains gets another slot. The ejection rules count members
+//! only.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use thiserror::Error;
 
 use crate::queue::{LoadGuard, QueueTracker};
+
+/// Why a membership change was refused.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum MembershipError {
+    #[error("{role} worker {url} is already a member")]
+    Duplicate { role: &'static str, url: String },
+    #[error("{role} worker {url} is not a member")]
+    NotMember { role: &'static str, url: String },
+    #[error("{url} is the last {role} worker: add another before removing it")]
+    Last { role: &'static str, url: String },
+    #[error("no free {role} slot: at most {capacity} {role} workers, counting removed ones still draining")]
+    Full { role: &'static str, capacity: usize },
+}
+
+/// A slot's place in the membership, as `/eldr/status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlotState {
+    /// A member: routable when healthy and not ejected.
+    Serving,
+    /// Removed, requests still in flight.
+    Draining,
+    /// Removed and drained: a joining worker may take the slot.
+    Free,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -71,21 +104,25 @@ struct Worker {
     timing_out: bool,
     /// When it last answered (a first byte, a signature, a whole answer).
     last_progress: Option<Instant>,
+    /// A current member (see the module docs).
+    member: bool,
 }
 
 impl Worker {
     fn new(url: &str, now: Instant) -> Self {
-        Worker { url: url.to_owned(), health_ok: true, checks_failed: 0, circuit: Circuit::Closed, consecutive: 0, ejections: 0, ejected_total: 0, ejected_until: now, last_failure: None, epoch: 0, timing_out: false, last_progress: None }
+        Worker { url: url.to_owned(), health_ok: true, checks_failed: 0, circuit: Circuit::Closed, consecutive: 0, ejections: 0, ejected_total: 0, ejected_until: now, last_failure: None, epoch: 0, timing_out: false, last_progress: None, member: true }
     }
     fn routable(&self) -> bool {
-        self.health_ok && matches!(self.circuit, Circuit::Closed | Circuit::HalfOpen)
+        self.member && self.health_ok && matches!(self.circuit, Circuit::Closed | Circuit::HalfOpen)
     }
 }
 
 /// One worker's state, as `/eldr/status` shows it.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerView {
+    pub slot: usize,
     pub url: String,
+    pub state: SlotState,
     pub health_ok: bool,
     pub circuit: Circuit,
     pub consecutive_failures: u32,
@@ -159,7 +196,9 @@ impl WorkerSet {
             .iter()
             .enumerate()
             .map(|(i, w)| WorkerView {
+                slot: i,
                 url: w.url.clone(),
+                state: self.slot_state(w, i),
                 health_ok: w.health_ok,
                 circuit: w.circuit,
                 consecutive_failures: w.consecutive,
@@ -171,11 +210,85 @@ impl WorkerSet {
             .collect()
     }
 
-    /// Panic mode's pick when no worker is routable: the least loaded worker not in `tried`,
+    fn slot_state(&self, w: &Worker, i: usize) -> SlotState {
+        match (w.member, self.inflight(i) > 0) {
+            (true, _) => SlotState::Serving,
+            (false, true) => SlotState::Draining,
+            (false, false) => SlotState::Free,
+        }
+    }
+
+    /// Panic mode's pick when no worker is routable: the least loaded member not in `tried`,
     /// those whose health check passes first (outlier ejection alone put them out).
     pub fn panic_pick(&self, tried: &[usize]) -> Option<usize> {
         let ws = self.lock();
-        (0..ws.len()).filter(|j| !tried.contains(j)).min_by_key(|&j| (!ws[j].health_ok, self.inflight(j), j))
+        (0..ws.len()).filter(|&j| ws[j].member && !tried.contains(&j)).min_by_key(|&j| (!ws[j].health_ok, self.inflight(j), j))
+    }
+
+    // ------------------------------------------------------------------ membership
+    /// The members, `(slot, url)` in slot order.
+    pub fn members(&self) -> Vec<(usize, String)> {
+        self.lock().iter().enumerate().filter(|(_, w)| w.member).map(|(i, w)| (i, w.url.clone())).collect()
+    }
+
+    pub fn member_count(&self) -> usize {
+        self.lock().iter().filter(|w| w.member).count()
+    }
+
+    pub fn is_member(&self, i: usize) -> bool {
+        self.lock().get(i).is_some_and(|w| w.member)
+    }
+
+    /// Slot i's URL (a removed worker's too, while its requests drain).
+    pub fn url(&self, i: usize) -> String {
+        self.lock()[i].url.clone()
+    }
+
+    /// A worker joins: the first free slot (removed and drained), else a new one. Its state is
+    /// fresh either way. Returns its slot.
+    pub fn add(&self, url: &str) -> Result<usize, MembershipError> {
+        let mut ws = self.lock();
+        if ws.iter().any(|w| w.member && w.url == url) {
+            return Err(MembershipError::Duplicate { role: self.role, url: url.to_owned() });
+        }
+        let now = Instant::now();
+        let free = (0..ws.len()).find(|&j| !ws[j].member && self.inflight(j) == 0);
+        let i = match free {
+            Some(j) => {
+                // keep the epoch rising: a probation timer of the slot's last occupant does nothing
+                let epoch = ws[j].epoch;
+                ws[j] = Worker { epoch, ..Worker::new(url, now) };
+                self.tracker.reuse(j);
+                j
+            }
+            None => {
+                if ws.len() >= self.tracker.capacity() {
+                    return Err(MembershipError::Full { role: self.role, capacity: self.tracker.capacity() });
+                }
+                ws.push(Worker::new(url, now)); // before the tracker's count grows: readers index both
+                self.tracker.push_slot().expect("capacity checked above")
+            }
+        };
+        self.sync(&ws, i);
+        eprintln!("eldr.dataplane WARNING {} worker {i} ({url}) joined", self.role);
+        Ok(i)
+    }
+
+    /// A worker leaves: no new requests; those in flight finish (draining). Never the last
+    /// member. Returns its slot.
+    pub fn remove(&self, url: &str) -> Result<usize, MembershipError> {
+        let mut ws = self.lock();
+        let Some(i) = (0..ws.len()).find(|&j| ws[j].member && ws[j].url == url) else {
+            return Err(MembershipError::NotMember { role: self.role, url: url.to_owned() });
+        };
+        if ws.iter().filter(|w| w.member).count() == 1 {
+            return Err(MembershipError::Last { role: self.role, url: url.to_owned() });
+        }
+        ws[i].member = false;
+        self.tracker.set_member(i, false);
+        self.sync(&ws, i);
+        eprintln!("eldr.dataplane WARNING {} worker {i} ({url}) left: draining {} request(s)", self.role, self.inflight(i));
+        Ok(i)
     }
 
     /// A request goes to worker i: counted in flight until the guard drops; a half-open
@@ -232,7 +345,8 @@ impl WorkerSet {
                 if others == 0 {
                     return None; // never eject the last routable worker
                 }
-                if ws.iter().filter(|w| w.circuit != Circuit::Closed).count() >= ws.len().div_ceil(2) {
+                let members = ws.iter().filter(|w| w.member).count();
+                if ws.iter().filter(|w| w.member && w.circuit != Circuit::Closed).count() >= members.div_ceil(2) {
                     return None; // at most half of them (rounded up) out at once
                 }
                 let why = format!("{} consecutive failures, last: {kind}", ws[i].consecutive);
@@ -422,5 +536,61 @@ mod tests {
         s.failure(0, "x", None);
         s.health_check(0, true, 3);
         assert!(!s.routable(0));
+    }
+
+    #[test]
+    fn membership_add_remove_drain_and_fresh_reuse() {
+        let s = set(2);
+        let g = s.dispatch(1).0; // a request in flight on w1
+        s.failure(1, "x", None);
+        assert_eq!(s.remove("http://w1"), Ok(1));
+        assert!(!s.routable(1) && !s.tracker().is_healthy(1) && !s.tracker().is_member(1));
+        assert_eq!(s.state()[1].state, SlotState::Draining);
+        assert_eq!(s.remove("http://w0"), Err(MembershipError::Last { role: "decode", url: "http://w0".into() }));
+        assert!(matches!(s.remove("http://nope"), Err(MembershipError::NotMember { .. })));
+        // re-added while its old slot drains: another slot, fresh
+        assert_eq!(s.add("http://w1"), Ok(2));
+        assert!(matches!(s.add("http://w1"), Err(MembershipError::Duplicate { .. })));
+        assert_eq!(s.len(), 3);
+        assert_eq!(s.state()[2].consecutive_failures, 0);
+        drop(g);
+        assert_eq!(s.state()[1].state, SlotState::Free);
+        // the drained slot is taken by the next worker, with no trace of its last occupant
+        s.tracker().report(1, 7, Some(0));
+        assert_eq!(s.add("http://w3"), Ok(1));
+        let v = &s.state()[1];
+        assert_eq!((v.url.as_str(), v.state, v.consecutive_failures, v.last_failure.clone()), ("http://w3", SlotState::Serving, 0, None));
+        assert_eq!(s.tracker().reported(1), None, "no stale load report");
+        assert!(s.routable(1) && s.tracker().is_healthy(1));
+        assert_eq!(s.members().iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn membership_ejection_rules_count_members_only() {
+        let s = set(3);
+        let _draining = s.dispatch(1).0;
+        s.remove("http://w1").unwrap();
+        assert_eq!(s.add("http://w3"), Ok(3)); // members: slots 0, 2, 3; slot 1 drains
+        s.failure(0, "x", None);
+        assert!(matches!(s.failure(0, "x", None), Some(Event::Ejected { .. })));
+        s.failure(2, "x", None);
+        assert!(matches!(s.failure(2, "x", None), Some(Event::Ejected { .. })), "2 of 3 members may be out");
+        s.failure(3, "x", None);
+        assert_eq!(s.failure(3, "x", None), None, "never the last routable member");
+        assert_eq!(s.panic_pick(&[]).map(|i| s.is_member(i)), Some(true));
+    }
+
+    #[test]
+    fn membership_stale_probation_timer_does_nothing_to_a_new_occupant() {
+        let s = set(2);
+        s.failure(1, "x", None);
+        let Some(Event::Ejected { epoch, .. }) = s.failure(1, "x", None) else { panic!("not ejected") };
+        s.remove("http://w1").unwrap();
+        assert_eq!(s.add("http://w9"), Ok(1));
+        s.failure(1, "y", None);
+        let Some(Event::Ejected { epoch: e2, .. }) = s.failure(1, "y", None) else { panic!("not ejected") };
+        assert!(e2 > epoch);
+        s.probation(1, epoch); // the old occupant's timer
+        assert_eq!(s.state()[1].circuit, Circuit::Open);
     }
 }

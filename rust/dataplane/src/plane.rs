@@ -4,14 +4,14 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use eldr_core::rng::AtomicRng;
 use eldr_core::{make_policy, Policy, Reason, RouteContext, Router, SparseSignature};
 
 use crate::admission::{Admission, BodyBudget};
-use crate::config::{secs, Config, ConfigError, Role};
+use crate::config::{secs, Config, ConfigError, PrefillWorker, Role};
 use crate::counters::{names, Counters};
 use crate::experiment::{Experiment, Tag};
 use crate::outlier::WorkerPool;
@@ -31,6 +31,9 @@ pub struct Plane {
     pub prefill: Arc<WorkerPool>,
     pub decode: Arc<WorkerPool>,
     prefill_policy: Box<dyn Policy>,
+    /// Per prefill slot: where decode workers fetch its KV (slots as the prefill pool's).
+    prefill_workers: RwLock<Vec<Arc<PrefillWorker>>>,
+    /// Per prefill slot (the pool's capacity): whether it streams signatures.
     prefill_signs: Box<[AtomicU8]>,
     pub rng: AtomicRng,
     pub budget: RetryBudget,
@@ -124,7 +127,8 @@ impl Plane {
             admission,
             bodies: BodyBudget::new(cfg.buffer_limit()),
             client: upstream::client(secs(cfg.connect_timeout_s)),
-            prefill_signs: cfg.prefill.iter().map(|_| AtomicU8::new(0)).collect(),
+            prefill_signs: (0..prefill.tracker().capacity()).map(|_| AtomicU8::new(0)).collect(),
+            prefill_workers: RwLock::new(cfg.prefill.iter().cloned().map(Arc::new).collect()),
             rng: AtomicRng::new(entropy()),
             cfg,
             router,
@@ -167,6 +171,49 @@ impl Plane {
         })
     }
 
+    /// Prefill slot i's worker (a removed one's too, while its requests drain).
+    pub fn prefill_worker(&self, i: usize) -> Arc<PrefillWorker> {
+        Arc::clone(&self.prefill_workers.read().unwrap_or_else(|e| e.into_inner())[i])
+    }
+
+    /// A worker joins the role at run time (issue 31): its slot. A prefill needs its
+    /// bootstrap port (None: SGLang's default on the decode side). A decode worker gets no
+    /// centroid until the next centroid file (the router's map).
+    pub fn add_worker(&self, role: Role, url: &str, bootstrap_port: Option<u16>) -> Result<usize, ConfigError> {
+        let url = url.trim_end_matches('/'); // as the command line's URLs: the path is appended
+        let host = url_host(url).ok_or_else(|| ConfigError::Invalid(format!("{role} worker URL {url:?}: give http://HOST:PORT")))?;
+        match role {
+            Role::Decode => {
+                let i = self.decode.add(url).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+                self.router.sync_membership();
+                Ok(i)
+            }
+            Role::Prefill => {
+                // the worker's entry goes in before the slot becomes routable
+                let mut ws = self.prefill_workers.write().unwrap_or_else(|e| e.into_inner());
+                let i = self.prefill.add(url).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+                let w = Arc::new(PrefillWorker { url: url.to_owned(), host, bootstrap_port });
+                if i < ws.len() {
+                    ws[i] = w;
+                } else {
+                    ws.push(w);
+                }
+                self.set_prefill_signs(i, None);
+                Ok(i)
+            }
+        }
+    }
+
+    /// A worker leaves: no new requests, those in flight finish. Its slot.
+    pub fn remove_worker(&self, role: Role, url: &str) -> Result<usize, ConfigError> {
+        let url = url.trim_end_matches('/');
+        let i = self.pool(role).remove(url).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        if role == Role::Decode {
+            self.router.sync_membership();
+        }
+        Ok(i)
+    }
+
     pub fn prefill_signs(&self, i: usize) -> Option<bool> {
         sign_of(&self.prefill_signs[i])
     }
@@ -187,9 +234,9 @@ impl Plane {
             }
             // panic mode, as for decode (flow::route's panic_route): route across them anyway
             self.counters.inc(names::PANIC_ROUTES, &["prefill"]);
-            healthy = vec![true; n];
+            healthy = (0..n).map(|i| self.prefill.is_member(i)).collect(); // never a worker that left
         }
-        let loads = self.prefill.inflight_all();
+        let loads: Vec<i64> = (0..n).map(|i| self.prefill.inflight(i)).collect(); // the same n slots as `healthy`
         let ctx = RouteContext { loads: &loads, healthy: &healthy, distances: None, fallback: Reason::Policy, tau: 0.0, load_factor: None, profile: None, explain: false };
         self.prefill_policy.choose(&ctx).worker
     }
@@ -275,3 +322,13 @@ impl RetryBudget {
 }
 
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// The host part of an `http://HOST[:PORT]` URL (an IPv6 literal without its brackets).
+fn url_host(url: &str) -> Option<String> {
+    let uri: hyper::Uri = url.parse().ok()?;
+    if uri.scheme_str() != Some("http") {
+        return None;
+    }
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    (!host.is_empty()).then(|| host.to_owned())
+}

@@ -88,14 +88,34 @@ impl PyDataPlane {
         self.plane.set_prefill_signs(worker, signs);
         Ok(())
     }
-    /// Each worker of a role: url, health_ok, circuit, consecutive_failures, ejections,
-    /// ejected_for_s, last_failure, inflight (the keys `/eldr/status` shows).
+    /// A worker joins a role while the router serves: its slot (the index the other calls
+    /// take). `bootstrap_port`: a prefill's (None: SGLang's default). ValueError: a bad URL,
+    /// already a member, or no free slot.
+    #[pyo3(signature = (role, url, bootstrap_port=None))]
+    fn add_worker(&self, role: &str, url: &str, bootstrap_port: Option<u16>) -> PyResult<usize> {
+        self.plane.add_worker(Self::role(role)?, url, bootstrap_port).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+    /// A worker leaves: no new requests; those in flight finish (it drains). Its slot.
+    /// ValueError: not a member, or the role's last one.
+    fn remove_worker(&self, role: &str, url: &str) -> PyResult<usize> {
+        self.plane.remove_worker(Self::role(role)?, url).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+    /// The role's members: (slot, url) in slot order.
+    fn members(&self, role: &str) -> PyResult<Vec<(usize, String)>> {
+        Ok(self.plane.pool(Self::role(role)?).members())
+    }
+    /// Each slot of a role (members, removed ones draining, free ones): slot, url, state
+    /// ('serving', 'draining', 'free'), member, health_ok, circuit, consecutive_failures,
+    /// ejections, ejected_for_s, last_failure, inflight (the keys `/eldr/status` shows).
     fn workers<'py>(&self, py: Python<'py>, role: &str) -> PyResult<Bound<'py, PyList>> {
         let r = Self::role(role)?;
         let out = PyList::empty(py);
         for w in self.plane.pool(r).state() {
             let d = PyDict::new(py);
+            d.set_item("slot", w.slot)?;
             d.set_item("url", w.url)?;
+            d.set_item("state", serde_json_str(&w.state))?;
+            d.set_item("member", w.state == eldr_core::SlotState::Serving)?;
             d.set_item("health_ok", w.health_ok)?;
             let circuit = serde_json_str(&w.circuit);
             d.set_item("circuit", circuit)?;

@@ -65,5 +65,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(counting::distinct_per_layer, m)?)?;
     m.add_function(wrap_pyfunction!(centroids::write_centroids, m)?)?;
     m.add_function(wrap_pyfunction!(spec::parse_arms, m)?)?;
+    m.add_function(wrap_pyfunction!(spec::parse_policy_label, m)?)?;
     Ok(())
 }

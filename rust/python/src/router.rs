@@ -259,9 +259,16 @@ impl PyRouter {
     fn request_cost(&self) -> Option<f64> {
         self.inner.request_cost()
     }
+    /// Decode worker slots in use (members, removed ones draining, free ones; see
+    /// `DataPlane.members`).
     #[getter]
     fn num_workers(&self) -> usize {
         self.inner.num_workers()
+    }
+    /// Per decode slot, the index of its centroid in the serving file (None: none, e.g. a
+    /// worker that joined since the file was written, or no file).
+    fn centroid_of_slots(&self) -> Vec<Option<usize>> {
+        self.inner.centroid_of_slots()
     }
     #[getter]
     fn get_tau(&self) -> f64 {

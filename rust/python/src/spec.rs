@@ -118,3 +118,12 @@ pub(crate) fn parse_arms(text: &str, default_load_factor: Option<f64>) -> PyResu
     let arms = eldr_core::policies::parse_arms(text, default_load_factor).map_err(PyValueError::new_err)?;
     Ok(arms.into_iter().map(|a| (a.label, a.policy, a.load_factor)).collect())
 }
+
+/// `"eldr@0.3/0.05"`, `"locality/0.05:rc=0.4"` -> (policy, tau, load factor given, load factor,
+/// request cost): one policy label as the simulator writes it, parsed by the core with the
+/// router's bounds (rust/core/src/policies/label.rs). ValueError with the message.
+#[pyfunction]
+pub(crate) fn parse_policy_label(label: &str) -> PyResult<(&'static str, Option<f64>, bool, Option<f64>, Option<f64>)> {
+    let l = eldr_core::policies::parse_label(label).map_err(PyValueError::new_err)?;
+    Ok((l.policy, l.tau, l.load_factor.is_some(), l.load_factor.flatten(), l.request_cost))
+}

@@ -49,7 +49,9 @@ impl Policy for Eldr {
         let eligible = |k: usize| ctx.healthy[k] && cap.is_none_or(|c| ctx.loads[k] < c);
         let d_star = (0..d.len()).filter(|&k| eligible(k)).map(|k| d[k]).fold(f64::INFINITY, f64::min);
         if !d_star.is_finite() {
-            return Decision { worker: None, reason: Reason::Band, d_star: None, band: None };
+            // no eligible worker with a centroid (those that joined since the last refit have
+            // none): the fallback's rule, over every healthy worker
+            return Decision { worker: shortest_healthy(ctx.loads, ctx.healthy), reason: Reason::NoCentroids, d_star: None, band: None };
         }
         let limit = band_limit(d_star, ctx.tau);
         let mut best: Option<usize> = None;

@@ -1,9 +1,106 @@
-//! Policy labels as the router's `--experiment` writes its arms: `name` or `name/F`, F the
-//! bounded-load factor of a counts policy (`none` or `off`: the paper's rule). Parsed here
-//! once (`_core.parse_arms`; the router's config reads it), with the command line's messages.
+//! Policy labels, one grammar for the router and the simulator: `name[@tau][/F][:rc=R]`.
+//! `@tau` is ELDR's band width (eldr only), `/F` the bounded-load factor of a counts policy
+//! (`none` or `off`: the paper's rule), `:rc=R` the locality cost's per-request term
+//! (locality and paged). The router's `--experiment` arms take `name` or `name/F`
+//! ([`parse_arms`]: tau is the router's); the simulator's labels take all three
+//! ([`parse_label`]; `eldr simulate --policies`). Every bound is the router's (spec.rs), so a
+//! label the simulator takes is one the router takes. Parsed here once, with the command
+//! line's messages.
 
-use super::spec::MAX_LOAD_FACTOR;
+use super::spec::{MAX_LOAD_FACTOR, MAX_REQUEST_COST, MAX_TAU};
 use super::{counts_policies, is_counts_policy, POLICIES};
+
+/// The locality cost's variant over paged experts: a label of its own (the router spells it
+/// `locality` with `--enable-paged-experts`).
+pub const PAGED: &str = "paged";
+
+/// One policy label's parts (a part not written: None).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyLabel {
+    pub policy: &'static str,
+    pub tau: Option<f64>,
+    /// `/F` as written: `Some(None)` for `/none`.
+    pub load_factor: Option<Option<f64>>,
+    pub request_cost: Option<f64>,
+}
+
+/// `name[@tau][/F][:rc=R]` -> its parts, each checked against the router's bounds.
+pub fn parse_label(label: &str) -> Result<PolicyLabel, String> {
+    parse_parts(label, true)
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn join_and(names: &[&str]) -> String {
+    match names {
+        [] => String::new(),
+        [one] => (*one).to_owned(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
+}
+
+/// [`parse_label`]; `paged`: whether the paged-experts label is one (not among the router's arms).
+fn parse_parts(label: &str, paged: bool) -> Result<PolicyLabel, String> {
+    let (head, rc) = match label.split_once(':') {
+        Some((h, opt)) => (h.trim(), Some(parse_rc(opt)?)),
+        None => (label.trim(), None),
+    };
+    let (head, factor) = match head.split_once('/') {
+        Some((n, f)) => (n, Some(f)),
+        None => (head, None),
+    };
+    let (name, tau) = match head.split_once('@') {
+        Some((n, t)) => (n, Some(t)),
+        None => (head, None),
+    };
+    let policy = if paged && name == PAGED {
+        PAGED
+    } else {
+        match POLICIES.iter().find(|p| p.name == name) {
+            Some(info) => info.name,
+            None => {
+                let names: Vec<&str> = POLICIES.iter().map(|p| p.name).chain(paged.then_some(PAGED)).collect();
+                return Err(format!("unknown policy {}; choose from {}", py_repr(name), names.join(", ")));
+            }
+        }
+    };
+    let bounded: Vec<&str> = counts_policies().into_iter().chain(paged.then_some(PAGED)).collect();
+    let tau = match tau {
+        None => None,
+        Some(_) if policy != "eldr" => return Err("@tau (the band width) applies to eldr only".into()),
+        Some(t) => match py_float(t.trim()) {
+            Some(v) if v.is_finite() && (0.0..=MAX_TAU).contains(&v) => Some(v),
+            Some(_) => return Err(format!("tau must be between 0 and {MAX_TAU}")),
+            None => return Err(format!("expected a number for tau, got {}", py_repr(t))),
+        },
+    };
+    let load_factor = match factor {
+        None => None,
+        Some(_) if !bounded.contains(&policy) => return Err(format!("/F (a load factor) applies to {} only", join_and(&bounded))),
+        Some(f) => {
+            let lf = parse_factor(f)?;
+            if lf.is_some_and(|lf| !(lf.is_finite() && (0.0..=MAX_LOAD_FACTOR).contains(&lf))) {
+                return Err("the load factor must be between 0 and 1e6".into()); // MAX_LOAD_FACTOR (a test pins it)
+            }
+            Some(lf)
+        }
+    };
+    if rc.is_some() && !(policy == "locality" || policy == PAGED) {
+        return Err(format!(":rc=R (the locality cost's per-request term) applies to locality and {PAGED} only"));
+    }
+    Ok(PolicyLabel { policy, tau, load_factor, request_cost: rc })
+}
+
+/// `rc=R` -> R, finite and in [0, MAX_REQUEST_COST].
+fn parse_rc(opt: &str) -> Result<f64, String> {
+    let Some((key, value)) = opt.split_once('=').filter(|(k, _)| k.trim() == "rc") else {
+        return Err(format!("unknown option {}: use :rc=R (the per-request term)", py_repr(opt)));
+    };
+    match py_float(value.trim()) {
+        Some(r) if r.is_finite() && (0.0..=MAX_REQUEST_COST).contains(&r) => Ok(r),
+        Some(_) => Err(format!("the request cost must be between 0 and {MAX_REQUEST_COST:e}")),
+        None => Err(format!("expected a number for {}=, got {}", key.trim(), py_repr(value))),
+    }
+}
 
 /// The most arms an experiment takes (and the fewest: 2).
 pub const MAX_ARMS: usize = 16;
@@ -39,28 +136,19 @@ pub fn parse_arms(text: &str, default_load_factor: Option<f64>) -> Result<Vec<Ar
 }
 
 fn parse_arm(label: &str, default_load_factor: Option<f64>) -> Result<ArmLabel, String> {
-    let (name, factor) = match label.split_once('/') {
-        Some((n, f)) => (n, Some(f)),
-        None => (label, None),
-    };
-    if name.contains('@') {
+    if label.contains('@') {
         return Err("tau is the router's (--eldr-tau), the same for every arm".into());
     }
-    let Some(info) = POLICIES.iter().find(|p| p.name == name) else {
-        let names: Vec<&str> = POLICIES.iter().map(|p| p.name).collect();
-        return Err(format!("unknown policy {}; choose from {}", py_repr(name), names.join(", ")));
-    };
-    let mut load_factor = if is_counts_policy(name) { default_load_factor } else { None };
-    if let Some(f) = factor {
-        if !info.uses_counts {
-            return Err(format!("/F (a load factor) applies to {} only", counts_policies().join(" and ")));
-        }
-        load_factor = parse_factor(f)?;
-        if load_factor.is_some_and(|lf| !(lf.is_finite() && (0.0..=MAX_LOAD_FACTOR).contains(&lf))) {
-            return Err("the load factor must be between 0 and 1e6".into()); // MAX_LOAD_FACTOR (a test pins it)
-        }
+    if label.contains(':') {
+        return Err("the per-request term is the router's (--eldr-request-cost), the same for every arm".into());
     }
-    Ok(ArmLabel { label: label.to_owned(), policy: info.name, load_factor })
+    let parsed = parse_parts(label, false)?;
+    let load_factor = match parsed.load_factor {
+        Some(lf) => lf,
+        None if is_counts_policy(parsed.policy) => default_load_factor,
+        None => None,
+    };
+    Ok(ArmLabel { label: label.to_owned(), policy: parsed.policy, load_factor })
 }
 
 /// A load factor as `--eldr-load-factor` reads it: a number, or `none`/`off` (None).
@@ -134,6 +222,26 @@ mod tests {
         assert_eq!(parse_arms("locality/1_0,random", None).unwrap()[0].load_factor, Some(10.0), "as Python's float() reads it");
         assert_eq!(e("eldr@0.2,random"), "arm 'eldr@0.2': tau is the router's (--eldr-tau), the same for every arm");
         assert_eq!(e(&(0..17).map(|i| format!("eldr/{i}")).collect::<Vec<_>>().join(",")), "an experiment needs 2 to 16 arms, got 17");
+    }
+
+    #[test]
+    fn labels_parse_every_part_against_the_routers_bounds() {
+        let l = |t: &str| parse_label(t).unwrap();
+        assert_eq!(l("eldr@0.3/0.05"), PolicyLabel { policy: "eldr", tau: Some(0.3), load_factor: Some(Some(0.05)), request_cost: None });
+        assert_eq!(l(" locality/none:rc=0.4 "), PolicyLabel { policy: "locality", tau: None, load_factor: Some(None), request_cost: Some(0.4) });
+        assert_eq!(l("paged:rc=0"), PolicyLabel { policy: "paged", tau: None, load_factor: None, request_cost: Some(0.0) });
+        assert_eq!(l("round_robin"), PolicyLabel { policy: "round_robin", tau: None, load_factor: None, request_cost: None });
+        let e = |t: &str| parse_label(t).unwrap_err();
+        assert_eq!(e("eldr@3"), "tau must be between 0 and 2", "the router's bound (MAX_TAU), not the simulator's own");
+        assert_eq!(e("eldr/2e6"), "the load factor must be between 0 and 1e6");
+        assert_eq!(e("locality@0.1"), "@tau (the band width) applies to eldr only");
+        assert_eq!(e("random/0.1"), "/F (a load factor) applies to eldr, locality and paged only");
+        assert_eq!(e("eldr:rc=1"), ":rc=R (the locality cost's per-request term) applies to locality and paged only");
+        assert_eq!(e("locality:rc=-1"), "the request cost must be between 0 and 1e6");
+        assert_eq!(e("locality:x=1"), "unknown option 'x=1': use :rc=R (the per-request term)");
+        assert_eq!(e("oracle"), "unknown policy 'oracle'; choose from eldr, locality, random, round_robin, shortest_queue, power_of_two, paged");
+        assert!(parse_arms("paged,random", None).unwrap_err().starts_with("arm 'paged': unknown policy 'paged'"), "paged is no arm");
+        assert_eq!(parse_arms("locality:rc=1,random", None).unwrap_err(), "arm 'locality:rc=1': the per-request term is the router's (--eldr-request-cost), the same for every arm");
     }
 
     #[test]

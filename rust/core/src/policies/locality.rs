@@ -554,21 +554,24 @@ impl LayoutState for ExpertLoad {
 }
 
 /// The generation-slot install: the state in `slot` for `workers` workers that `p` fits. The
-/// first profile, or the first of a newer generation with another layout, installs `fresh()`
-/// (once, whatever threads race: a state another thread installed first is used). None when
-/// `p` does not fit the state (another layout of an older or the same generation, or another
-/// worker count).
+/// first profile, the first of a newer generation with another layout, or the first route
+/// after workers joined (more slots: issue 31) installs `fresh()` (once, whatever threads
+/// race: a state another thread installed first is used). Requests in flight keep their
+/// guards on the state they were counted in, so a fresh state starts empty and fills as
+/// requests start. None when `p` does not fit the state (another layout of an older or the
+/// same generation, or fewer workers than the state's: a route that read the slot count
+/// before a join).
 pub(crate) fn state_for<T: LayoutState>(slot: &ArcSwapOption<T>, workers: usize, p: &ExpertProfile, fresh: impl FnOnce() -> T) -> Option<Arc<T>> {
     if let Some(cur) = slot.load_full() {
-        if cur.fits(p) {
+        if cur.fits(p) && cur.num_workers() >= workers {
             return (cur.num_workers() == workers).then_some(cur);
         }
-        if p.generation <= cur.generation() {
+        if !cur.fits(p) && p.generation <= cur.generation() {
             return None;
         }
     }
     let fresh = Arc::new(fresh());
-    let keep = |c: &Arc<T>| c.fits(p) || p.generation <= c.generation();
+    let keep = |c: &Arc<T>| (c.fits(p) && c.num_workers() >= workers) || (!c.fits(p) && p.generation <= c.generation());
     let prev = slot.rcu(|cur| match cur {
         Some(c) if keep(c) => Some(Arc::clone(c)),
         _ => Some(Arc::clone(&fresh)),

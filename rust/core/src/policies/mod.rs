@@ -24,7 +24,7 @@ pub use config::{
     DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFILL_POLICY, DEFAULT_REQUEST_COST, DEFAULT_TAU, POLICIES, POLICY_NAMES,
 };
 pub use eldr::{band_size, Eldr};
-pub use label::{parse_arms, py_repr, ArmLabel, MAX_ARMS};
+pub use label::{parse_arms, parse_label, py_repr, ArmLabel, PolicyLabel, MAX_ARMS, PAGED};
 pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
 pub use paged::{PagedLocality, ResidentEstimate};
 pub use power_of_two::PowerOfTwo;

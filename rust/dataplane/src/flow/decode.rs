@@ -72,7 +72,7 @@ async fn failover(plane: &Arc<Plane>, ctx: &Bootstrap<'_>, mut sig: PrefillSigna
     let arm = ctx.req.arm;
     let mut first: Option<UpstreamError> = None;
     let mut last_cause = String::new();
-    let attempts = if early { 1 } else { plane.cfg.decode.len().min(1 + plane.cfg.retries as usize) };
+    let attempts = if early { 1 } else { plane.decode.member_count().min(1 + plane.cfg.retries as usize) };
     for attempt in 0..attempts {
         if attempt > 0 && !plane.may_retry(Role::Decode) {
             break;
@@ -199,7 +199,7 @@ type Held = (ExpertLease, Attempt);
 /// streamed as the client asked.
 async fn send_decode(plane: &Arc<Plane>, ctx: &Bootstrap<'_>, choice: &DecodeChoice, (lease, mut attempt): Held, prefill: Option<&Arc<PrefillLeg>>) -> Result<Response<Body>, FlowError> {
     let w = choice.worker;
-    let leg = DecodeLeg { choice, prefill, url: format!("{}{}", plane.cfg.decode[w], ctx.req.path), t_start: Instant::now() };
+    let leg = DecodeLeg { choice, prefill, url: format!("{}{}", plane.decode.url(w), ctx.req.path), t_start: Instant::now() };
     // streamed, its response head first, within the short progress timeout: a decode at
     // work sends it before it runs anything (SGLang's StreamingResponse), so one that has
     // not is hung, and the request moves on long before a client gives up (issue 33: the

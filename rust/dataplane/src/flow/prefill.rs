@@ -36,12 +36,12 @@ use crate::upstream::{self, Leg, ReqBody};
 pub(crate) async fn attempt(plane: &Arc<Plane>, req: &RequestCtx<'_>, base: &Bytes, trial: Attempt, signs: Option<bool>, tried_decode: &mut Vec<usize>) -> Result<Response<Body>, FlowError> {
     let p = trial.worker;
     plane.counters.inc(names::PREFILL_ROUTES, &[&p.to_string()]);
-    let w = &plane.cfg.prefill[p];
+    let w = plane.prefill_worker(p);
     let room = plane.rng.next_u64() >> 1; // 63 bits, as SGLang's bootstrap rooms
     // a late-binding arm whose prefill never streams a signature does not wait for one
     let no_sig = req.arm.late && signs == Some(false);
     let late = req.arm.late && !no_sig;
-    let (decode_body, prefill_body) = bootstrap_bodies(base, w, room, late, req.client_stream);
+    let (decode_body, prefill_body) = bootstrap_bodies(base, &w, room, late, req.client_stream);
     let send = PrefillSend {
         url: format!("{}{}", w.url, req.path),
         body: prefill_body,

@@ -73,7 +73,7 @@ async fn attempts(plane: &Arc<Plane>, req: &RequestCtx<'_>, base: &Bytes) -> Res
     let mut tried_decode: Vec<usize> = Vec::new();
     let mut last: Option<UpstreamError> = None;
     let early = !req.arm.late;
-    let attempts = if early { 1 + plane.cfg.retries as usize } else { plane.cfg.prefill.len().min(1 + plane.cfg.retries as usize) };
+    let attempts = if early { 1 + plane.cfg.retries as usize } else { plane.prefill.member_count().min(1 + plane.cfg.retries as usize) };
     for attempt in 0..attempts {
         let p = match plane.pick_prefill(&tried) {
             Some(p) => p,

@@ -69,7 +69,8 @@ pub fn choose_decode(plane: &Plane, arm: &RequestArm, sig: &PrefillSignature, tr
     if tried.contains(&worker) {
         let loads = &r.loads;
         let routable = plane.decode.routable_all();
-        let other = (0..routable.len()).filter(|k| routable[*k] && !tried.contains(k)).min_by_key(|&k| (loads[k], k));
+        // a worker that joined since the route read its loads is not among them
+        let other = (0..routable.len().min(loads.len())).filter(|k| routable[*k] && !tried.contains(k)).min_by_key(|&k| (loads[k], k));
         let Some(k) = other else { return Err(FlowError::NoHealthyWorker) };
         choice = DecodeChoice { worker: k, reason: "retry".into(), band: None, profile: choice.profile };
     }
@@ -86,10 +87,10 @@ fn count_choice(plane: &Plane, router: &Router, choice: &DecodeChoice, r: &Route
     let head = choice.reason.split(':').next().unwrap_or("");
     plane.counters.inc(names::ROUTES, &[&choice.worker.to_string(), head]);
     if choice.reason == "band" {
-        if let (Some(b), Some(ds), Some(d)) = (&choice.band, &r.distances, r.decision.d_star) {
+        if let (Some(b), Some(dc), Some(d)) = (&choice.band, r.chosen_distance, r.decision.d_star) {
             plane.counters.band_size.observe(b.len() as f64);
             plane.counters.d_star.observe(d);
-            plane.counters.d_chosen.observe(ds[choice.worker]);
+            plane.counters.d_chosen.observe(dc);
         }
     } else if eldr_core::is_counts_policy(router.policy_name()) && choice.reason != "retry" && choice.reason != "profile" {
         // the decision names the fallback: 'no_signature:<why>' or 'no_centroids'
