@@ -7,11 +7,16 @@
 R router replicas (eldr_sglang/sim/replicas.py) in front of one simulated cluster, K = 8
 decode workers; each client request reaches a replica at random. Every replica is its own
 Rust Router with its own in-flight counts and expert view, reading the workers' loads every
-load-monitor interval (1 s). Three modes: `own_view` (today: each replica's expert view holds
+load-monitor interval (1 s). Modes: `own_view` (today: each replica's expert view holds
 only its own requests), `worker_reports` (the workers report their expert occupancy beside
-their load; each replica sees the others' requests as of the last poll) and `no_polls` (the
-service with `--load-monitor-interval 0`: each replica balances its own share alone). The balancers run
-behind the same replicas, so each change is against the best balancer of the same R and mode.
+their load; each replica sees the others' requests as of the last poll), `no_polls` (the
+service with `--load-monitor-interval 0`: each replica balances its own share alone), and
+three variants of `worker_reports`: `worker_reports_projected` (each routed request also
+counts R - 1 load-only leases on its worker until that worker's next poll),
+`worker_reports_mirrored` (the same leases, also ended when the request finishes), and
+`worker_reports_own_cap` (each replica's load cap on its own requests only, as in
+`no_polls`). The balancers run behind the same replicas, so each change is against the
+best balancer of the same R and mode. `--modes` runs a subset of the modes.
 
 Workloads: GPT-OSS-20B's real trace (../shared, H100) and DeepSeek-V3 synthetic (8xH200), the
 strict protocol's closed-loop cells (8 and 32 clients per worker, shuffled held-out requests,
@@ -33,7 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPLICAS = (1, 2, 4, 8)
-MODES = ("own_view", "worker_reports", "no_polls")  # eldr_sglang/sim/replicas.py
+MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected", "worker_reports_mirrored",
+         "worker_reports_own_cap")  # eldr_sglang/sim/replicas.py
 BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
 
 
@@ -79,7 +85,7 @@ def run_cell(replay, em, K: int, idx, clients: int, R: int, mode: str, seed: int
             "distinct": d["distinct"], "herding": d["herding"]}
 
 
-def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0) -> list[dict]:
+def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0, modes=MODES) -> list[dict]:
     import per_request_cost_study as prc
     from eldr_sglang.sim.protocol import eval_sequence, random_splits
     from eldr_sglang.sim.replay import TraceReplay
@@ -92,7 +98,7 @@ def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0) ->
     rows = []
     for per_worker in (8, 32):
         for R in REPLICAS:
-            for mode in MODES:
+            for mode in modes:
                 t0 = time.perf_counter()
                 r = run_cell(replay, em, w["K"], idx, per_worker * w["K"], R, mode, seed, poll_s)
                 rows.append({"workload": w["name"], "per_worker": per_worker, "R": R, "mode": mode, **r})
@@ -104,26 +110,29 @@ def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0) ->
 
 def summary(rows: list[dict]) -> dict:
     out: dict = {"by_R": {}}
+    present = {r["mode"] for r in rows}
+    modes = [m for m in MODES if m in present]
     for R in REPLICAS:
         out["by_R"][str(R)] = {mode: {"p50_change_median": float(np.median([r["p50_change"] for r in rows if r["R"] == R and r["mode"] == mode])),
                                       "p99_change_median": float(np.median([r["p99_change"] for r in rows if r["R"] == R and r["mode"] == mode])),
                                       "runs": sum(r["R"] == R and r["mode"] == mode for r in rows)}
-                               for mode in MODES}
-    for mode in MODES:
+                               for mode in modes}
+    for mode in modes:
         out[f"gap_points_r4_{mode}"] = out["by_R"]["4"][mode]["p50_change_median"] - out["by_R"]["1"][mode]["p50_change_median"]
     return out
 
 
 def table(rows: list[dict], s: dict) -> list[str]:
+    modes = list(s["by_R"]["1"])
     lines = ["| workload | clients/worker | R | mode | default p50 | default p99 | distinct/layer-step | herding | best balancer |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['per_worker']} | {r['R']} | {r['mode']} | {r['p50_change']:+.1f}% | {r['p99_change']:+.1f}% | "
               f"{r['distinct']:.2f} | {r['herding']:.2f} | {r['best_balancer']} |" for r in rows]
     lines += ["", "Changes: the default against the best balancer behind the same replicas (negative: faster).", "",
-              "| R | " + " | ".join(f"{m} p50 (median) | {m} p99" for m in MODES) + " |", "|---|" + "---|---|" * len(MODES)]
+              "| R | " + " | ".join(f"{m} p50 (median) | {m} p99" for m in modes) + " |", "|---|" + "---|---|" * len(modes)]
     for R, v in s["by_R"].items():
-        lines.append(f"| {R} | " + " | ".join(f"{v[m]['p50_change_median']:+.2f}% | {v[m]['p99_change_median']:+.2f}%" for m in MODES) + " |")
-    lines += ["", "; ".join(f"gap_points_r4_{m}: {s[f'gap_points_r4_{m}']:+.2f}" for m in MODES)]
+        lines.append(f"| {R} | " + " | ".join(f"{v[m]['p50_change_median']:+.2f}% | {v[m]['p99_change_median']:+.2f}%" for m in modes) + " |")
+    lines += ["", "; ".join(f"gap_points_r4_{m}: {s[f'gap_points_r4_{m}']:+.2f}" for m in modes)]
     return lines
 
 
@@ -133,9 +142,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load-monitor-interval", type=float, default=1.0, metavar="S",
                     help="seconds between the replicas' polls of the workers (default 1, the router's default)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes to run (default: all of {', '.join(MODES)})")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
     a = ap.parse_args(argv)
+    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        ap.error(f"--modes: unknown mode {bad[0]!r} (known: {', '.join(MODES)})" if bad else "--modes: none given")
     for p in (a.json, a.md):
         if p and Path(p).exists():
             ap.error(f"{p} exists; move it away first (nothing is overwritten)")
@@ -149,7 +163,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     try:
-        rows = [r for w in prc.workloads() for r in run_workload(w, a.seed, a.requests or STRICT_MIN_REQUESTS, log, a.load_monitor_interval)]
+        rows = [r for w in prc.workloads() for r in run_workload(w, a.seed, a.requests or STRICT_MIN_REQUESTS, log, a.load_monitor_interval, modes)]
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +173,9 @@ def main(argv=None) -> int:
     from eldr_sglang import io_safe
 
     if a.json:
-        io_safe.write_json({"runs": rows, **s, "load_monitor_interval_s": a.load_monitor_interval, "runtime_s": round(time.perf_counter() - t0, 1)}, a.json, indent=1)
+        io_safe.write_json({"runs": rows, **s, "load_monitor_interval_s": a.load_monitor_interval, "seed": a.seed,
+                            "requests": a.requests or STRICT_MIN_REQUESTS,
+                            "runtime_s": round(time.perf_counter() - t0, 1)}, a.json, indent=1)
     if a.md:
         io_safe.write_text(a.md, "\n".join(lines) + "\n", what="--md")
     return 0

@@ -15,6 +15,14 @@ requests:
   as a report would (finished requests linger, new ones are missing).
 - `no_polls`: the service with `--load-monitor-interval 0`: no replica reads the workers'
   loads, so each bounds and balances its own share of the traffic alone.
+- `worker_reports_projected`: `worker_reports`, plus a projection of the other replicas'
+  arrivals between polls. Each request a replica routes to a worker also counts R - 1
+  load-only leases there (no expert profile: the others' requests' experts are unknown), as if
+  every other replica sent its share where this one did; the next poll of that worker drops
+  them (its report then shows the others' real requests). With R = 1 it is `worker_reports`.
+- `worker_reports_mirrored`: as `worker_reports_projected`, but the R - 1 load-only leases also
+  end when the request that brought them finishes (before the next poll if it comes first): the
+  others' requests are assumed to leave as this replica's own do, not only to arrive.
 
 The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `acquire`
 (right after `route`, for the same request), `report_load`, `loads`.
@@ -22,26 +30,34 @@ The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
 
-MODES = ("own_view", "worker_reports", "no_polls")
+MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected",
+         "worker_reports_mirrored", "worker_reports_own_cap")
+PROJECTED = ("worker_reports_projected", "worker_reports_mirrored")  # modes with load-only leases
 
 
 class _Lease:
     """One request's lease on the replica that routed it, known to the wrapper until release."""
 
-    __slots__ = ("owner", "replica", "worker", "tokens", "trace_r", "inner")
+    __slots__ = ("owner", "replica", "worker", "tokens", "trace_r", "inner", "mirrors")
 
     def __init__(self, owner: Replicas, replica: int, worker: int, tokens: int, trace_r: int, inner):
         self.owner, self.replica, self.worker, self.tokens, self.trace_r, self.inner = owner, replica, worker, tokens, trace_r, inner
+        self.mirrors: list = []  # worker_reports_mirrored: the load-only leases that end with this one
 
     def release(self) -> None:
         if self.inner is not None:
             self.inner.release()
             self.inner = None
+            for m in self.mirrors:
+                m.release()  # a no-op for one the poll already dropped
+            self.mirrors = []
             self.owner.held[self.worker].pop(self, None)
+            self.owner.own[self.replica][self.worker] -= 1
 
 
 class Replicas:
@@ -57,17 +73,43 @@ class Replicas:
         self.rng = np.random.default_rng(seed)
         self.held: list[dict] = [{} for _ in range(num_workers)]  # every replica's leases, per worker
         self.pictures: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
+        self.projected: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
+        self.own = [[0] * num_workers for _ in range(replicas)]  # each replica's own in-flight requests
         self._last = (0, 0)
+        # worker_reports_own_cap: the bounded policies' load factors, their Routers' caps off
+        self.own_cap: list = [None] * replicas
+        if mode == "worker_reports_own_cap":
+            for k, rep in enumerate(self.reps):
+                self.own_cap[k], rep.router.load_factor = rep.router.load_factor, None
 
     def route(self, trace_r: int) -> int:
         k = int(self.rng.integers(len(self.reps)))  # the client's replica
         self._last = (k, trace_r)
-        return self.reps[k].route(trace_r)
+        f = self.own_cap[k]
+        if f is None:
+            return self.reps[k].route(trace_r)
+        own, router = self.own[k], self.reps[k].router
+        cap = math.ceil((1.0 + f) * (sum(own) + 1) / len(own))  # the core's load_cap, on own loads
+        over = [w for w, n in enumerate(own) if n >= cap]  # never all: the least loaded is under
+        for w in over:
+            router.set_healthy(w, False)
+        try:
+            return self.reps[k].route(trace_r)
+        finally:
+            for w in over:
+                router.set_healthy(w, True)
 
     def acquire(self, worker: int, tokens: int) -> _Lease:
         k, trace_r = self._last
         lease = _Lease(self, k, worker, tokens, trace_r, self.reps[k].acquire(worker, tokens, trace_r=trace_r))
         self.held[worker][lease] = None
+        self.own[k][worker] += 1
+        if self.mode in PROJECTED:
+            router = self.reps[k].router  # a load-only lease: Router.acquire without a profile
+            extra = [router.acquire(worker, tokens) for _ in range(len(self.reps) - 1)]
+            self.projected[k][worker] += extra
+            if self.mode == "worker_reports_mirrored":
+                lease.mirrors = extra
         return lease
 
     def report_load(self, worker: int, running: int) -> None:
@@ -79,8 +121,9 @@ class Replicas:
                 rep.report_load(worker, running)
             return
         for k, rep in enumerate(self.reps):
-            for old in self.pictures[k][worker]:
+            for old in self.pictures[k][worker] + self.projected[k][worker]:
                 old.release()
+            self.projected[k][worker] = []
             self.pictures[k][worker] = [rep.acquire(worker, x.tokens, trace_r=x.trace_r)
                                         for x in self.held[worker] if x.replica != k]
 
