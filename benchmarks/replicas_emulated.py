@@ -9,7 +9,9 @@ send the trace's requests in order:
 - `round_robin x1`: the baseline every other arm is compared with;
 - `default x1`: one router, the default policy (locality/0.05);
 - `default x2`: two replicas with the same flags, the clients alternating between them;
-- `default x2, no polls`: the same with `--load-monitor-interval 0` on both (docs/operations.md).
+- `default x2, no polls`: the same with `--load-monitor-interval 0` on both;
+- `default x2, --router-replicas 2`: the same with each replica projecting the other's
+  requests between polls (rust/core/src/queue.rs, `set_replicas`; docs/operations.md).
 
 Routing quality is what the decode workers count: the mean distinct experts per layer per
 step, at equal batch (each arm's per-batch means weighted by round robin's batch sizes), as a
@@ -36,7 +38,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 ARMS = [("round_robin x1", "round_robin", 1, []),
         ("default x1", "locality", 1, []),
         ("default x2", "locality", 2, []),
-        ("default x2, no polls", "locality", 2, ["--load-monitor-interval", "0"])]
+        ("default x2, no polls", "locality", 2, ["--load-monitor-interval", "0"]),
+        ("default x2, --router-replicas 2", "locality", 2, ["--router-replicas", "2"])]
 
 
 def _stats(urls: list[str]) -> list[dict]:

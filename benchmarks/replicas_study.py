@@ -37,9 +37,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from eldr_sglang.sim.replicas import MODES  # noqa: E402  (own_view, worker_reports, ... own_view_replicas)
+
 REPLICAS = (1, 2, 4, 8)
-MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected", "worker_reports_mirrored",
-         "worker_reports_own_cap")  # eldr_sglang/sim/replicas.py
 BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
 
 

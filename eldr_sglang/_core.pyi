@@ -362,6 +362,10 @@ class Router:
     def acquire(self, worker: int, tokens: int = 0, profile: ExpertProfile | None = None) -> Lease:
         """Count a request on `worker`; with `profile` the locality balancer also counts its experts
         (ProfileError when the profile predates a change of layer selection)."""
+    @property
+    def replicas(self) -> int: ...
+    @replicas.setter
+    def replicas(self, value: int) -> None: ...
     def centroid_of_slots(self) -> list[int | None]: ...
     def inflight(self) -> list[int]:
         """This router's own in-flight requests per worker (without external reports)."""

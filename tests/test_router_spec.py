@@ -129,5 +129,28 @@ def test_a_shared_decode_worker_is_said_once(policy, warns, caplog):
     said = [r for r in caplog.records if "did not send" in r.getMessage()]
     assert len(said) == (1 if warns else 0)
     if warns:
-        assert "--load-monitor-interval 0" in said[0].getMessage() and "decode 0" in said[0].getMessage()
+        msg = said[0].getMessage()
+        assert "--router-replicas N" in msg and "--load-monitor-interval 0" in msg and "decode 0" in msg
     assert cp.state()["decode_foreign_requests"] == [0, 0]
+
+
+def test_router_replicas_flag_projects_in_the_core_and_silences_the_warning(caplog):
+    """--router-replicas N reaches the core's tracker (each request sent counts N - 1 projected
+    ones until the worker's next report) and /eldr/status; a router told it has company does
+    not warn about foreign requests."""
+    import logging
+
+    from eldr_sglang.router.control import ControlPlane
+
+    cp = ControlPlane(parse_config(BASE + ["--disagg-router", "shortest_queue", "--router-replicas", "3"]))
+    assert cp.router.replicas == 3 and cp.state()["router_replicas"] == 3
+    lease = cp.router.acquire(1)
+    assert cp.router.loads()[1] == 3
+    lease.release()
+    with caplog.at_level(logging.WARNING, logger="eldr.router"):
+        for _ in range(4):
+            cp.report_load(0, 6, 0)
+    assert not [r for r in caplog.records if "did not send" in r.getMessage()]
+    for bad in ("0", "2000", "x"):
+        with pytest.raises((ConfigError, SystemExit)):
+            parse_config(BASE + ["--router-replicas", bad])

@@ -188,3 +188,21 @@ def test_own_cap_replica_bounds_its_own_share_not_the_reports():
     assert all(rep.router.load_factor is None and rep.router.healthy() == [True, True] for rep in own.reps)
     assert plain.reps[0].router.load_factor == 0.05
     assert own.own == [[2, 0], [0, 6]]
+
+
+def test_own_view_replicas_project_through_the_core_tracker():
+    """--router-replicas R in the simulator: each replica's Rust tracker counts R - 1 projected
+    requests per request it sends, until that worker's next report or the request's end."""
+    reps = Replicas(_sq, 3, 2, mode="own_view_replicas", seed=1)
+    assert all(rep.router.replicas == 3 for rep in reps.reps)
+    reps.route(0)
+    k = reps._last[0]
+    lease = reps.acquire(1, 10)
+    assert reps.reps[k].loads()[1] == 3, "one request and two projected"
+    lease.release()
+    assert reps.reps[k].loads()[1] == 0
+    reps.route(0)
+    k = reps._last[0]
+    reps.acquire(0, 10)
+    reps.report_load(0, 2)  # the report counts the others' real requests: the projection goes
+    assert reps.reps[k].loads()[0] == 2

@@ -138,6 +138,7 @@ class RouterConfig:
     health_check_interval_s: float = 10.0
     health_failure_threshold: int = 3
     load_monitor_interval_s: float = DEFAULT_LOAD_MONITOR_INTERVAL_S
+    router_replicas: int = 1  # --router-replicas: this router and the replicas beside it
     poll_timeout_s: float = 10.0  # one /health or /v1/loads call; not tied to the intervals
     load_report_ttl_ms: int = 2000
     reload_interval_ms: int = 250
@@ -349,6 +350,13 @@ def _request_flags(req: argparse._ArgumentGroup) -> None:
         help="seconds between polls of the decode workers' /v1/loads (0: off)",
     )
     req.add_argument(
+        "--router-replicas", type=int, default=1,
+        help="router replicas in front of these workers, this one among them (default 1). With N > 1 each request "
+        "this router sends also counts N-1 projected requests of the others on its worker until that worker's next "
+        "load report, so replicas do not all pile onto the worker that looked least loaded at the last poll "
+        "(docs/operations.md, 'Several router replicas')",
+    )
+    req.add_argument(
         "--worker-poll-timeout-secs", type=float, default=10.0,
         help="how long one /health or /v1/loads call may take (default 10; a busy CPU SGLang can take seconds). "
         "Each worker is polled on its own, so a slow one never delays the others' polls",
@@ -453,6 +461,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         health_check_interval_s=a.health_check_interval_secs,
         health_failure_threshold=a.health_failure_threshold,
         load_monitor_interval_s=a.load_monitor_interval,
+        router_replicas=a.router_replicas,
         poll_timeout_s=a.worker_poll_timeout_secs,
         load_report_ttl_ms=a.eldr_load_report_ttl_ms,
         reload_interval_ms=a.eldr_reload_interval_ms,
@@ -558,6 +567,7 @@ _NUMERIC_FLAGS = {
     "--health-check-interval-secs": ("health_check_interval_s", 1e-3, DAY_S, False, True),
     "--health-failure-threshold": ("health_failure_threshold", 1, 1_000_000, True, False),
     "--load-monitor-interval": ("load_monitor_interval_s", 1e-3, DAY_S, False, True),
+    "--router-replicas": ("router_replicas", 1, 1024, True, False),
     "--worker-poll-timeout-secs": ("poll_timeout_s", 1e-3, DAY_S, False, False),
     "--prometheus-port": ("prometheus_port", 1, 65535, True, False),
 }

@@ -50,6 +50,7 @@ class ControlPlane:
                                                  reload_interval_ms=0, load_report_ttl_ms=cfg.load_report_ttl_ms)
         except _core.CentroidFileError as exc:
             raise ValueError(str(exc)) from None
+        self.router.replicas = cfg.router_replicas  # projected requests of the other replicas (queue.rs)
         self._generation = self.router.centroid_generation
         self._reload_failures = 0
         self.on_centroids_reloaded()
@@ -101,12 +102,14 @@ class ControlPlane:
         benchmarks/results/replicas_study.md)."""
         self.foreign_requests[i] = foreign
         self._foreign_polls[i] = self._foreign_polls.get(i, 0) + 1 if foreign >= FOREIGN_MIN else 0
-        if self._foreign_polls[i] >= FOREIGN_POLLS and not self._foreign_warned and self.router.policy not in LOAD_BLIND:
+        told = self.router.replicas > 1  # --router-replicas: the user has said so already
+        if self._foreign_polls[i] >= FOREIGN_POLLS and not (self._foreign_warned or told) and self.router.policy not in LOAD_BLIND:
             self._foreign_warned = True
             logger.warning("decode %d has run %d or more requests this router did not send for %d polls in a row "
                            "(another router replica, or clients reaching it directly?). With several replicas, "
-                           "--disagg-router %s herds between load polls: give every replica --load-monitor-interval 0, "
-                           "or run one (docs/operations.md, 'Several router replicas'). Said once.",
+                           "--disagg-router %s herds between load polls: give every replica --router-replicas N "
+                           "(the number of replicas) or --load-monitor-interval 0, or run one (docs/operations.md, "
+                           "'Several router replicas'). Said once.",
                            i, FOREIGN_MIN, FOREIGN_POLLS, self.router.policy)
 
     def health_check(self, role: str, i: int, ok: bool, threshold: int) -> None:
@@ -165,6 +168,7 @@ class ControlPlane:
             "prefill_inflight": [w["inflight"] for w in pre],
             "decode_reported": self.router.reported(),
             "decode_foreign_requests": [self.foreign_requests.get(i, 0) for i in range(len(dec))],
+            "router_replicas": self.router.replicas,
             "decode_healthy": dp.routable("decode"),
             "prefill_healthy": dp.routable("prefill"),
             "admission": dp.admission(),

@@ -24,6 +24,11 @@ requests:
   end when the request that brought them finishes (before the next poll if it comes first): the
   others' requests are assumed to leave as this replica's own do, not only to arrive.
 
+- `own_view_replicas`: the service with `--router-replicas R` on every replica: `own_view`,
+  and each replica's Rust tracker projects R - 1 requests of the others per request it sends,
+  until that worker's next report or the request's end (rust/core/src/queue.rs,
+  `set_replicas`: the mirrored projection, without worker reports).
+
 The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `acquire`
 (right after `route`, for the same request), `report_load`, `loads`.
 """
@@ -36,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected",
-         "worker_reports_mirrored", "worker_reports_own_cap")
+         "worker_reports_mirrored", "worker_reports_own_cap", "own_view_replicas")
 PROJECTED = ("worker_reports_projected", "worker_reports_mirrored")  # modes with load-only leases
 
 
@@ -78,6 +83,9 @@ class Replicas:
         self._last = (0, 0)
         # worker_reports_own_cap: the bounded policies' load factors, their Routers' caps off
         self.own_cap: list = [None] * replicas
+        if mode == "own_view_replicas":
+            for rep in self.reps:
+                rep.router.replicas = replicas
         if mode == "worker_reports_own_cap":
             for k, rep in enumerate(self.reps):
                 self.own_cap[k], rep.router.load_factor = rep.router.load_factor, None
@@ -116,7 +124,7 @@ class Replicas:
         """A poll of decode worker `worker`: its load, and in `worker_reports` its occupancy."""
         if self.mode == "no_polls":
             return
-        if self.mode == "own_view":
+        if self.mode in ("own_view", "own_view_replicas"):
             for rep in self.reps:
                 rep.report_load(worker, running)
             return

@@ -44,6 +44,12 @@ struct Slot {
     unhealthy: AtomicBool,
     /// A current member (a removed worker draining its requests, or a free slot: false).
     member: AtomicBool,
+    /// The other router replicas' requests projected since the last report (see
+    /// [`QueueTracker::set_replicas`]).
+    projected: AtomicI64,
+    /// Reports taken so far: a guard whose request ends before the next report takes its
+    /// projection back, one that ends after leaves the count (reset by the report) alone.
+    reports: AtomicU64,
 }
 
 /// Slots a tracker can hold at most (workers added at run time beyond the starting ones):
@@ -54,6 +60,8 @@ pub struct QueueTracker {
     slots: Box<[Slot]>,
     /// Slots in use (members, draining and free ones): what routes read.
     len: AtomicUsize,
+    /// Router replicas beside this one, R - 1 (0: alone; see [`QueueTracker::set_replicas`]).
+    mirrors: AtomicI64,
     epoch: Instant,
     report_ttl_ms: u64,
 }
@@ -66,7 +74,7 @@ impl QueueTracker {
         for s in &slots[..workers] {
             s.member.store(true, Ordering::Relaxed);
         }
-        QueueTracker { slots, len: AtomicUsize::new(workers), epoch: Instant::now(), report_ttl_ms }
+        QueueTracker { slots, len: AtomicUsize::new(workers), mirrors: AtomicI64::new(0), epoch: Instant::now(), report_ttl_ms }
     }
 
     /// Slots in use: every index a route sees is below this.
@@ -95,6 +103,7 @@ impl QueueTracker {
     }
 
     fn fresh(s: &Slot) {
+        s.projected.store(0, Ordering::Release);
         s.ext_at_ms.store(0, Ordering::Release);
         s.ext_running.store(0, Ordering::Release);
         s.ext_others.store(0, Ordering::Release);
@@ -119,10 +128,31 @@ impl QueueTracker {
         (0..self.num_workers()).filter(|&i| self.is_member(i)).collect()
     }
 
+    /// `replicas` router replicas route to these workers, this one among them (1: alone).
+    /// Between two load reports of a worker the others' new requests are invisible, so every
+    /// replica saw the same least-loaded worker and sent there until the next poll (herding:
+    /// benchmarks/results/replicas_study.md). With R > 1 each request this router sends to a
+    /// worker also counts R - 1 projected requests there (the others route as this one does),
+    /// until that worker's next report, which counts the real ones, or until the request
+    /// ends (theirs are assumed to end alike).
+    pub fn set_replicas(&self, replicas: u32) {
+        self.mirrors.store(i64::from(replicas.max(1)) - 1, Ordering::Relaxed);
+    }
+
+    pub fn replicas(&self) -> u32 {
+        self.mirrors.load(Ordering::Relaxed) as u32 + 1
+    }
+
     /// Count one request (and its tokens) on `worker`. Returns a guard that releases it.
     pub fn acquire(self: &Arc<Self>, worker: usize, tokens: i64) -> LoadGuard {
         self.add(worker, tokens);
-        LoadGuard { tracker: Arc::clone(self), worker, tokens, released: AtomicBool::new(false) }
+        let mirrors = self.mirrors.load(Ordering::Relaxed);
+        let s = &self.slots[worker];
+        let epoch = s.reports.load(Ordering::Acquire);
+        if mirrors > 0 {
+            s.projected.fetch_add(mirrors, Ordering::AcqRel);
+        }
+        LoadGuard { tracker: Arc::clone(self), worker, tokens, released: AtomicBool::new(false), epoch, mirrors }
     }
 
     /// Raw increment; pair with exactly one [`QueueTracker::sub`]. Prefer [`QueueTracker::acquire`].
@@ -166,6 +196,8 @@ impl QueueTracker {
         s.ext_running.store(running, Ordering::Release);
         s.ext_others.store((running - ours).max(0), Ordering::Release);
         s.ext_at_ms.store(self.epoch.elapsed().as_millis() as u64 + 1, Ordering::Release);
+        s.reports.fetch_add(1, Ordering::AcqRel);
+        s.projected.store(0, Ordering::Release); // the report counts the others' requests
     }
 
     /// The worker's last own report of the requests it holds, however old (None: never
@@ -181,7 +213,7 @@ impl QueueTracker {
     #[inline]
     pub fn load(&self, worker: usize) -> i64 {
         let s = &self.slots[worker];
-        let local = s.inflight.load(Ordering::Acquire);
+        let local = s.inflight.load(Ordering::Acquire) + s.projected.load(Ordering::Acquire).max(0);
         let at = s.ext_at_ms.load(Ordering::Acquire);
         if at != 0 && (self.epoch.elapsed().as_millis() as u64 + 1).saturating_sub(at) <= self.report_ttl_ms {
             local + s.ext_others.load(Ordering::Acquire)
@@ -193,7 +225,7 @@ impl QueueTracker {
     pub fn loads_into(&self, out: &mut Vec<i64>) {
         out.clear();
         let used = &self.slots[..self.num_workers()];
-        if used.iter().any(|s| s.ext_at_ms.load(Ordering::Relaxed) != 0) {
+        if self.mirrors.load(Ordering::Relaxed) > 0 || used.iter().any(|s| s.ext_at_ms.load(Ordering::Relaxed) != 0) {
             out.extend((0..used.len()).map(|w| self.load(w)));
         } else {
             out.extend(used.iter().map(|s| s.inflight.load(Ordering::Acquire)));
@@ -216,7 +248,7 @@ impl QueueTracker {
         loads.clear();
         healthy.clear();
         let used = &self.slots[..n];
-        let reported = used.iter().any(|s| s.ext_at_ms.load(Ordering::Relaxed) != 0);
+        let reported = self.mirrors.load(Ordering::Relaxed) > 0 || used.iter().any(|s| s.ext_at_ms.load(Ordering::Relaxed) != 0);
         loads.extend(used.iter().enumerate().map(|(w, s)| if reported { self.load(w) } else { s.inflight.load(Ordering::Acquire) }));
         healthy.extend(used.iter().map(|s| !s.unhealthy.load(Ordering::Acquire)));
     }
@@ -233,6 +265,9 @@ pub struct LoadGuard {
     worker: usize,
     tokens: i64,
     released: AtomicBool,
+    /// The worker's report count at dispatch, and the projected requests this one brought.
+    epoch: u64,
+    mirrors: i64,
 }
 
 impl LoadGuard {
@@ -251,6 +286,10 @@ impl LoadGuard {
             return false;
         }
         self.tracker.sub(self.worker, self.tokens);
+        let s = &self.tracker.slots[self.worker];
+        if self.mirrors > 0 && s.reports.load(Ordering::Acquire) == self.epoch {
+            s.projected.fetch_sub(self.mirrors, Ordering::AcqRel); // a report between reset it
+        }
         true
     }
 }
@@ -380,5 +419,26 @@ mod tests {
         assert_eq!((t.reported(0), t.is_member(0), t.is_healthy(0)), (None, true, true));
         while t.push_slot().is_some() {}
         assert_eq!(t.num_workers(), SLOT_CAPACITY);
+    }
+
+    #[test]
+    fn replicas_project_the_others_requests_until_the_next_report() {
+        let t = Arc::new(QueueTracker::new(2, 60_000));
+        t.set_replicas(3);
+        let g = t.acquire(0, 0);
+        assert_eq!((t.inflight(0), t.load(0), t.load(1)), (1, 3, 0), "one of ours and two projected");
+        let (mut l, mut h) = (Vec::new(), Vec::new());
+        t.state_into(&mut l, &mut h);
+        assert_eq!(l, vec![3, 0]);
+        drop(g);
+        assert_eq!(t.load(0), 0, "a request that ends before a report takes its projection back");
+        let g = t.acquire(0, 0);
+        t.report(0, 4, Some(1)); // the report counts the others' real requests: 3
+        assert_eq!(t.load(0), 1 + 3);
+        drop(g);
+        assert_eq!(t.load(0), 3, "a request that ends after a report leaves the report's count alone");
+        t.set_replicas(1);
+        let _g = t.acquire(1, 0);
+        assert_eq!(t.load(1), 1, "alone: nothing projected");
     }
 }

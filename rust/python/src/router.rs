@@ -246,6 +246,22 @@ impl PyRouter {
     fn set_load_factor(&self, value: Option<f64>) -> PyResult<()> {
         self.inner.set_load_factor(value).map_err(py_err)
     }
+    /// Router replicas in front of these workers, this one among them (1: alone): each
+    /// request sent to a worker also counts `replicas - 1` projected requests of the others
+    /// there until that worker's next load report or the request's end
+    /// (rust/core/src/queue.rs, `set_replicas`).
+    #[getter]
+    fn get_replicas(&self) -> u32 {
+        self.inner.tracker().replicas()
+    }
+    #[setter]
+    fn set_replicas(&self, value: u32) -> PyResult<()> {
+        if !(1..=1024).contains(&value) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("replicas must be between 1 and 1024, got {value}")));
+        }
+        self.inner.tracker().set_replicas(value);
+        Ok(())
+    }
     #[getter]
     fn policy(&self) -> &'static str {
         self.inner.policy_name()
