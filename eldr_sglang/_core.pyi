@@ -24,7 +24,7 @@ __all__ = [
     "DEFAULT_PREFILL_POLICY", "DEFAULT_TAU", "DEFAULT_LOAD_FACTOR", "DEFAULT_REQUEST_COST", "MAX_TAU", "MAX_LOAD_FACTOR", "MAX_REQUEST_COST",
     "MAX_EXPERTS", "RouterSpec", "parse_arms", "parse_policy_label", "FALLBACK_REASONS", "CentroidFileError", "NoSignature", "NoHealthyWorker", "PayloadError",
     "ProfileError", "PAYLOAD_KEY", "PAYLOAD_MAX_ENTRIES", "PAYLOAD_MAX_LAYERS", "PAYLOAD_MAX_COUNT", "SignatureSpec",
-    "CentroidSet", "Decision", "Lease", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
+    "CentroidSet", "Decision", "Lease", "OccupancySnapshot", "ExpertProfile", "Router", "DecodedCounts", "decode_payload", "decode_event",
     "count_topk", "distinct_per_layer", "write_centroids", "band_sizes", "DataPlane", "ReservoirSampler",
 ]
 __version__: str
@@ -230,6 +230,10 @@ class ExpertProfile:
         """Centroid generation its layer selection came from (0: built by hand)."""
 
 @final
+class OccupancySnapshot:
+    """This router's own expert sums on one decode worker when a load poll was sent."""
+
+@final
 class Lease:
     """One in-flight request on one worker; released exactly once."""
 
@@ -373,6 +377,19 @@ class Router:
     def tokens(self) -> list[int]: ...
     def reported(self) -> list[int | None]:
         """Each decode worker's last /v1/loads count, however old (None: never reported)."""
+    def occupancy_layout(self) -> tuple[list[int], int] | None:
+        """(MoE layer ids, experts per layer) the locality balancer tracks; None for other
+        policies and before its first profile."""
+    def occupancy_snapshot(self, worker: int) -> OccupancySnapshot | None:
+        """This router's own expert sums on `worker` now (take it when a load poll is sent)."""
+    def report_occupancy(self, snapshot: OccupancySnapshot, idle: npt.NDArray[np.float64]) -> None:
+        """Blend a worker's occupancy report (per cell, layer-major, the share of its recent
+        decode steps in which no request selected the expert) against this router's own sums at
+        the poll. ValueError when it does not fit (the state is then unchanged)."""
+    def clear_occupancy(self, worker: int) -> None:
+        """Forget `worker`'s occupancy report: its cells read this router's requests again."""
+    def occupancy_reported(self) -> list[bool]:
+        """Per worker, whether the locality state holds an occupancy report for it now."""
     def report_load(self, worker: int, running: int, inflight_at_poll: int | None = None) -> None:
         """A decode worker's own count of the requests it holds (its /v1/loads). For
         load_report_ttl_ms the load the policies see is this router's in-flight count now plus

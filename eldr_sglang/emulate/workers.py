@@ -37,6 +37,11 @@ the ways real workers fail short of refusing connections; /health keeps answerin
   slow:F          decode: every step takes F times as long
   loads:inf | loads:1e30 | loads:negative | loads:nonjson | loads:shape | loads:hang
                   a bad /v1/loads answer (Infinity, 10^30, -5, HTML, a list, no answer)
+  loads:occupancy_version
+                  a good load count beside an expert occupancy report of an unknown version
+
+A decode worker answers `/v1/loads?...&eldr_layers=...` with its expert occupancy, as a
+SGLang decode server patched with --enable-eldr-occupancy does (emulate/occupancy.py).
   status_delay:S  /health and /v1/loads answer after S seconds (a busy CPU SGLang)
 
 A bootstrap room is transferred once: a second decode that asks for a room already being
@@ -63,6 +68,8 @@ from eldr_sglang.sglang_ext.payload import META_KEY, encode_counts
 from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.models import MODEL_PROFILES, get_model
 from eldr_sglang.sim.profiles import get_hardware
+from eldr_sglang.emulate.occupancy import Occupancy
+from eldr_sglang.router.occupancy import QUERY_PARAM as OCC_PARAM
 from eldr_sglang.sim.replay import TraceReplay, distinct_counter
 from eldr_sglang.traces import Trace
 from eldr_sglang.traces.counts_file import CountsTrace
@@ -168,6 +175,9 @@ LOADS_FAULTS = {
     "loads:nonjson": "<html><body>502 Bad Gateway</body></html>",
     "loads:shape": "[1, 2, 3]",
     "loads:hang": None,
+    # a good load count beside an occupancy report of a newer patch than the router reads
+    "loads:occupancy_version": '{"loads": [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0}], '
+                               '"eldr_occupancy": {"version": 99, "experts": 1, "layers": [0], "idle": [[1.0]]}}',
 }
 
 
@@ -493,6 +503,7 @@ class DecodeWorker:
         self.transferring = 0
         self._wake = asyncio.Event()
         self._distinct = distinct_counter()
+        self.occupancy = Occupancy(spec.trace.num_layers, spec.trace.num_experts)
         self.steps = 0
         self.step_time_total = 0.0
         self.batch_total = 0
@@ -522,14 +533,17 @@ class DecodeWorker:
         app.cleanup_ctx.append(lifecycle)
         return app
 
-    async def loads(self, _):
+    async def loads(self, request):
         kv = sum(x.prompt_len + x.generated for x in self.running)
-        return web.json_response({"loads": [{
+        body = {"loads": [{
             "dp_rank": 0, "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
             "num_used_tokens": kv, "max_running_requests": self.max_running,
             "disaggregation": {"mode": "decode", "decode_prealloc_queue_reqs": 0,
                                "decode_transfer_queue_reqs": self.transferring},
-        }]})
+        }]}
+        if OCC_PARAM in request.query:  # a worker patched with --enable-eldr-occupancy
+            body.update(self.occupancy.report(request.query[OCC_PARAM], len(self.running)))
+        return web.json_response(body)
 
     async def server_info(self, _):
         return web.json_response({"disaggregation_mode": "decode", "emulator": True, "model_path": self.spec.name,
@@ -565,7 +579,9 @@ class DecodeWorker:
             t_step = time.monotonic()
             reqs = np.fromiter((x.trace_request for x in batch), np.int64, len(batch))
             steps = np.fromiter((x.generated - 1 for x in batch), np.int64, len(batch))
-            distinct = np.asarray(self._distinct(np.ascontiguousarray(rp.step_ids(reqs, steps)), E))
+            ids = np.ascontiguousarray(rp.step_ids(reqs, steps))
+            distinct = np.asarray(self._distinct(ids, E))
+            self.occupancy.step(ids)
             kv = int(sum(x.prompt_len + x.generated for x in batch))
             dt = em.decode_step_time(len(batch), kv, distinct)
             await asyncio.sleep(dt * scale * self.faults.slow)

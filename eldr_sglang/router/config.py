@@ -139,6 +139,7 @@ class RouterConfig:
     health_failure_threshold: int = 3
     load_monitor_interval_s: float = DEFAULT_LOAD_MONITOR_INTERVAL_S
     router_replicas: int = 1  # --router-replicas: this router and the replicas beside it
+    occupancy_reports: bool = True  # --eldr-occupancy-reports: ask decode workers for their expert occupancy
     poll_timeout_s: float = 10.0  # one /health or /v1/loads call; not tied to the intervals
     load_report_ttl_ms: int = 2000
     reload_interval_ms: int = 250
@@ -357,6 +358,12 @@ def _request_flags(req: argparse._ArgumentGroup) -> None:
         "(docs/operations.md, 'Several router replicas')",
     )
     req.add_argument(
+        "--eldr-occupancy-reports", choices=("on", "off"), default="on",
+        help="with the locality balancer, ask each decode worker's /v1/loads for the experts its whole batch uses "
+        "(every replica's requests; workers patched with --enable-eldr-occupancy) and route on that plus this "
+        "router's requests since (default on; an unpatched worker ignores the question)",
+    )
+    req.add_argument(
         "--worker-poll-timeout-secs", type=float, default=10.0,
         help="how long one /health or /v1/loads call may take (default 10; a busy CPU SGLang can take seconds). "
         "Each worker is polled on its own, so a slow one never delays the others' polls",
@@ -462,6 +469,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         health_failure_threshold=a.health_failure_threshold,
         load_monitor_interval_s=a.load_monitor_interval,
         router_replicas=a.router_replicas,
+        occupancy_reports=a.eldr_occupancy_reports == "on",
         poll_timeout_s=a.worker_poll_timeout_secs,
         load_report_ttl_ms=a.eldr_load_report_ttl_ms,
         reload_interval_ms=a.eldr_reload_interval_ms,

@@ -96,6 +96,26 @@ class ControlPlane:
         if inflight_at_poll is not None:
             self._note_foreign(i, max(0, running - inflight_at_poll))
 
+    def occupancy_poll(self, i: int):
+        """For a load poll of decode worker i: (layers, experts, this router's expert sums on
+        it now) when the locality balancer tracks experts and occupancy reports are on; None
+        otherwise (the poll then asks for no report)."""
+        if not self.cfg.occupancy_reports:
+            return None
+        layout = self.router.occupancy_layout()
+        snap = self.router.occupancy_snapshot(i) if layout else None
+        return (layout[0], layout[1], snap) if snap is not None else None
+
+    def report_occupancy(self, i: int, snapshot, idle) -> None:
+        """Decode worker i's occupancy report, blended into the locality state (ValueError
+        when it does not fit; the state is then unchanged)."""
+        self.router.report_occupancy(snapshot, idle)
+
+    def clear_occupancy(self, i: int) -> None:
+        """Route on this router's own view of decode worker i's experts again."""
+        if i < len(self.router.inflight()):
+            self.router.clear_occupancy(i)
+
     def _note_foreign(self, i: int, foreign: int) -> None:
         """Say once when a decode worker keeps running requests this router did not send: with
         several router replicas, a policy that reads loads herds between polls (simulated:
@@ -167,6 +187,8 @@ class ControlPlane:
             "decode_inflight": list(self.router.inflight()),
             "prefill_inflight": [w["inflight"] for w in pre],
             "decode_reported": self.router.reported(),
+            # whether the locality state routes on each decode worker's own occupancy report now
+            "decode_occupancy_reported": self.router.occupancy_reported(),
             "decode_foreign_requests": [self.foreign_requests.get(i, 0) for i in range(len(dec))],
             "router_replicas": self.router.replicas,
             "decode_healthy": dp.routable("decode"),

@@ -14,6 +14,7 @@ import math
 import aiohttp
 
 from eldr_sglang.router.logsafe import RateLimitedLog, safe
+from eldr_sglang.router.occupancy import OccupancyDropped, occupancy_from_loads, query
 
 logger = logging.getLogger("eldr.router")
 
@@ -61,8 +62,8 @@ def running_from_loads(body: object) -> int:
     return running
 
 
-async def _read_loads(pd, url: str, timeout: aiohttp.ClientTimeout) -> int:
-    async with pd.session.get(f"{url}/v1/loads?include=core,disagg", timeout=timeout) as r:
+async def _read_loads(pd, url: str, timeout: aiohttp.ClientTimeout, layers: list[int] | None) -> tuple[int, object]:
+    async with pd.session.get(f"{url}/v1/loads?{query(layers)}", timeout=timeout) as r:
         if r.status != 200:
             raise _Dropped("http", f"HTTP {r.status}")
         raw = b""
@@ -78,7 +79,7 @@ async def _read_loads(pd, url: str, timeout: aiohttp.ClientTimeout) -> int:
     except (ValueError, RecursionError) as exc:
         raise _Dropped("not_json", f"not JSON ({exc.__class__.__name__})") from None
     try:
-        return running_from_loads(body)
+        return running_from_loads(body), body
     except ValueError as exc:
         raise _Dropped("bad_value", str(exc)) from None
 
@@ -91,8 +92,9 @@ class _Dropped(Exception):
 
 async def _load_once(pd, slot: int, url: str, timeout: aiohttp.ClientTimeout, log: RateLimitedLog) -> None:
     ours = pd.inflight(slot)  # this router's share of what the answer will count
+    occ = pd.occupancy_poll(slot)  # (layers, experts, our expert sums now) or None
     try:
-        running = await _read_loads(pd, url, timeout)
+        running, body = await _read_loads(pd, url, timeout, occ[0] if occ else None)
     except _Dropped as exc:
         cause, msg = exc.cause, str(exc)
     except asyncio.TimeoutError:
@@ -103,10 +105,36 @@ async def _load_once(pd, slot: int, url: str, timeout: aiohttp.ClientTimeout, lo
         cause, msg = "error", f"{exc.__class__.__name__}: {exc}"
     else:
         pd.report_load(slot, running, ours)
+        _apply_occupancy(pd, slot, body, occ, log)
         return
+    pd.clear_occupancy(slot)  # no fresh picture of the worker's batch: route on our own view
     pd.metrics.loads_dropped.labels(str(slot), cause).inc()
     if cause != "connect":  # a worker that is down is the health check's news
         log.warning(("loads", slot, cause), "decode %d /v1/loads answer dropped (%s): %s", slot, cause, safe(msg))
+
+
+def _apply_occupancy(pd, slot: int, body: object, occ, log: RateLimitedLog) -> None:
+    """Blend the answer's occupancy report into the locality state, or forget the last one
+    (none asked, none given, or one that cannot be used: counted and logged)."""
+    if occ is None:
+        pd.clear_occupancy(slot)
+        return
+    layers, experts, snapshot = occ
+    try:
+        idle = occupancy_from_loads(body, layers, experts)
+        if idle is not None:
+            pd.report_occupancy(slot, snapshot, idle)
+            return
+    except OccupancyDropped as exc:
+        cause, msg = exc.cause, str(exc)
+    except ValueError as exc:  # the core refused it (the balancer's state changed meanwhile)
+        cause, msg = "changed", str(exc)
+    else:
+        pd.clear_occupancy(slot)  # an unpatched worker, or its flag off
+        return
+    pd.clear_occupancy(slot)
+    pd.metrics.occupancy_dropped.labels(str(slot), cause).inc()
+    log.warning(("occupancy", slot, cause), "decode %d occupancy report dropped (%s): %s", slot, cause, safe(msg))
 
 
 async def poll_loads_of(pd, slot: int, url: str, interval: float, log: RateLimitedLog) -> None:

@@ -209,6 +209,10 @@ class RouterMetrics:
         self.loads_dropped = Counter(
             "eldr_router_load_reports_dropped", "/v1/loads answers ignored, by worker and cause", ["worker", "cause"], registry=r
         )
+        self.occupancy_dropped = Counter(
+            "eldr_router_occupancy_reports_dropped", "decode occupancy reports ignored, by worker and cause", ["worker", "cause"],
+            registry=r,
+        )
         self.centroid_rejections = Counter(
             "eldr_router_centroid_files_rejected", "Centroid files refused on hot reload (each version once)", registry=r
         )

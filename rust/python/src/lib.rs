@@ -53,6 +53,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyDecision>()?;
     m.add_class::<router::PyLease>()?;
     m.add_class::<router::PyExpertProfile>()?;
+    m.add_class::<router::PyOccupancySnapshot>()?;
     m.add_class::<router::PyRouter>()?;
     m.add_class::<spec::PyRouterSpec>()?;
     m.add_class::<wire::PyDecodedCounts>()?;

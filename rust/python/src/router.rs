@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use eldr_core::distance::{self, Counts};
 use eldr_core::router::Routed;
+use eldr_core::policies::OwnAtPoll;
 use eldr_core::{CountValue, ExpertGuard, ExpertProfile, LoadGuard, NoSignature, RouteError, SparseIndex, SparseSignature};
 use numpy::{Element, IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArrayDyn};
 use pyo3::exceptions::PyValueError;
@@ -93,6 +94,13 @@ impl PyLease {
     fn __repr__(&self) -> String {
         format!("Lease(worker={}, tokens={}, released={})", self.worker(), self.tokens(), self.released())
     }
+}
+
+/// This router's own expert sums on one decode worker when a load poll was sent
+/// (`Router.occupancy_snapshot`), to blend that poll's occupancy report with.
+#[pyclass(name = "OccupancySnapshot", module = "eldr_sglang._core", frozen)]
+pub(crate) struct PyOccupancySnapshot {
+    inner: OwnAtPoll,
 }
 
 /// A request's expected expert use per decode token, from its prompt's counts (the locality
@@ -379,6 +387,49 @@ impl PyRouter {
     /// Each decode worker's last /v1/loads count, however old (None: never reported).
     fn reported(&self) -> Vec<Option<i64>> {
         (0..self.inner.num_workers()).map(|w| self.inner.tracker().reported(w)).collect()
+    }
+    /// The MoE layer ids and experts per layer the locality balancer tracks (what a worker's
+    /// occupancy report must cover); None for other policies and before its first profile.
+    fn occupancy_layout(&self) -> Option<(Vec<u32>, usize)> {
+        self.inner.policy().expert_load().map(|l| {
+            let (layers, experts) = l.layout();
+            (layers.to_vec(), experts)
+        })
+    }
+    /// This router's own expert sums on `worker` now: take it when a load poll is sent; None
+    /// without a locality state that holds the worker.
+    fn occupancy_snapshot(&self, worker: usize) -> Option<PyOccupancySnapshot> {
+        let load = self.inner.policy().expert_load()?;
+        load.own_at_poll(worker).map(|inner| PyOccupancySnapshot { inner })
+    }
+    /// Blend `worker`'s occupancy report (`idle`: per cell, layer-major in
+    /// `occupancy_layout()` order, the share of its recent decode steps in which no request
+    /// selected the expert) into the locality state, against this router's own sums at the
+    /// poll (`snapshot`). ValueError when it does not fit; the state is then unchanged.
+    fn report_occupancy(&self, py: Python<'_>, snapshot: &PyOccupancySnapshot, idle: PyReadonlyArray1<'_, f64>) -> PyResult<()> {
+        let idle = idle.as_slice().map_err(|_| PyValueError::new_err("idle must be a contiguous float64 array"))?;
+        let load = snapshot.inner.load();
+        let now = self.inner.policy().expert_load();
+        if !now.is_some_and(|l| Arc::ptr_eq(&l, load)) {
+            return Err(PyValueError::new_err("the balancer's expert state changed during the poll"));
+        }
+        py.detach(|| load.report_occupancy(&snapshot.inner, idle)).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+    /// Forget `worker`'s occupancy report (its cells read this router's own requests again).
+    fn clear_occupancy(&self, worker: usize) -> PyResult<()> {
+        self.check_worker(worker)?;
+        if let Some(l) = self.inner.policy().expert_load() {
+            if worker < l.num_workers() {
+                l.clear_occupancy(worker).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            }
+        }
+        Ok(())
+    }
+    /// Per worker, whether the locality state holds an occupancy report for it now.
+    fn occupancy_reported(&self) -> Vec<bool> {
+        let k = self.inner.num_workers();
+        let load = self.inner.policy().expert_load();
+        (0..k).map(|w| load.as_ref().is_some_and(|l| l.has_occupancy(w))).collect()
     }
     /// A worker's own count of the requests it holds (its /v1/loads), kept for the report TTL;
     /// `inflight_at_poll`: this router's in-flight count on it when the poll was sent.

@@ -368,9 +368,9 @@ pub struct ExpertLoad {
     experts: usize,
     generation: u64,
     workers: usize,
-    /// Per worker, `S` (sum of fixed-point `log(1 - p)` over its in-flight requests) per cell;
-    /// the lock serializes that worker's acquires and releases.
-    log_sum: Box<[Mutex<Vec<i64>>]>,
+    /// Per worker, `S` (sum of fixed-point `log(1 - p)` over its in-flight requests) per cell,
+    /// and the worker's own occupancy report; the lock serializes that worker's writes.
+    log_sum: Box<[Mutex<Sums>]>,
     /// `exp(S)` in fixed point per `[cell][worker]`, written under the worker's lock, read by routes.
     keep: Box<[AtomicU32]>,
     distinct: Box<[PaddedI64]>,
@@ -379,6 +379,49 @@ pub struct ExpertLoad {
 #[repr(align(64))]
 #[derive(Default)]
 struct PaddedI64(AtomicI64);
+
+/// One worker's sums: `own`, this router's in-flight requests' `S`; `report`, empty without an
+/// occupancy report, else per cell the report's `log(idle)` minus `own` at the poll. A cell's
+/// published mass is `exp(min(own + report, 0))`: the worker's whole batch as it reported it,
+/// plus this router's own requests since (issue 32: the other replicas' requests count).
+struct Sums {
+    own: Vec<i64>,
+    report: Vec<i64>,
+}
+
+impl Sums {
+    #[inline]
+    fn effective(&self, c: usize) -> i64 {
+        self.own[c] + self.report.get(c).copied().unwrap_or(0)
+    }
+}
+
+/// Why a worker's occupancy report cannot be applied (the router counts and drops it).
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum OccupancyError {
+    #[error("the report has {got} cells, the balancer tracks {want} (another layer selection)")]
+    Cells { got: usize, want: usize },
+    #[error("an idle fraction must be in [0, 1], got {0}")]
+    BadIdle(f64),
+    #[error("worker {worker} out of range 0..{workers}")]
+    Worker { worker: usize, workers: usize },
+    #[error("the balancer's expert state changed during the poll")]
+    Changed,
+}
+
+/// This router's own `S` on one worker when a load poll was sent: what the worker's answer
+/// counts of ours (an occupancy report is blended as load reports are).
+pub struct OwnAtPoll {
+    load: Arc<ExpertLoad>,
+    worker: usize,
+    own: Vec<i64>,
+}
+
+impl OwnAtPoll {
+    pub fn load(&self) -> &Arc<ExpertLoad> {
+        &self.load
+    }
+}
 
 impl ExpertLoad {
     pub fn new(workers: usize, layers: usize, experts: usize) -> Self {
@@ -394,7 +437,7 @@ impl ExpertLoad {
             experts,
             generation,
             workers,
-            log_sum: (0..workers).map(|_| Mutex::new(vec![0i64; cells])).collect(),
+            log_sum: (0..workers).map(|_| Mutex::new(Sums { own: vec![0i64; cells], report: Vec::new() })).collect(),
             keep: (0..cells * workers).map(|_| AtomicU32::new(one)).collect(),
             distinct: (0..workers).map(|_| PaddedI64::default()).collect(),
         }
@@ -420,11 +463,72 @@ impl ExpertLoad {
         let mut sums = self.log_sum[worker].lock().unwrap_or_else(|e| e.into_inner());
         let mut d = 0i64;
         for (&c, &lk) in p.cells.iter().zip(&p.log_keep) {
-            let s = &mut sums[c as usize];
-            *s += sign * lk;
+            sums.own[c as usize] += sign * lk;
             let cell = &self.keep[c as usize * k + worker];
             // the published mass is mass(old S): only this worker's lock holder writes it
-            let (old, new) = (cell.load(Ordering::Relaxed) as i64, mass(t, *s));
+            let (old, new) = (cell.load(Ordering::Relaxed) as i64, mass(t, sums.effective(c as usize)));
+            cell.store(new as u32, Ordering::Relaxed);
+            d += old - new;
+        }
+        self.distinct[worker].0.fetch_add(d, Ordering::Release);
+    }
+
+    /// The MoE layer ids and the experts per layer of the cells this state tracks.
+    pub fn layout(&self) -> (&[u32], usize) {
+        (&self.layer_ids, self.experts)
+    }
+
+    /// This router's own sums on `worker` now, to send with a load poll (None: no such worker).
+    pub fn own_at_poll(self: &Arc<Self>, worker: usize) -> Option<OwnAtPoll> {
+        let sums = self.log_sum.get(worker)?.lock().unwrap_or_else(|e| e.into_inner());
+        Some(OwnAtPoll { load: Arc::clone(self), worker, own: sums.own.clone() })
+    }
+
+    /// Apply `worker`'s occupancy report: per cell (layer-major, `layout()` order) the share of
+    /// its recent decode steps in which no request selected the expert. From now on the worker's
+    /// cells read the report plus this router's requests since `at_poll` (started, minus ended).
+    pub fn report_occupancy(&self, at_poll: &OwnAtPoll, idle: &[f64]) -> Result<(), OccupancyError> {
+        if !std::ptr::eq(Arc::as_ptr(&at_poll.load), self) {
+            return Err(OccupancyError::Changed);
+        }
+        let want = self.layer_ids.len() * self.experts;
+        if idle.len() != want {
+            return Err(OccupancyError::Cells { got: idle.len(), want });
+        }
+        if let Some(&bad) = idle.iter().find(|v| !(0.0..=1.0).contains(*v)) {
+            return Err(OccupancyError::BadIdle(bad));
+        }
+        // an expert idle in none of the window's steps: as good as always used (exp(-64) ~ 0)
+        let base = idle.iter().zip(&at_poll.own).map(|(&f, &own)| (f.max(1e-12).ln() * LOG_SCALE).round() as i64 - own).collect();
+        self.set_report(at_poll.worker, base);
+        Ok(())
+    }
+
+    /// Forget `worker`'s occupancy report: its cells read this router's requests alone again.
+    pub fn clear_occupancy(&self, worker: usize) -> Result<(), OccupancyError> {
+        if worker >= self.num_workers() {
+            return Err(OccupancyError::Worker { worker, workers: self.num_workers() });
+        }
+        self.set_report(worker, Vec::new());
+        Ok(())
+    }
+
+    /// Whether `worker` routes on an occupancy report now.
+    pub fn has_occupancy(&self, worker: usize) -> bool {
+        self.log_sum.get(worker).is_some_and(|m| !m.lock().unwrap_or_else(|e| e.into_inner()).report.is_empty())
+    }
+
+    fn set_report(&self, worker: usize, report: Vec<i64>) {
+        let (t, k) = (exp_tables(), self.workers);
+        let mut sums = self.log_sum[worker].lock().unwrap_or_else(|e| e.into_inner());
+        if sums.report.is_empty() && report.is_empty() {
+            return;
+        }
+        sums.report = report;
+        let mut d = 0i64;
+        for c in 0..sums.own.len() {
+            let cell = &self.keep[c * k + worker];
+            let (old, new) = (cell.load(Ordering::Relaxed) as i64, mass(t, sums.effective(c)));
             cell.store(new as u32, Ordering::Relaxed);
             d += old - new;
         }
@@ -606,6 +710,10 @@ impl Policy for Locality {
 
     fn expert_distinct(&self) -> Option<Vec<f64>> {
         Some(self.load.load_full().map_or_else(Vec::new, |l| (0..l.num_workers()).map(|w| l.distinct(w)).collect()))
+    }
+
+    fn expert_load(&self) -> Option<Arc<ExpertLoad>> {
+        self.load.load_full()
     }
 
     fn choose(&self, ctx: &RouteContext) -> Decision {

@@ -25,7 +25,7 @@ pub use config::{
 };
 pub use eldr::{band_size, Eldr};
 pub use label::{parse_arms, parse_label, py_repr, ArmLabel, PolicyLabel, MAX_ARMS, PAGED};
-pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
+pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, OccupancyError, OwnAtPoll, ProfileError};
 pub use paged::{PagedLocality, ResidentEstimate};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
@@ -125,6 +125,11 @@ pub trait Policy: Send + Sync {
     fn expert_distinct(&self) -> Option<Vec<f64>> {
         None
     }
+    /// The locality balancer's expert state (what a worker's occupancy report is blended
+    /// into); None for other policies, and before the balancer's first profile.
+    fn expert_load(&self) -> Option<Arc<ExpertLoad>> {
+        None
+    }
     /// The resident experts per MoE layer (SGLang's `--paged-experts-num-resident C`) that the
     /// cache-aware locality cost assumes on every decode worker; None for every other policy.
     fn paged_experts(&self) -> Option<usize> {
@@ -156,5 +161,7 @@ pub(crate) fn shortest_healthy(loads: &[i64], healthy: &[bool]) -> Option<usize>
     best
 }
 
+#[cfg(test)]
+mod occupancy_tests;
 #[cfg(test)]
 mod tests;

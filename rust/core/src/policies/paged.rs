@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use arc_swap::ArcSwapOption;
 
 use super::locality::{state_for, LayoutState};
-use super::{load_cap, shortest_healthy, Decision, ExpertGuard, ExpertProfile, Locality, Policy, ProfileError, Reason, RouteContext};
+use super::{load_cap, shortest_healthy, Decision, ExpertGuard, ExpertLoad, ExpertProfile, Locality, Policy, ProfileError, Reason, RouteContext};
 use crate::signature::NoSignature;
 
 /// One worker's estimated slots: per profile row, the recency stamp of each expert (0 = never
@@ -197,6 +197,10 @@ impl Policy for PagedLocality {
 
     fn expert_distinct(&self) -> Option<Vec<f64>> {
         self.inner.expert_distinct()
+    }
+
+    fn expert_load(&self) -> Option<Arc<ExpertLoad>> {
+        self.inner.expert_load()
     }
 
     fn choose(&self, ctx: &RouteContext) -> Decision {
