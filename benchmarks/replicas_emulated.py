@@ -7,11 +7,18 @@ One cluster serves every arm in turn (fresh routers each time), closed-loop stre
 send the trace's requests in order:
 
 - `round_robin x1`: the baseline every other arm is compared with;
-- `default x1`: one router, the default policy (locality/0.05);
+- `default x1`: one router, the default policy (locality/0.05), which asks the workers for
+  their expert occupancy beside their load (the emulated workers answer as SGLang patched
+  with `--enable-eldr-occupancy` does; docs/router.md);
 - `default x2`: two replicas with the same flags, the clients alternating between them;
-- `default x2, no polls`: the same with `--load-monitor-interval 0` on both;
+- `... no reports`: the same with `--eldr-occupancy-reports off` (each replica sees only its
+  own requests' experts: the service before the reports);
+- `default x2, no polls`: the same with `--load-monitor-interval 0` on both (no loads, no reports);
 - `default x2, --router-replicas 2`: the same with each replica projecting the other's
-  requests between polls (rust/core/src/queue.rs, `set_replicas`; docs/operations.md).
+  requests between polls: each request sent counts one more request on its worker's load
+  (rust/core/src/queue.rs, `set_replicas`) and one mirror image of its experts
+  (policies/locality.rs), until that worker's next report (docs/operations.md); also
+  without the occupancy reports.
 
 Routing quality is what the decode workers count: the mean distinct experts per layer per
 step, at equal batch (each arm's per-batch means weighted by round robin's batch sizes), as a
@@ -35,11 +42,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+NO_REPORTS = ["--eldr-occupancy-reports", "off"]
 ARMS = [("round_robin x1", "round_robin", 1, []),
         ("default x1", "locality", 1, []),
+        ("default x1, no reports", "locality", 1, NO_REPORTS),
         ("default x2", "locality", 2, []),
+        ("default x2, no reports", "locality", 2, NO_REPORTS),
         ("default x2, no polls", "locality", 2, ["--load-monitor-interval", "0"]),
-        ("default x2, --router-replicas 2", "locality", 2, ["--router-replicas", "2"])]
+        ("default x2, --router-replicas 2", "locality", 2, ["--router-replicas", "2"]),
+        ("default x2, --router-replicas 2, no reports", "locality", 2, ["--router-replicas", "2", *NO_REPORTS])]
 
 
 def _stats(urls: list[str]) -> list[dict]:
@@ -116,11 +127,13 @@ def run(args, workdir: Path) -> dict:
     tpath, cpath = workdir / "trace.npz", workdir / "c.eldr"
     save_trace(trace, tpath)
     fit_trace(trace, workers=args.decode, tau=0.1, seed=0).write(cpath)
-    cluster, urls = start_cluster(tpath, workdir, prefill=args.prefill, decode=args.decode, time_scale=args.time_scale)
+    cluster, urls = start_cluster(tpath, workdir, prefill=args.prefill, decode=args.decode, time_scale=args.time_scale,
+                                  extra=["--occupancy-source", args.occupancy_source])
     rows = {}
     try:
         for label, policy, replicas, extra in ARMS:
-            flags = ["--disagg-router", policy, "--eldr-centroids", str(cpath), "--no-eldr-drift", *extra]
+            flags = ["--disagg-router", policy, "--eldr-centroids", str(cpath), "--no-eldr-drift",
+                     "--load-monitor-interval", f"{args.load_monitor_interval:g}", *extra]
             routers = [start_router(urls, workdir, flags) for _ in range(replicas)]
             try:
                 before = _stats(urls["decode"])
@@ -152,10 +165,11 @@ def run(args, workdir: Path) -> dict:
     for r in rows.values():  # JSON keys, once every arm is compared
         r["by_batch"] = {str(k): list(v) for k, v in sorted(r["by_batch"].items())}
     gap = rows["default x2"]["distinct_change_pct"] - rows["default x1"]["distinct_change_pct"]
+    gap_off = rows["default x2, no reports"]["distinct_change_pct"] - rows["default x1, no reports"]["distinct_change_pct"]
     return {"simulated": "emulated workers: step times from the simulator's cost model, routing replayed from a "
                          "synthetic strong-locality trace; the routers are the real ones",
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "seeds")},
-            "arms": rows, "gap_points_two_vs_one": gap}
+            "arms": rows, "gap_points_two_vs_one": gap, "gap_points_two_vs_one_no_reports": gap_off}
 
 
 def markdown(runs: list[dict]) -> str:
@@ -163,7 +177,8 @@ def markdown(runs: list[dict]) -> str:
     lines = ["# Router replicas on an emulated cluster\n",
              f"{runs[0]['simulated']}. K = {s['decode']} decode, {s['prefill']} prefill, {s['concurrency']} closed-loop "
              f"streaming clients, {s['requests_per_arm']} requests per arm, time scale {s['time_scale']:g}, one trace "
-             "per seed. Distinct experts per layer per step counted in the workers, at round robin's batch sizes.\n"]
+             f"per seed, load polls every {s.get('load_monitor_interval', 1.0):g} s, occupancy reports from the workers' "
+             f"{'decode steps' if s.get('occupancy_source') == 'steps' else 'requests profiles'}. Distinct experts per layer per step counted in the workers, at round robin's batch sizes.\n"]
     for res in runs:
         lines += [f"## Seed {res['settings']['seed']}\n",
                   "| arm | requests (failed) | distinct experts at equal batch | vs round robin | TPOT p50 vs round robin |",
@@ -174,8 +189,10 @@ def markdown(runs: list[dict]) -> str:
                          f"{r['distinct_change_pct']:+.1f}% | {tp} |")
         lines.append("")
     gaps = [r["gap_points_two_vs_one"] for r in runs]
-    lines.append(f"Two replicas against one (distinct experts at equal batch, points), per seed: "
-                 f"**{', '.join(f'{g:+.2f}' for g in gaps)}** (issue 32's bar: within 1 point). The TPOT column moves "
+    off = [r["gap_points_two_vs_one_no_reports"] for r in runs]
+    lines.append(f"Two replicas against one (distinct experts at equal batch, points), per seed, with the workers' "
+                 f"occupancy reports (the default): **{', '.join(f'{g:+.2f}' for g in gaps)}**; without them: "
+                 f"{', '.join(f'{g:+.2f}' for g in off)} (issue 32's bar: within 1 point). The TPOT column moves "
                  "by several points between seeds on this shared 2-core machine; the distinct experts are the "
                  "steadier measure of routing.")
     return "\n".join(lines) + "\n"
@@ -192,6 +209,10 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--occupancy-source", choices=("signatures", "steps"), default="signatures",
+                    help="what the emulated workers' occupancy reports are made of (default: the requests' profiles)")
+    ap.add_argument("--load-monitor-interval", type=float, default=1.0,
+                    help="the routers' load (and occupancy) poll interval, seconds (default 1, the router's default)")
     ap.add_argument("--seeds", default="0", help="comma-separated trace seeds, one run each (default 0)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "replicas_emulated"))
     ap.add_argument("--workdir", default=None)
@@ -214,7 +235,8 @@ def main() -> int:
             runs.append(run(args, Path(args.workdir or tmp)))
     md = markdown(runs)
     print(md)
-    io_safe.write_text(f"{out}.json", json.dumps({"runs": runs, "gap_points_two_vs_one": [r["gap_points_two_vs_one"] for r in runs]},
+    io_safe.write_text(f"{out}.json", json.dumps({"runs": runs, "gap_points_two_vs_one": [r["gap_points_two_vs_one"] for r in runs],
+                                                "gap_points_two_vs_one_no_reports": [r["gap_points_two_vs_one_no_reports"] for r in runs]},
                                                indent=1) + "\n")
     io_safe.write_text(f"{out}.md", md)
     return 0

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--assign", choices=["hash", "sequential"], default="hash",
                        help="prefill: map prompts to trace requests by hash, or in arrival (trace) order")
         p.add_argument("--max-running-requests", type=integer(1, 1 << 20), default=256, help="decode batch limit")
+        p.add_argument("--occupancy-source", choices=("signatures", "steps"), default="signatures",
+                       help="decode: what its expert occupancy report (/v1/loads?eldr_layers=...) is made of: the "
+                       "running requests' profiles the router sent (default), or its decode steps' experts, "
+                       "averaged over the last 32 steps")
         p.add_argument("--bootstrap-timeout-secs", type=real(0, lo_open=True), default=300.0)
         p.add_argument("--log-level", default="warning")
         p.add_argument("--fault", action="append", default=[], metavar="[ROLE:INDEX=]MODE",
@@ -120,7 +124,7 @@ async def _run(args) -> None:
             urls["prefill"].append([f"http://{args.host}:{port}", bport])
         else:
             w = DecodeWorker(spec, max_running=args.max_running_requests, kv_timeout_s=args.bootstrap_timeout_secs,
-                             local_bootstrap=local_bootstrap)
+                             local_bootstrap=local_bootstrap, occupancy_source=args.occupancy_source)
             await site(w.app(), port)
             urls["decode"].append(f"http://{args.host}:{port}")
         for mode in specs:

@@ -1,7 +1,7 @@
-"""The emulated decode worker's expert occupancy, as a SGLang decode server patched with
-`--enable-eldr-occupancy` keeps it (patches/sglang-0.5.23, 0005; the answer's shape:
-eldr_sglang/router/occupancy.py): per MoE layer and expert, a moving average over the last
-`window_steps` decode steps of "no request of the batch selected this expert"."""
+"""The emulated decode worker's measured expert occupancy (`--occupancy-source steps`; the
+answer's shape: eldr_sglang/router/occupancy.py): per MoE layer and expert, a moving average
+over the last `window_steps` decode steps of "no request of the batch selected this expert".
+The default source, the requests' profiles, is eldr_sglang/sglang_ext/profile_occupancy.py."""
 
 from __future__ import annotations
 
@@ -39,6 +39,6 @@ class Occupancy:
         if bad:
             return {"eldr_occupancy_error": f"layer {bad[0]} is not a MoE layer (0..{self.num_layers - 1})"}
         idle = np.ones((len(layers), self.num_experts)) if running == 0 else self.idle[layers]
-        return {"eldr_occupancy": {"version": VERSION, "experts": self.num_experts, "layers": layers,
+        return {"eldr_occupancy": {"version": VERSION, "source": "steps", "experts": self.num_experts, "layers": layers,
                                    "window_steps": self.window_steps, "running": running,
                                    "idle": np.round(idle, 4).tolist()}}

@@ -69,6 +69,7 @@ from eldr_sglang.sim.cost_model import ExecutionModel
 from eldr_sglang.models import MODEL_PROFILES, get_model
 from eldr_sglang.sim.profiles import get_hardware
 from eldr_sglang.emulate.occupancy import Occupancy
+from eldr_sglang.sglang_ext.profile_occupancy import ProfileOccupancy
 from eldr_sglang.router.occupancy import QUERY_PARAM as OCC_PARAM
 from eldr_sglang.sim.replay import TraceReplay, distinct_counter
 from eldr_sglang.traces import Trace
@@ -489,7 +490,7 @@ class _Running:
 
 class DecodeWorker:
     def __init__(self, spec: WorkerSpec, *, max_running: int = 256, kv_timeout_s: float = 300.0, fault: str | None = None,
-                 local_bootstrap: dict[tuple[str, int], PrefillWorker] | None = None):
+                 local_bootstrap: dict[tuple[str, int], PrefillWorker] | None = None, occupancy_source: str = "signatures"):
         self.spec = spec
         # prefill workers of this process by bootstrap (host, port): their KV is taken by a call,
         # not an HTTP exchange (--kv-in-process), the same handoff at a fraction of the CPU
@@ -503,6 +504,9 @@ class DecodeWorker:
         self.transferring = 0
         self._wake = asyncio.Event()
         self._distinct = distinct_counter()
+        # the expert occupancy it reports: from its requests' profiles, or measured per step
+        self.occupancy_source = occupancy_source
+        self.profiles = ProfileOccupancy()
         self.occupancy = Occupancy(spec.trace.num_layers, spec.trace.num_experts)
         self.steps = 0
         self.step_time_total = 0.0
@@ -542,7 +546,8 @@ class DecodeWorker:
                                "decode_transfer_queue_reqs": self.transferring},
         }]}
         if OCC_PARAM in request.query:  # a worker patched with --enable-eldr-occupancy
-            body.update(self.occupancy.report(request.query[OCC_PARAM], len(self.running)))
+            src = self.profiles if self.occupancy_source == "signatures" else self.occupancy
+            body.update(src.report(request.query[OCC_PARAM], len(self.running)))
         return web.json_response(body)
 
     async def server_info(self, _):
@@ -560,7 +565,8 @@ class DecodeWorker:
                 "step_time_total_s": self.step_time_total, "step_wall_total_s": self.step_wall_total,
                 "batch_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
                 "distinct_by_batch": {str(k): v for k, v in sorted(self.distinct_by_batch.items())},
-                "running": len(self.running), "waiting": len(self.waiting), "transferring": self.transferring}
+                "running": len(self.running), "waiting": len(self.waiting), "transferring": self.transferring,
+                "profiles_received": self.profiles.added, "profiles_dropped": self.profiles.dropped}
 
     async def _batch_loop(self) -> None:
         rp = self.spec.replay
@@ -607,6 +613,14 @@ class DecodeWorker:
             body = await request.json()
         except ValueError:
             return _json_err(400, "body is not JSON")
+        # the request's expert profile counts in the occupancy report while it is here
+        token = self.profiles.add(body.get("eldr_profile")) if isinstance(body, dict) else None
+        try:
+            return await self._serve(request, body)
+        finally:
+            self.profiles.remove(token)
+
+    async def _serve(self, request: web.Request, body) -> web.StreamResponse:
         if not isinstance(body, dict) or not isinstance(body.get("bootstrap_room"), int) or not body.get("bootstrap_host"):
             return _json_err(400, "a PD decode request needs bootstrap_host, bootstrap_port and an integer bootstrap_room")
         ctl = body.get("emulator") if isinstance(body.get("emulator"), dict) else {}

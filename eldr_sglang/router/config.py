@@ -676,6 +676,7 @@ def plane_config(cfg: RouterConfig, control_url: str) -> str:
         "eject_after_failures": cfg.eject_after_failures, "eject_base_s": cfg.eject_base_s, "eject_max_s": cfg.eject_max_s,
         "client_header_timeout_s": cfg.client_header_timeout_s, "client_body_timeout_s": cfg.client_body_timeout_s,
         "max_payload_size": cfg.max_payload_size, "explain_headers": cfg.explain_headers,
+        "forward_profile": cfg.occupancy_reports,
         "threads": DATA_PLANE_THREADS,
         "signature_reservoir": DRIFT_QUEUE if reservoir_config(cfg) else 0,
         "reservoir": reservoir_config(cfg),

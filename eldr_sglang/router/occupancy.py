@@ -4,14 +4,22 @@ With several router replicas each one sees only its own requests' experts on a w
 worker patched with `--enable-eldr-occupancy` (patches/sglang-0.5.23, 0005) answers
 `/v1/loads?include=core,disagg&eldr_layers=3,7,11` with, beside `loads`:
 
-    "eldr_occupancy": {"version": 1, "experts": E, "layers": [3, 7, 11], "window_steps": 32,
+    "eldr_occupancy": {"version": 1, "source": "signatures", "experts": E, "layers": [3, 7, 11],
                        "running": n, "idle": [[E floats], ... one row per layer]}
 
-`idle[i][e]`: the share of its recent decode steps (a moving average over `window_steps`) in
-which no request of its batch selected expert e at MoE layer `layers[i]`; all 1.0 with no
-request running. That is the locality balancer's per-cell keep mass `exp(S)` for the whole
-batch, every replica's requests included; the core blends it as loads are blended
-(`Router.report_occupancy`: the report, minus this router's share at the poll, plus its own
+`idle[i][e]`: the chance that no request of its batch selects expert e at MoE layer
+`layers[i]` in a step, the locality balancer's per-cell keep mass `exp(S)` for the whole batch,
+every replica's requests included. Two sources (`"source"`):
+
+- `"signatures"` (the default): the product over its running requests of `1 - p` from the
+  profiles the routers sent with them (`eldr_profile`; eldr_sglang/sglang_ext/profile_occupancy.py):
+  exactly what each replica's own state holds for its requests, summed over replicas, with
+  no work per decode step. `"idle": null` (and `"experts": null`): no running request has
+  these layers' profile, so nothing is known to be in use.
+- `"steps"`: measured, the share of its recent decode steps (a moving average over
+  `window_steps`) in which no request selected the expert; all 1.0 with no request running.
+
+The core blends it as loads are blended (`Router.report_occupancy`: the report, minus this router's share at the poll, plus its own
 requests since). The layers asked are the ones the balancer tracks (the centroid file's
 selection). `eldr_layers` is a separate query parameter because SGLang 0.5.23 answers 500 to
 an `include` section it does not know; an unpatched worker ignores it.
@@ -62,6 +70,8 @@ def occupancy_from_loads(body: object, layers: list[int], experts: int) -> np.nd
         raise OccupancyDropped("malformed", "eldr_occupancy is not an object")
     if occ.get("version") != VERSION:
         raise OccupancyDropped("version", f"version {occ.get('version')!r}, this router reads {VERSION}")
+    if occ.get("idle") is None and occ.get("layers") == list(layers):
+        return np.ones(len(layers) * experts)  # no running request of this layout: nothing in use
     if occ.get("layers") != list(layers) or occ.get("experts") != experts:
         raise OccupancyDropped(
             "other_selection",

@@ -93,6 +93,10 @@ pub struct Config {
     pub client_body_timeout_s: f64,
     pub max_payload_size: usize,
     pub explain_headers: bool,
+    /// Send each request's expert profile to its decode worker (`eldr_profile`), which sums
+    /// them for its occupancy report (--eldr-occupancy-reports; unpatched SGLang ignores it).
+    #[serde(default)]
+    pub forward_profile: bool,
     /// Tokio worker threads.
     #[serde(default = "default_threads")]
     pub threads: usize,

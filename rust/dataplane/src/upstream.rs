@@ -45,6 +45,22 @@ impl ReqBody {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The body with one more top-level field (`value`: its JSON), the shared head untouched.
+    pub fn with_field(&self, key: &str, value: &str) -> ReqBody {
+        let (head, tail) = if self.tail.is_empty() { (self.head.slice(..self.head.len().saturating_sub(1)), &b""[..]) } else { (self.head.clone(), &self.tail[..self.tail.len() - 1]) };
+        let empty = head.len() <= 1 && tail.is_empty(); // `{`: no field yet
+        let mut t = Vec::with_capacity(tail.len() + key.len() + value.len() + 6);
+        t.extend_from_slice(tail);
+        if !empty {
+            t.push(b',');
+        }
+        t.push(b'"');
+        t.extend_from_slice(key.as_bytes());
+        t.extend_from_slice(b"\":");
+        t.extend_from_slice(value.as_bytes());
+        t.push(b'}');
+        ReqBody { head, tail: Bytes::from(t) }
+    }
     /// The body as one buffer (a copy: for tests and small bodies).
     pub fn to_vec(&self) -> Vec<u8> {
         [&self.head[..], &self.tail[..]].concat()

@@ -257,7 +257,8 @@ impl PyRouter {
     /// Router replicas in front of these workers, this one among them (1: alone): each
     /// request sent to a worker also counts `replicas - 1` projected requests of the others
     /// there until that worker's next load report or the request's end
-    /// (rust/core/src/queue.rs, `set_replicas`).
+    /// (rust/core/src/queue.rs, `set_replicas`), and the locality balancer counts each
+    /// request's experts `replicas` times (policies/locality.rs).
     #[getter]
     fn get_replicas(&self) -> u32 {
         self.inner.tracker().replicas()
@@ -268,6 +269,7 @@ impl PyRouter {
             return Err(pyo3::exceptions::PyValueError::new_err(format!("replicas must be between 1 and 1024, got {value}")));
         }
         self.inner.tracker().set_replicas(value);
+        self.inner.policy().set_replicas(value);
         Ok(())
     }
     #[getter]

@@ -355,6 +355,37 @@ impl ExpertProfile {
     pub fn parts(&self) -> (&[u32], &[f64]) {
         (&self.cells, &self.p)
     }
+    /// The request's `log(1 - p)` per cell in the state's fixed point (what a worker sums to
+    /// report its batch's occupancy from the requests' profiles: [`Self::to_wire_json`]).
+    pub fn log_keep(&self) -> &[i64] {
+        &self.log_keep
+    }
+    /// The profile as the decode request's `eldr_profile` field: `{"layers": [..], "experts":
+    /// E, "cells": [..], "log_keep": [..]}`, cells layer-major over `layers`, `log_keep` in
+    /// units of 2^-24 (a worker adds them per cell over its running requests; the sum's
+    /// `exp(s / 2^24)` is the cell's idle share, what an occupancy report carries).
+    pub fn to_wire_json(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::with_capacity(48 + 4 * self.layer_ids.len() + 20 * self.cells.len());
+        let list = |s: &mut String, it: &mut dyn Iterator<Item = i64>| {
+            s.push('[');
+            for (i, v) in it.enumerate() {
+                if i > 0 {
+                    s.push(',');
+                }
+                let _ = write!(s, "{v}");
+            }
+            s.push(']');
+        };
+        s.push_str("{\"layers\":");
+        list(&mut s, &mut self.layer_ids.iter().map(|&v| v as i64));
+        let _ = write!(s, ",\"experts\":{},\"cells\":", self.experts);
+        list(&mut s, &mut self.cells.iter().map(|&v| v as i64));
+        s.push_str(",\"log_keep\":");
+        list(&mut s, &mut self.log_keep.iter().copied());
+        s.push('}');
+        s
+    }
     /// Expected distinct experts per layer of one of this request's tokens (about top-k).
     pub fn experts_per_layer(&self) -> f64 {
         self.p.iter().sum::<f64>() / self.layers() as f64
@@ -381,18 +412,24 @@ pub struct ExpertLoad {
 struct PaddedI64(AtomicI64);
 
 /// One worker's sums: `own`, this router's in-flight requests' `S`; `report`, empty without an
-/// occupancy report, else per cell the report's `log(idle)` minus `own` at the poll. A cell's
+/// occupancy report, else per cell the report's `log(idle)` minus `own` at the poll (at most 0). A cell's
 /// published mass is `exp(min(own + report, 0))`: the worker's whole batch as it reported it,
 /// plus this router's own requests since (issue 32: the other replicas' requests count).
+/// `mirror`: with R router replicas, R - 1 images of each of this router's requests sent since
+/// the worker's last occupancy report (empty when none); a report replaces them with the
+/// others' real requests (`epoch` counts reports, so a request sent before one leaves its
+/// images alone when it ends).
 struct Sums {
     own: Vec<i64>,
+    mirror: Vec<i64>,
     report: Vec<i64>,
+    epoch: u64,
 }
 
 impl Sums {
     #[inline]
     fn effective(&self, c: usize) -> i64 {
-        self.own[c] + self.report.get(c).copied().unwrap_or(0)
+        self.own[c] + self.mirror.get(c).copied().unwrap_or(0) + self.report.get(c).copied().unwrap_or(0)
     }
 }
 
@@ -437,7 +474,7 @@ impl ExpertLoad {
             experts,
             generation,
             workers,
-            log_sum: (0..workers).map(|_| Mutex::new(Sums { own: vec![0i64; cells], report: Vec::new() })).collect(),
+            log_sum: (0..workers).map(|_| Mutex::new(Sums { own: vec![0i64; cells], mirror: Vec::new(), report: Vec::new(), epoch: 0 })).collect(),
             keep: (0..cells * workers).map(|_| AtomicU32::new(one)).collect(),
             distinct: (0..workers).map(|_| PaddedI64::default()).collect(),
         }
@@ -455,15 +492,25 @@ impl ExpertLoad {
         p.experts == self.experts && (Arc::ptr_eq(&p.layer_ids, &self.layer_ids) || p.layer_ids[..] == self.layer_ids[..])
     }
 
-    fn apply(&self, worker: usize, p: &ExpertProfile, sign: i64) {
+    /// Count (`sign` 1) or uncount (-1) `p` on `worker`, with `mirrors` images of it while
+    /// the worker's report epoch is still `epoch` (an acquire passes None: the current one).
+    /// Returns the epoch the images were counted in.
+    fn apply(&self, worker: usize, p: &ExpertProfile, sign: i64, mirrors: i64, epoch: Option<u64>) -> u64 {
         let t = exp_tables();
         let k = self.workers;
         // A poisoned lock only means another thread panicked mid-update of plain integers;
         // the sums it left are still the ones every later update telescopes from.
         let mut sums = self.log_sum[worker].lock().unwrap_or_else(|e| e.into_inner());
+        let mirrors = if epoch.is_none_or(|e| e == sums.epoch) { mirrors } else { 0 };
+        if mirrors > 0 && sums.mirror.is_empty() {
+            sums.mirror = vec![0; sums.own.len()];
+        }
         let mut d = 0i64;
         for (&c, &lk) in p.cells.iter().zip(&p.log_keep) {
             sums.own[c as usize] += sign * lk;
+            if mirrors > 0 {
+                sums.mirror[c as usize] += sign * mirrors * lk;
+            }
             let cell = &self.keep[c as usize * k + worker];
             // the published mass is mass(old S): only this worker's lock holder writes it
             let (old, new) = (cell.load(Ordering::Relaxed) as i64, mass(t, sums.effective(c as usize)));
@@ -471,6 +518,7 @@ impl ExpertLoad {
             d += old - new;
         }
         self.distinct[worker].0.fetch_add(d, Ordering::Release);
+        sums.epoch
     }
 
     /// The MoE layer ids and the experts per layer of the cells this state tracks.
@@ -499,8 +547,11 @@ impl ExpertLoad {
             return Err(OccupancyError::BadIdle(bad));
         }
         // an expert idle in none of the window's steps: as good as always used (exp(-64) ~ 0)
-        let base = idle.iter().zip(&at_poll.own).map(|(&f, &own)| (f.max(1e-12).ln() * LOG_SCALE).round() as i64 - own).collect();
-        self.set_report(at_poll.worker, base);
+        // The others' share, never below none: a report can show requests we did not send, but
+        // not that ours are gone (one just sent has not reached the worker yet, one just ended
+        // has not been released here yet; both would read as negative use).
+        let base = idle.iter().zip(&at_poll.own).map(|(&f, &own)| ((f.max(1e-12).ln() * LOG_SCALE).round() as i64 - own).min(0)).collect();
+        self.set_report(at_poll.worker, Some(base));
         Ok(())
     }
 
@@ -509,7 +560,7 @@ impl ExpertLoad {
         if worker >= self.num_workers() {
             return Err(OccupancyError::Worker { worker, workers: self.num_workers() });
         }
-        self.set_report(worker, Vec::new());
+        self.set_report(worker, None);
         Ok(())
     }
 
@@ -518,13 +569,20 @@ impl ExpertLoad {
         self.log_sum.get(worker).is_some_and(|m| !m.lock().unwrap_or_else(|e| e.into_inner()).report.is_empty())
     }
 
-    fn set_report(&self, worker: usize, report: Vec<i64>) {
+    /// Install a report (its images of our requests end: it counts the others' real ones), or
+    /// forget the last one (None; the images stay).
+    fn set_report(&self, worker: usize, report: Option<Vec<i64>>) {
         let (t, k) = (exp_tables(), self.workers);
         let mut sums = self.log_sum[worker].lock().unwrap_or_else(|e| e.into_inner());
-        if sums.report.is_empty() && report.is_empty() {
-            return;
+        match report {
+            None if sums.report.is_empty() => return,
+            None => sums.report = Vec::new(),
+            Some(r) => {
+                sums.report = r;
+                sums.mirror = Vec::new();
+                sums.epoch += 1;
+            }
         }
-        sums.report = report;
         let mut d = 0i64;
         for c in 0..sums.own.len() {
             let cell = &self.keep[c * k + worker];
@@ -569,14 +627,22 @@ impl ExpertLoad {
 
     /// Count `p` on `worker` until the guard is released (or dropped).
     pub fn acquire(self: &Arc<Self>, worker: usize, p: Arc<ExpertProfile>) -> Result<ExpertGuard, ProfileError> {
+        self.acquire_mirrored(worker, p, 0)
+    }
+
+    /// Count `p` on `worker` until the guard is released, and with R router replicas
+    /// `mirrors` = R - 1 images of it standing for the others' alike requests there (they
+    /// route on the same centroids) until the worker's next occupancy report.
+    pub fn acquire_mirrored(self: &Arc<Self>, worker: usize, p: Arc<ExpertProfile>, mirrors: i64) -> Result<ExpertGuard, ProfileError> {
         if worker >= self.num_workers() {
             return Err(ProfileError::WorkerOutOfRange { worker, workers: self.num_workers() });
         }
         if !self.fits(&p) {
             return Err(ProfileError::OtherSelection { layers: p.layers(), experts: p.experts, tracked_layers: self.layers(), tracked_experts: self.experts });
         }
-        self.apply(worker, &p, 1);
-        Ok(ExpertGuard { load: Arc::clone(self), worker, profile: p, released: AtomicBool::new(false) })
+        let mirrors = mirrors.max(0);
+        let epoch = self.apply(worker, &p, 1, mirrors, None);
+        Ok(ExpertGuard { load: Arc::clone(self), worker, profile: p, mirrors, epoch, released: AtomicBool::new(false) })
     }
 }
 
@@ -585,6 +651,8 @@ pub struct ExpertGuard {
     load: Arc<ExpertLoad>,
     worker: usize,
     profile: Arc<ExpertProfile>,
+    mirrors: i64,
+    epoch: u64,
     released: AtomicBool,
 }
 
@@ -594,7 +662,7 @@ impl ExpertGuard {
         if self.released.swap(true, Ordering::AcqRel) {
             return false;
         }
-        self.load.apply(self.worker, &self.profile, -1);
+        self.load.apply(self.worker, &self.profile, -1, self.mirrors, Some(self.epoch));
         true
     }
 }
@@ -613,13 +681,17 @@ pub struct Locality {
     load: ArcSwapOption<ExpertLoad>,
     /// `r`: the per-request part of a step in distinct experts per layer (finite, >= 0).
     request_cost: f64,
+    /// Router replicas beside this one, R - 1: each request's profile also counts R - 1
+    /// mirror images of it (the others, routing on the same centroids, send alike requests
+    /// alike) until the worker's next occupancy report, which counts the others' real ones.
+    mirrors: AtomicU32,
 }
 
 impl Locality {
     /// The balancer with the per-request term `r * (2 * B_w + 1)`; `r` finite and >= 0 (the
     /// policy config checks it: [`super::PolicyConfig::with_request_cost`]).
     pub fn with_request_cost(request_cost: f64) -> Self {
-        Locality { load: ArcSwapOption::empty(), request_cost }
+        Locality { load: ArcSwapOption::empty(), request_cost, mirrors: AtomicU32::new(0) }
     }
 
     /// Worker w's marginal cost for a request adding `delta` new experts per layer there, with
@@ -698,8 +770,9 @@ impl Policy for Locality {
     }
 
     fn track(&self, num_workers: usize, worker: usize, profile: Arc<ExpertProfile>) -> Option<Result<ExpertGuard, ProfileError>> {
+        let mirrors = self.mirrors.load(Ordering::Relaxed) as i64;
         Some(match self.load_for(num_workers, &profile) {
-            Some(l) => l.acquire(worker, profile),
+            Some(l) => l.acquire_mirrored(worker, profile, mirrors),
             None => Err(ProfileError::Stale),
         })
     }
@@ -714,6 +787,10 @@ impl Policy for Locality {
 
     fn expert_load(&self) -> Option<Arc<ExpertLoad>> {
         self.load.load_full()
+    }
+
+    fn set_replicas(&self, replicas: u32) {
+        self.mirrors.store(replicas.max(1) - 1, Ordering::Relaxed);
     }
 
     fn choose(&self, ctx: &RouteContext) -> Decision {

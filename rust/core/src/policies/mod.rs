@@ -130,6 +130,9 @@ pub trait Policy: Send + Sync {
     fn expert_load(&self) -> Option<Arc<ExpertLoad>> {
         None
     }
+    /// Router replicas in front of the same workers, this one among them (1: alone); the
+    /// locality balancer counts each request's experts as R alike requests (locality.rs).
+    fn set_replicas(&self, _replicas: u32) {}
     /// The resident experts per MoE layer (SGLang's `--paged-experts-num-resident C`) that the
     /// cache-aware locality cost assumes on every decode worker; None for every other policy.
     fn paged_experts(&self) -> Option<usize> {

@@ -113,3 +113,36 @@ fn a_report_that_does_not_fit_is_refused_and_changes_nothing() {
     load.report_occupancy(&at, &busy).unwrap();
     assert!(load.distinct(1).is_finite());
 }
+
+#[test]
+fn with_replicas_each_request_counts_as_r_alike_ones_until_a_report_shows_the_others() {
+    let pol = Locality::default();
+    let a = prof(&[0, 1, 8, 9], &[9.0, 9.0, 9.0, 9.0], 9);
+    let one = {
+        let g = pol.track(2, 0, Arc::clone(&a)).unwrap().unwrap();
+        let d = pol.expert_distinct().unwrap()[0];
+        g.release();
+        d
+    };
+    pol.set_replicas(3);
+    let g = pol.track(2, 0, Arc::clone(&a)).unwrap().unwrap();
+    let load = pol.expert_load().unwrap();
+    let three = idle_of(&[&a, &a, &a]);
+    let d3 = three.iter().map(|k| 1.0 - k).sum::<f64>() / LL as f64;
+    assert!((load.distinct(0) - d3).abs() < 1e-5 && load.distinct(0) > one, "{} {} {}", load.distinct(0), d3, one);
+    // the worker reports our request and one other replica's: the state is the report
+    let at = load.own_at_poll(0).unwrap();
+    let two = idle_of(&[&a, &a]);
+    load.report_occupancy(&at, &two).unwrap();
+    let d2 = two.iter().map(|k| 1.0 - k).sum::<f64>() / LL as f64;
+    assert!((load.distinct(0) - d2).abs() < 1e-5);
+    // our request ends: its three images go, the other replica's request stays
+    g.release();
+    assert!((load.distinct(0) - one).abs() < 1e-5, "{} vs {}", load.distinct(0), one);
+    load.clear_occupancy(0).unwrap();
+    assert_eq!(load.distinct(0), 0.0);
+    pol.set_replicas(1);
+    let g = pol.track(2, 1, Arc::clone(&a)).unwrap().unwrap();
+    assert!((pol.expert_distinct().unwrap()[1] - one).abs() < 1e-9);
+    drop(g);
+}

@@ -203,6 +203,10 @@ impl Policy for PagedLocality {
         self.inner.expert_load()
     }
 
+    fn set_replicas(&self, replicas: u32) {
+        self.inner.set_replicas(replicas)
+    }
+
     fn choose(&self, ctx: &RouteContext) -> Decision {
         let k = ctx.loads.len();
         let prof = ctx.profile.filter(|p| !p.is_empty());

@@ -315,7 +315,11 @@ async fn decode_streamed(plane: &Arc<Plane>, ctx: &Bootstrap<'_>, d: DecodeLeg<'
 async fn open_decode(plane: &Plane, ctx: &Bootstrap<'_>, d: &DecodeLeg<'_>, head: Option<(Duration, &'static str)>, attempt: &mut Attempt) -> Result<Response<Incoming>, FlowError> {
     let leg = Leg { role: Role::Decode, worker: d.choice.worker, counters: &plane.counters };
     let deadline = ctx.req.deadline;
-    let opening = upstream::post(&plane.client, &plane.decode, leg, &d.url, ctx.decode_body.clone(), head, deadline);
+    let body = match (&d.choice.profile, plane.cfg.forward_profile) {
+        (Some(p), true) => ctx.decode_body.with_field("eldr_profile", &p.to_wire_json()),
+        _ => ctx.decode_body.clone(),
+    };
+    let opening = upstream::post(&plane.client, &plane.decode, leg, &d.url, body, head, deadline);
     tokio::pin!(opening);
     let watched = d.prefill.filter(|l| head.is_none() && !l.drain.done());
     let opened = match watched {
