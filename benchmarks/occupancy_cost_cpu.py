@@ -11,10 +11,11 @@ A decode step's time is the interval between the starts of two consecutive decod
 of the same batch (the step log's first-MoE-layer timestamps): the whole step, scheduler
 included, so it covers the EMA ops in every MoE layer, the per-forward hook and the report
 written at each load-snapshot publish. Reported: the median over all such intervals, per
-server, and the ratio on/off. The tiny model's step is mostly Python overhead; the EMA's few
+server, their ratio on/off, and the ratio per round (each round's on median over the off
+median of the same round: back to back, so slow drift of the shared machine cancels). The tiny model's step is mostly Python overhead; the EMA's few
 small tensor ops per layer are a larger share of it than of a real model's step.
 
-    python benchmarks/occupancy_cost_cpu.py [--rounds 6] [--requests 4] [--max-new 64] [--json PATH]
+    python benchmarks/occupancy_cost_cpu.py [--rounds 40] [--requests 4] [--max-new 64] [--json PATH]
 """
 
 from __future__ import annotations
@@ -53,14 +54,23 @@ def _round(url: str, requests: int, max_new: int, tag: int) -> None:
         list(ex.map(one, range(requests)))
 
 
-def step_intervals_ms(log: Path, batch: int) -> list[float]:
-    """Intervals between consecutive decode forwards of `batch` rows, in ms."""
-    steps = [s for s in read_steps(log, LAYERS)]
-    out = []
+def step_intervals_ms(log: Path, batch: int) -> list[list[float]]:
+    """Intervals between consecutive decode forwards of `batch` rows, in ms, one list per round
+    (a round's decode steps run back to back; another forward or a pause ends it)."""
+    steps = read_steps(log, LAYERS)
+    rounds, cur = [], []
     for a, b in zip(steps, steps[1:]):
         if a.tokens == b.tokens == batch and 0 < b.t0 - a.t0 < MAX_GAP_S:
-            out.append((b.t0 - a.t0) * 1e3)
-    return out
+            cur.append((b.t0 - a.t0) * 1e3)
+        elif cur:
+            rounds.append(cur)
+            cur = []
+    return rounds + ([cur] if cur else [])
+
+
+def paired_ratios(off: list[list[float]], on: list[list[float]]) -> list[float]:
+    """Per round, the on server's median step over the off server's (the two ran back to back)."""
+    return [statistics.median(b) / statistics.median(a) for a, b in zip(off, on) if a and b]
 
 
 def _summary(ms: list[float]) -> dict:
@@ -84,14 +94,21 @@ def run(a, work: Path) -> dict:
             for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 _round(servers[name].url, a.requests, a.max_new, r)
         seconds = time.monotonic() - t0
-        rows = {name: _summary(step_intervals_ms(h.step_log(f"occ-{name}"), a.requests)) for name in servers}
+        per_round = {name: step_intervals_ms(h.step_log(f"occ-{name}"), a.requests) for name in servers}
     finally:
         h.close()
+    rows = {name: _summary([x for r in rounds for x in r]) for name, rounds in per_round.items()}
     ratio = rows["on"]["median_ms"] / rows["off"]["median_ms"]
+    pairs = paired_ratios(per_round["off"], per_round["on"])
+    if len(per_round["off"]) != a.rounds or len(per_round["on"]) != a.rounds:
+        raise RuntimeError(f"expected {a.rounds} rounds of decode steps per server, found "
+                           f"{len(per_round['off'])} and {len(per_round['on'])}")
+    q = statistics.quantiles(pairs, n=4) if len(pairs) >= 4 else [float("nan")] * 3
     return {"machine": f"{os.cpu_count()} cores shared with other work (nice'd runs)", "model": "tiny Qwen3-MoE, "
             "2 MoE layers x 8 experts, top-2", "rounds": a.rounds, "requests": a.requests, "max_new": a.max_new,
             "off": rows["off"], "on": rows["on"], "ratio_on_off": round(ratio, 4),
-            "cost_pct": round((ratio - 1) * 100, 2), "seconds": round(seconds, 1)}
+            "cost_pct": round((ratio - 1) * 100, 2), "paired_ratio_median": round(statistics.median(pairs), 4),
+            "paired_ratio_p25": round(q[0], 4), "paired_ratio_p75": round(q[2], 4), "seconds": round(seconds, 1)}
 
 
 def table(res: dict) -> str:
@@ -101,13 +118,15 @@ def table(res: dict) -> str:
     for name in ("off", "on"):
         r = res[name]
         lines.append(f"{name:<10} {r['steps']:>6} {r['median_ms']:>10.3f} {r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f}")
-    lines.append(f"ratio on/off: {res['ratio_on_off']:.4f} ({res['cost_pct']:+.2f} %)")
+    lines.append(f"ratio on/off of the medians: {res['ratio_on_off']:.4f} ({res['cost_pct']:+.2f} %)")
+    lines.append(f"per round (back-to-back pairs), ratio on/off: median {res['paired_ratio_median']:.4f}, "
+                 f"p25 {res['paired_ratio_p25']:.4f}, p75 {res['paired_ratio_p75']:.4f}")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds (each: one round per server)")
+    ap.add_argument("--rounds", type=int, default=40, help="alternating rounds (each: one round per server)")
     ap.add_argument("--requests", type=int, default=4, help="concurrent requests per round (the decode batch)")
     ap.add_argument("--max-new", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--json", metavar="PATH", help="also write the result as JSON")

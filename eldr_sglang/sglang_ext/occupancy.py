@@ -10,8 +10,8 @@ starting at 1.0, and back at 1.0 whenever the server's running batch is empty (a
 uses no expert). Only decode forwards count (not extend/prefill, not idle, not speculative
 verify passes). The update is fixed-shape in-place tensor ops on preallocated buffers (a
 per-layer mark row, `index_fill_`, `lerp_` with a device weight), so it runs inside CUDA-graph
-capture and replay with no host sync; the step's weight (1/W or 0) and its real row count
-(graph padding rows are masked) are written into device scalars before each forward.
+capture and replay with no host sync; the step's weight (1/W or 0) and a per-row offset that
+sends graph padding rows to a trash column are written into device buffers before each forward.
 
 The scheduler copies the [L, E] table to the host when it publishes its load snapshot (every
 `--load-snapshot-publish-interval` decode steps, and on idle), and writes it beside the
@@ -62,10 +62,12 @@ class IdleEMA:
             self._row[layer] = i
         L, E = len(self.moe_layers), self.num_experts
         self.idle = torch.ones((L, E), dtype=torch.float32, device=self.device)
-        self._mark = torch.ones((L, E + 1), dtype=torch.float32, device=self.device)  # column E: trash
+        # mark[l, 1 + e]: expert e unused at layer l in this step; columns 0 and E + 1 are trash
+        self._mark = torch.ones((L, E + 2), dtype=torch.float32, device=self.device)
         self._weight = torch.zeros((), dtype=torch.float32, device=self.device)  # 1/W on a decode step, else 0
-        self._n_real = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._arange = torch.arange(self.max_rows, dtype=torch.int64, device=self.device)
+        # added to each row's ids: 1 on the step's real rows, E + 2 on padding rows (-> trash)
+        self._row_off = torch.ones(self.max_rows, dtype=torch.int64, device=self.device)
+        self._n_real = self.max_rows
         self._decode = False  # host mirror: eager forwards skip the ops on other steps
         self.steps = 0  # decode steps seen (host count)
         self._host = None  # CUDA: pinned host copy and its event, one publish behind
@@ -75,30 +77,37 @@ class IdleEMA:
         """Before a forward: a decode step of n_real tokens (rows past it are padding), or not."""
         self._decode = bool(decode)
         self._weight.fill_(1.0 / self.window if decode else 0.0)
-        self._n_real.fill_(int(n_real) if decode else 0)
-        if decode:
-            self.steps += 1
+        if not decode:
+            return
+        self.steps += 1
+        n_real = min(int(n_real), self.max_rows)
+        if n_real != self._n_real:  # the row map changes only with the batch size
+            self._row_off[:n_real].fill_(1)
+            self._row_off[n_real:].fill_(self.num_experts + 2)
+            self._n_real = n_real
 
     def capture(self, layer_id: int | None, topk_ids: Any) -> None:
         """Fold one MoE layer's top-k ids [N, k] of the current forward into the table."""
-        import torch
-
         if layer_id is None or not 0 <= layer_id < len(self._row) or self._row[layer_id] < 0:
             return  # dense layer, or not one of the model's MoE layers
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing and not self._decode:
-            return  # a graph records every forward; the weight 0 makes the others no-ops
+        if not self._decode:  # a CUDA graph records every forward (the weight 0 makes the others no-ops)
+            if self.device.type != "cuda":
+                return
+            import torch
+
+            if not torch.cuda.is_current_stream_capturing():
+                return
         n = int(topk_ids.shape[0])
         if n > self.max_rows:
             return  # never on a decode step (max_rows covers the running batch)
         row, E = self._row[layer_id], self.num_experts
-        ids = topk_ids.to(torch.int64)
-        real = (self._arange[:n] < self._n_real).unsqueeze(1)
-        ids = torch.where(real & (ids >= 0) & (ids < E), ids, E)  # padding, -1, fused shared -> trash
+        # expert e -> column 1 + e; -1 (padding) -> 0; fused shared experts (>= E) and padding
+        # rows -> E + 1. Five small ops per layer, no allocation but the index.
+        idx = (topk_ids + self._row_off[:n].unsqueeze(1)).clamp_(0, E + 1)
         mark = self._mark[row]
         mark.fill_(1.0)
-        mark.index_fill_(0, ids.reshape(-1), 0.0)
-        self.idle[row].lerp_(mark[:E], self._weight)
+        mark.index_fill_(0, idx.reshape(-1), 0.0)
+        self.idle[row].lerp_(mark[1 : E + 1], self._weight)
 
     def reset(self) -> None:
         """The running batch is empty: an empty batch uses no expert."""
