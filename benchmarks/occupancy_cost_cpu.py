@@ -13,7 +13,10 @@ included, so it covers the EMA ops in every MoE layer, the per-forward hook and 
 written at each load-snapshot publish. Reported: the median over all such intervals, per
 server, their ratio on/off, and the ratio per round (each round's on median over the off
 median of the same round: back to back, so slow drift of the shared machine cancels). The tiny model's step is mostly Python overhead; the EMA's few
-small tensor ops per layer are a larger share of it than of a real model's step.
+small tensor ops per layer are a larger share of it than of a real model's step. On two shared
+cores the step-to-step noise is larger than the cost, so the script also times the hooks
+themselves in process (begin_step + one capture per MoE layer, the same shape) and gives that
+as a share of the off server's median step.
 
     python benchmarks/occupancy_cost_cpu.py [--rounds 40] [--requests 4] [--max-new 64] [--json PATH]
 """
@@ -73,6 +76,27 @@ def paired_ratios(off: list[list[float]], on: list[list[float]]) -> list[float]:
     return [statistics.median(b) / statistics.median(a) for a, b in zip(off, on) if a and b]
 
 
+def ema_ops_us(batch: int, reps: int = 2000) -> float:
+    """The occupancy hooks' own CPU time per decode step for this model's shape, in process:
+    begin_step plus one capture per MoE layer (median of 5 timed runs of `reps` steps)."""
+    import torch
+
+    from eldr_sglang.sglang_ext.occupancy import IdleEMA
+
+    torch.set_num_threads(1)  # as the servers (OMP_NUM_THREADS=1)
+    acc = IdleEMA(num_hidden_layers=LAYERS, moe_layers=list(range(LAYERS)), num_experts=8, max_rows=8192)
+    ids = torch.randint(0, 8, (batch, 2), dtype=torch.int32)
+    runs = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            acc.begin_step(True, batch)
+            for layer in range(LAYERS):
+                acc.capture(layer, ids)
+        runs.append((time.perf_counter() - t0) / reps * 1e6)
+    return statistics.median(runs[1:])  # the first run warms up
+
+
 def _summary(ms: list[float]) -> dict:
     q = statistics.quantiles(ms, n=10) if len(ms) >= 10 else [float("nan")] * 9
     return {"steps": len(ms), "median_ms": round(statistics.median(ms), 3), "p10_ms": round(q[0], 3),
@@ -80,6 +104,7 @@ def _summary(ms: list[float]) -> dict:
 
 
 def run(a, work: Path) -> dict:
+    ops_us = ema_ops_us(a.requests)
     h = Harness(work)
     try:
         model = h.model("qwen3_moe")
@@ -108,7 +133,9 @@ def run(a, work: Path) -> dict:
             "2 MoE layers x 8 experts, top-2", "rounds": a.rounds, "requests": a.requests, "max_new": a.max_new,
             "off": rows["off"], "on": rows["on"], "ratio_on_off": round(ratio, 4),
             "cost_pct": round((ratio - 1) * 100, 2), "paired_ratio_median": round(statistics.median(pairs), 4),
-            "paired_ratio_p25": round(q[0], 4), "paired_ratio_p75": round(q[2], 4), "seconds": round(seconds, 1)}
+            "paired_ratio_p25": round(q[0], 4), "paired_ratio_p75": round(q[2], 4), "ema_ops_us_per_step": round(ops_us, 1),
+            "ema_ops_pct_of_off_median": round(ops_us / 1e3 / rows["off"]["median_ms"] * 100, 2),
+            "seconds": round(seconds, 1)}
 
 
 def table(res: dict) -> str:
@@ -121,6 +148,8 @@ def table(res: dict) -> str:
     lines.append(f"ratio on/off of the medians: {res['ratio_on_off']:.4f} ({res['cost_pct']:+.2f} %)")
     lines.append(f"per round (back-to-back pairs), ratio on/off: median {res['paired_ratio_median']:.4f}, "
                  f"p25 {res['paired_ratio_p25']:.4f}, p75 {res['paired_ratio_p75']:.4f}")
+    lines.append(f"the hooks' own CPU time (in process, same shape): {res['ema_ops_us_per_step']:.1f} us per decode "
+                 f"step = {res['ema_ops_pct_of_off_median']:.2f} % of the off median step")
     return "\n".join(lines)
 
 
