@@ -635,6 +635,8 @@ def test_decode_occupancy_report_on_real_sglang(pd):
     assert bad["eldr_occupancy_error"].startswith(f"layer {LAYERS + 5} is not a MoE layer")
     plain = get_json(pd.decodes[0].url + "/v1/loads?include=core,disagg", timeout=30)
     assert "eldr_occupancy" not in plain and "eldr_occupancy_error" not in plain
+    off = _occupancy(pd.prefill.url, "0")  # the prefill runs without the flag
+    assert off["eldr_occupancy_error"] == "off (--enable-eldr-occupancy not set)" and off["loads"]
 
 
 def get_json_text(url: str) -> str:
