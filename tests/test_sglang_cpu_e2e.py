@@ -160,7 +160,9 @@ def pd(cpu, centroids):
         # the harness gives every server, a second one waited in the prealloc queue until the
         # first had generated all its tokens (90 s measured at 40 tok/s, past the test's 300 s
         # at the 13 tok/s seen on loaded cores). 5 x 4096 tokens of this model's KV is 10 MB.
-        decode_extra=["--random-seed", "0", "--max-total-tokens", "20480"])
+        # --enable-eldr-occupancy: the decodes report their expert occupancy in /v1/loads
+        # (test_decode_occupancy_report_on_real_sglang); the router's own polls do not ask for it
+        decode_extra=["--random-seed", "0", "--max-total-tokens", "20480", "--enable-eldr-occupancy"])
     taps, router = [], None
     try:
         _wait(cpu, [prefill, *decodes])
@@ -596,6 +598,45 @@ def test_two_router_replicas_serve_the_real_cluster_together(cpu, pd, centroids)
         assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     finally:
         cpu.stop([replica])
+
+
+def _occupancy(url: str, layers: str) -> dict:
+    return get_json(f"{url}/v1/loads?include=core,disagg,eldr&eldr_layers={layers}", timeout=30)
+
+
+def test_decode_occupancy_report_on_real_sglang(pd):
+    """Issue 32 part 2, the SGLang side: decode servers started with --enable-eldr-occupancy
+    answer /v1/loads?include=...,eldr with their experts' idle moving average. Counts and
+    shapes only: the layers asked, one row of E values in [0, 1] per layer, some expert busy
+    (< 1) while a long request decodes, and an unknown layer id answered with an error line."""
+    layers = list(range(LAYERS))  # the tiny Qwen3-MoE: every layer is MoE
+    asked = ",".join(map(str, reversed(layers)))
+    for d in pd.decodes:
+        body = _occupancy(d.url, asked)
+        occ = body["eldr_occupancy"]
+        assert body["loads"] and body["loads"][0]["disaggregation"]["mode"] == "decode"
+        assert occ["version"] == 1 and occ["experts"] == EXPERTS and occ["window_steps"] == 32
+        assert occ["layers"] == layers[::-1] and len(occ["idle"]) == len(layers)
+        assert all(len(row) == EXPERTS and all(0.0 <= v <= 1.0 for v in row) for row in occ["idle"])
+    busy = []
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(generate, pd.url, "Occupancy: tell me a long story about experts", 300)
+        while not fut.done():  # poll every decode while the request decodes somewhere
+            for d in pd.decodes:
+                occ = _occupancy(d.url, asked)["eldr_occupancy"]
+                if occ["running"] > 0 and min(min(row) for row in occ["idle"]) < 1.0:
+                    busy.append(occ)
+            time.sleep(0.2)
+        fut.result()
+    assert busy, "no decode server reported a busy expert while the request decoded"
+    assert all(0.0 <= v <= 1.0 for occ in busy for row in occ["idle"] for v in row)
+    bad = _occupancy(pd.decodes[0].url, f"0,{LAYERS + 5}")
+    assert "eldr_occupancy" not in bad and bad["loads"]
+    assert bad["eldr_occupancy_error"].startswith(f"layer {LAYERS + 5} is not a MoE layer")
+    plain = get_json(pd.decodes[0].url + "/v1/loads?include=core,disagg", timeout=30)
+    assert "eldr_occupancy" not in plain and "eldr_occupancy_error" not in plain
+    off = _occupancy(pd.prefill.url, "0")  # the prefill runs without the flag
+    assert off["eldr_occupancy_error"] == "off (--enable-eldr-occupancy not set)" and off["loads"]
 
 
 def get_json_text(url: str) -> str:

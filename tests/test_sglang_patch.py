@@ -39,13 +39,13 @@ def overlay(tmp_path_factory) -> Path:
 
 def test_series_applies_cleanly_and_idempotently(overlay):
     _, states = patching.check(overlay)
-    assert [s.state for s in states] == ["unapplied"] * len(states) == ["unapplied"] * 4, states
+    assert [s.state for s in states] == ["unapplied"] * len(states) == ["unapplied"] * 5, states
     _, done = patching.apply(overlay)
     assert done == [p.name for p in patching.read_series(patching.default_series_dir())]
     _, states = patching.check(overlay)
     assert {s.state for s in states} == {"applied"}
     assert patching.apply(overlay)[1] == []  # idempotent
-    assert len(patching.revert(overlay)[1]) == 4
+    assert len(patching.revert(overlay)[1]) == 5
     assert patching.revert(overlay)[1] == []
     assert {s.state for s in patching.check(overlay)[1]} == {"unapplied"}
     patching.apply(overlay)
@@ -154,6 +154,85 @@ def test_patched_modules_import_hook_counts_exactly_flags_parse(overlay):
     assert out["layers"] == [[1, 2, 3], [1, 2, 3]]
     assert out["match"] == [True, True]
     assert out["total"] == (7 + 5) * 2 * 3  # tokens x top-k x MoE layers: dense layer 0 masked
+
+
+OCC_PROBE = textwrap.dedent(
+    """
+    import asyncio, json, sys, types
+    import numpy as np, torch
+    out = {}
+    import sglang.srt.layers.moe.topk as topk
+    import sglang.srt.layers.moe.mega_gate as mega_gate
+    import sglang.srt.model_executor.model_runner as model_runner
+    import sglang.srt.managers.scheduler as scheduler
+    import sglang.srt.entrypoints.v1_loads as v1_loads
+    out["hooked"] = {m.__name__: m._eldr_occ is not None for m in (topk, mega_gate, model_runner, scheduler, v1_loads)}
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt import runtime_context
+    args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "decode", "--enable-eldr-occupancy"])
+    out["flags"] = [args.enable_eldr_occupancy, prepare_server_args(["--model-path", "dummy"]).enable_eldr_occupancy]
+    runtime_context.publish(args, role="scheduler")
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.managers.load_snapshot import LoadSnapshot
+    from eldr_sglang.sglang_ext import occupancy
+    hf = types.SimpleNamespace(num_hidden_layers=4, first_k_dense_replace=1, moe_layer_freq=1,
+                               n_routed_experts=8, num_experts_per_tok=2)
+    pool = types.SimpleNamespace(req_to_token=torch.zeros((8, 16), dtype=torch.int32))
+    runner = types.SimpleNamespace(is_draft_worker=False, req_to_token_pool=pool, device="cpu",
+                                   model_config=types.SimpleNamespace(hf_text_config=hf))
+    occupancy.install(runner)
+    occ = occupancy.OCCUPANCY
+    out["installed"] = None if occ is None else [occ.moe_layers, occ.num_experts, occupancy.REFUSAL]
+    allow = types.SimpleNamespace(allow_routed_experts_capture=True)
+    ids = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    for mode, n in ((ForwardMode.EXTEND, 2), (ForwardMode.DECODE, 2), (ForwardMode.IDLE, 0)):
+        occupancy.begin_forward(runner, types.SimpleNamespace(forward_mode=mode, batch_size=n))
+        for layer in range(4):  # through SGLang's own capture site
+            topk.capture_routed_experts_if_allowed(allow, layer, ids)
+    out["steps"] = occ.steps
+    out["used"] = (occ.host_table() < 1.0).astype(int).tolist()
+    # the handler, with a tokenizer manager that serves one snapshot and the scheduler's report
+    path = sys.argv[1]
+    snap = LoadSnapshot(num_running_reqs=2)
+    occupancy.publish(types.SimpleNamespace(path=path), snap)
+    async def get_loads(include=None, dp_rank=None):
+        return [snap]
+    tm = types.SimpleNamespace(get_loads=get_loads, load_snapshot_reader=types.SimpleNamespace(path=path))
+    def call(**q):
+        r = asyncio.run(v1_loads.get_loads(**{"dp_rank": None, "include": None, "format": None,
+                                               "eldr_layers": None, **q}, tokenizer_manager=tm))
+        r.pop("timestamp")
+        return r
+    out["plain"] = call(include="core,disagg")
+    out["eldr"] = call(include="core,disagg,eldr", eldr_layers="3,1")
+    out["bad"] = call(include="core,disagg,eldr", eldr_layers="0")
+    print("PROBE" + json.dumps(out))
+    """
+)
+
+
+def test_occupancy_hooks_count_decode_steps_and_loads_answers(overlay, tmp_path):
+    patching.apply(overlay)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(REPO)]))
+    p = subprocess.run([sys.executable, "-c", OCC_PROBE, str(tmp_path / "snap.shm")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    out = json.loads(lines[-1][5:])
+    assert all(out["hooked"].values()), out["hooked"]
+    assert out["flags"] == [True, False]
+    assert out["installed"] == [[1, 2, 3], 8, None]
+    assert out["steps"] == 1  # the decode forward only
+    assert out["used"] == [[1, 1, 1, 0, 0, 0, 0, 0]] * 3  # experts 0, 1, 2 at every MoE layer, once
+    assert "eldr_occupancy" not in out["plain"] and "eldr_occupancy_error" not in out["plain"]
+    eldr = dict(out["eldr"])
+    body = eldr.pop("eldr_occupancy")
+    assert eldr == out["plain"]  # the rest of the answer is today's
+    w = round(1 - 1 / 32, 4)
+    assert body == {"version": 1, "experts": 8, "layers": [3, 1], "window_steps": 32, "running": 2,
+                    "idle": [[w, w, w, 1.0, 1.0, 1.0, 1.0, 1.0]] * 2}
+    assert out["bad"]["eldr_occupancy_error"].startswith("layer 0 is not a MoE layer")
+    assert "eldr_occupancy" not in out["bad"] and out["bad"]["loads"] == out["plain"]["loads"]
 
 
 def test_other_sglang_versions_are_refused(tmp_path):
