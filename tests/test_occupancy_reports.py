@@ -36,6 +36,8 @@ def test_a_report_is_read_in_its_exact_shape():
     idle = occupancy_from_loads(_answer(), [2, 5], 3)
     assert idle.tolist() == [1.0, 0.5, 0.0, 0.25, 1.0, 1.0]
     assert occupancy_from_loads({"loads": []}, [2, 5], 3) is None  # an unpatched worker
+    off = {"loads": [], "eldr_occupancy_error": "off (--enable-eldr-occupancy not set)"}
+    assert occupancy_from_loads(off, [2, 5], 3) is None  # a patched one without the flag
     assert query([2, 5]) == "include=core,disagg&eldr_layers=2,5" and query(None) == "include=core,disagg"
 
 

@@ -562,14 +562,16 @@ def test_no_leaks_in_flight_back_to_zero_and_loads_polled_cleanly(pd):
 
 
 def test_two_router_replicas_serve_the_real_cluster_together(cpu, pd, centroids):
-    """Issue 32 part 3 on real SGLang: a second router replica with the same flags in front of
-    the same servers; clients alternate between the two. Counts only: every request finishes
-    in full, each replica routed its own half, the decode servers received every request once,
-    and both replicas' in-flight counts return to zero."""
+    """Issue 32 part 3 on real SGLang: a second router replica, under the default policy, in
+    front of the same servers; clients alternate between the two. Counts only: every request
+    finishes in full, each replica routed its own half, the decode servers received every
+    request once, and both replicas' in-flight counts return to zero. The default's replica
+    sends each request's expert profile with it (which SGLang's API contract ignores) and
+    routes on the decode servers' occupancy reports (--enable-eldr-occupancy), none dropped."""
     from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
 
     replica = cpu.start_router("router-replica", [(pd.ptap.url, pd.boot)], [t.url for t in pd.dtaps], [
-        "--disagg-router", "eldr", "--eldr-centroids", str(centroids), "--no-eldr-drift",
+        "--disagg-router", "locality/0.05", "--eldr-centroids", str(centroids), "--no-eldr-drift",
         "--eldr-signature-timeout-secs", "120", "--request-timeout-secs", "600",
         "--load-monitor-interval", "3", "--health-check-interval-secs", "5"])
     try:
@@ -594,6 +596,14 @@ def test_two_router_replicas_serve_the_real_cluster_together(cpu, pd, centroids)
             time.sleep(0.2)
             st = get_json(replica.url + "/eldr/status")
         assert st["decode_inflight"] == [0, 0] and pd.settle()["decode_inflight"] == [0, 0]
+        deadline = time.monotonic() + 60  # a load poll every 3 s: the reports come with them
+        while not any(st["decode_occupancy_reported"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            st = get_json(replica.url + "/eldr/status")
+        assert any(st["decode_occupancy_reported"]), st["decode_occupancy_reported"]
+        dropped = [ln for ln in get_json_text(replica.url + "/metrics").splitlines()
+                   if ln.startswith("eldr_router_occupancy_reports_dropped_total{")]
+        assert not dropped, dropped
         log = replica.log.read_text()
         assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     finally:
@@ -601,7 +611,10 @@ def test_two_router_replicas_serve_the_real_cluster_together(cpu, pd, centroids)
 
 
 def _occupancy(url: str, layers: str) -> dict:
-    return get_json(f"{url}/v1/loads?include=core,disagg,eldr&eldr_layers={layers}", timeout=30)
+    from eldr_sglang.router.occupancy import query
+
+    # the router's own question: the load sections, and eldr_layers (an unpatched server ignores it)
+    return get_json(f"{url}/v1/loads?{query([int(x) for x in layers.split(',')])}", timeout=30)
 
 
 def test_decode_occupancy_report_on_real_sglang(pd):
@@ -637,6 +650,7 @@ def test_decode_occupancy_report_on_real_sglang(pd):
     assert "eldr_occupancy" not in plain and "eldr_occupancy_error" not in plain
     off = _occupancy(pd.prefill.url, "0")  # the prefill runs without the flag
     assert off["eldr_occupancy_error"] == "off (--enable-eldr-occupancy not set)" and off["loads"]
+
 
 
 def get_json_text(url: str) -> str:

@@ -205,6 +205,7 @@ OCC_PROBE = textwrap.dedent(
         return r
     out["plain"] = call(include="core,disagg")
     out["eldr"] = call(include="core,disagg,eldr", eldr_layers="3,1")
+    out["router_query"] = call(include="core,disagg", eldr_layers="3,1")  # what the router asks
     out["bad"] = call(include="core,disagg,eldr", eldr_layers="0")
     print("PROBE" + json.dumps(out))
     """
@@ -231,6 +232,7 @@ def test_occupancy_hooks_count_decode_steps_and_loads_answers(overlay, tmp_path)
     w = round(1 - 1 / 32, 4)
     assert body == {"version": 1, "experts": 8, "layers": [3, 1], "window_steps": 32, "running": 2,
                     "idle": [[w, w, w, 1.0, 1.0, 1.0, 1.0, 1.0]] * 2}
+    assert out["router_query"] == out["eldr"]  # eldr_layers alone asks too (an unpatched server ignores it)
     assert out["bad"]["eldr_occupancy_error"].startswith("layer 0 is not a MoE layer")
     assert "eldr_occupancy" not in out["bad"] and out["bad"]["loads"] == out["plain"]["loads"]
 

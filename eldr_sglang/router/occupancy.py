@@ -24,6 +24,7 @@ requests since). The layers asked are the ones the balancer tracks (the centroid
 selection). `eldr_layers` is a separate query parameter because SGLang 0.5.23 answers 500 to
 an `include` section it does not know; an unpatched worker ignores it.
 
+A patched worker without the flag answers `"eldr_occupancy_error": "off (...)"`: no report.
 Anything else (another version, other layers or experts, values outside [0, 1], a worker that
 says it cannot) is dropped with a cause, counted by the caller, and routing goes on from this
 router's own view."""
@@ -63,7 +64,7 @@ def occupancy_from_loads(body: object, layers: list[int], experts: int) -> np.nd
     occ = body.get("eldr_occupancy")
     if occ is None:
         err = body.get("eldr_occupancy_error")
-        if err is not None:
+        if err is not None and not str(err).startswith("off"):  # "off (why)": patched, flag not set
             raise OccupancyDropped("worker_refused", str(err)[:200])
         return None
     if not isinstance(occ, dict):
