@@ -52,6 +52,7 @@ use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex};
 
 use thiserror::Error;
 
+
 /// Why a profile cannot be built from the given cells, or counted on a worker.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum ProfileError {
@@ -74,16 +75,16 @@ pub enum ProfileError {
 }
 
 /// Fixed-point scale of `log(1 - p)` in a cell.
-const LOG_SCALE: f64 = (1u64 << 24) as f64;
+pub(super) const LOG_SCALE: f64 = (1u64 << 24) as f64;
 /// Fixed-point scale of the "no request selects this expert" mass `exp(S)`.
 const MASS_SCALE: f64 = (1u64 << 30) as f64;
 
 /// `exp(s / LOG_SCALE)` for s <= 0 from three 1024-entry tables (one per 10-bit chunk of -s),
 /// a pure function of s (so the telescoping sums below stay exact) and much cheaper than exp:
 /// the route reads K x nnz cells.
-struct ExpTables([[f64; 1024]; 3]);
+pub(super) struct ExpTables([[f64; 1024]; 3]);
 
-fn exp_tables() -> &'static ExpTables {
+pub(super) fn exp_tables() -> &'static ExpTables {
     static T: OnceLock<ExpTables> = OnceLock::new();
     T.get_or_init(|| {
         let mut t = [[0.0f64; 1024]; 3];
@@ -106,7 +107,7 @@ fn keep_prob(t: &ExpTables, s: i64) -> f64 {
 }
 
 #[inline]
-fn mass(t: &ExpTables, s: i64) -> i64 {
+pub(super) fn mass(t: &ExpTables, s: i64) -> i64 {
     // + 0.5 and truncate: round half up for this non-negative value, without the libm call
     // that f64::round is on a baseline x86-64 target.
     let x = keep_prob(t, s) * MASS_SCALE + 0.5;
@@ -193,14 +194,14 @@ fn bad_bits(b: u32) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertProfile {
     /// The MoE layer (row of the prefill's counts) of each profile row.
-    layer_ids: Arc<[u32]>,
-    experts: usize,
+    pub(super) layer_ids: Arc<[u32]>,
+    pub(super) experts: usize,
     /// Centroid generation the layer selection came from (0: not from a centroid file).
     generation: u64,
     /// Flat `row * experts + e`, ascending.
-    cells: Vec<u32>,
+    pub(super) cells: Vec<u32>,
     p: Vec<f64>,
-    log_keep: Vec<i64>,
+    pub(super) log_keep: Vec<i64>,
 }
 
 impl ExpertProfile {
@@ -360,32 +361,6 @@ impl ExpertProfile {
     pub fn log_keep(&self) -> &[i64] {
         &self.log_keep
     }
-    /// The profile as the decode request's `eldr_profile` field: `{"layers": [..], "experts":
-    /// E, "cells": [..], "log_keep": [..]}`, cells layer-major over `layers`, `log_keep` in
-    /// units of 2^-24 (a worker adds them per cell over its running requests; the sum's
-    /// `exp(s / 2^24)` is the cell's idle share, what an occupancy report carries).
-    pub fn to_wire_json(&self) -> String {
-        use std::fmt::Write;
-        let mut s = String::with_capacity(48 + 4 * self.layer_ids.len() + 20 * self.cells.len());
-        let list = |s: &mut String, it: &mut dyn Iterator<Item = i64>| {
-            s.push('[');
-            for (i, v) in it.enumerate() {
-                if i > 0 {
-                    s.push(',');
-                }
-                let _ = write!(s, "{v}");
-            }
-            s.push(']');
-        };
-        s.push_str("{\"layers\":");
-        list(&mut s, &mut self.layer_ids.iter().map(|&v| v as i64));
-        let _ = write!(s, ",\"experts\":{},\"cells\":", self.experts);
-        list(&mut s, &mut self.cells.iter().map(|&v| v as i64));
-        s.push_str(",\"log_keep\":");
-        list(&mut s, &mut self.log_keep.iter().copied());
-        s.push('}');
-        s
-    }
     /// Expected distinct experts per layer of one of this request's tokens (about top-k).
     pub fn experts_per_layer(&self) -> f64 {
         self.p.iter().sum::<f64>() / self.layers() as f64
@@ -395,21 +370,21 @@ impl ExpertProfile {
 /// Per-worker in-flight expert state (see the module docs). Cells are laid out
 /// `[cell][worker]`, so a route reads each of the request's cells for all K workers at once.
 pub struct ExpertLoad {
-    layer_ids: Arc<[u32]>,
-    experts: usize,
+    pub(super) layer_ids: Arc<[u32]>,
+    pub(super) experts: usize,
     generation: u64,
-    workers: usize,
+    pub(super) workers: usize,
     /// Per worker, `S` (sum of fixed-point `log(1 - p)` over its in-flight requests) per cell,
     /// and the worker's own occupancy report; the lock serializes that worker's writes.
-    log_sum: Box<[Mutex<Sums>]>,
+    pub(super) log_sum: Box<[Mutex<Sums>]>,
     /// `exp(S)` in fixed point per `[cell][worker]`, written under the worker's lock, read by routes.
-    keep: Box<[AtomicU32]>,
-    distinct: Box<[PaddedI64]>,
+    pub(super) keep: Box<[AtomicU32]>,
+    pub(super) distinct: Box<[PaddedI64]>,
 }
 
 #[repr(align(64))]
 #[derive(Default)]
-struct PaddedI64(AtomicI64);
+pub(super) struct PaddedI64(pub(super) AtomicI64);
 
 /// One worker's sums: `own`, this router's in-flight requests' `S`; `report`, empty without an
 /// occupancy report, else per cell the report's `log(idle)` minus `own` at the poll (at most 0). A cell's
@@ -419,44 +394,17 @@ struct PaddedI64(AtomicI64);
 /// the worker's last occupancy report (empty when none); a report replaces them with the
 /// others' real requests (`epoch` counts reports, so a request sent before one leaves its
 /// images alone when it ends).
-struct Sums {
-    own: Vec<i64>,
-    mirror: Vec<i64>,
-    report: Vec<i64>,
-    epoch: u64,
+pub(super) struct Sums {
+    pub(super) own: Vec<i64>,
+    pub(super) mirror: Vec<i64>,
+    pub(super) report: Vec<i64>,
+    pub(super) epoch: u64,
 }
 
 impl Sums {
     #[inline]
-    fn effective(&self, c: usize) -> i64 {
+    pub(super) fn effective(&self, c: usize) -> i64 {
         self.own[c] + self.mirror.get(c).copied().unwrap_or(0) + self.report.get(c).copied().unwrap_or(0)
-    }
-}
-
-/// Why a worker's occupancy report cannot be applied (the router counts and drops it).
-#[derive(Debug, Error, Clone, PartialEq)]
-pub enum OccupancyError {
-    #[error("the report has {got} cells, the balancer tracks {want} (another layer selection)")]
-    Cells { got: usize, want: usize },
-    #[error("an idle fraction must be in [0, 1], got {0}")]
-    BadIdle(f64),
-    #[error("worker {worker} out of range 0..{workers}")]
-    Worker { worker: usize, workers: usize },
-    #[error("the balancer's expert state changed during the poll")]
-    Changed,
-}
-
-/// This router's own `S` on one worker when a load poll was sent: what the worker's answer
-/// counts of ours (an occupancy report is blended as load reports are).
-pub struct OwnAtPoll {
-    load: Arc<ExpertLoad>,
-    worker: usize,
-    own: Vec<i64>,
-}
-
-impl OwnAtPoll {
-    pub fn load(&self) -> &Arc<ExpertLoad> {
-        &self.load
     }
 }
 
@@ -524,73 +472,6 @@ impl ExpertLoad {
     /// The MoE layer ids and the experts per layer of the cells this state tracks.
     pub fn layout(&self) -> (&[u32], usize) {
         (&self.layer_ids, self.experts)
-    }
-
-    /// This router's own sums on `worker` now, to send with a load poll (None: no such worker).
-    pub fn own_at_poll(self: &Arc<Self>, worker: usize) -> Option<OwnAtPoll> {
-        let sums = self.log_sum.get(worker)?.lock().unwrap_or_else(|e| e.into_inner());
-        Some(OwnAtPoll { load: Arc::clone(self), worker, own: sums.own.clone() })
-    }
-
-    /// Apply `worker`'s occupancy report: per cell (layer-major, `layout()` order) the share of
-    /// its recent decode steps in which no request selected the expert. From now on the worker's
-    /// cells read the report plus this router's requests since `at_poll` (started, minus ended).
-    pub fn report_occupancy(&self, at_poll: &OwnAtPoll, idle: &[f64]) -> Result<(), OccupancyError> {
-        if !std::ptr::eq(Arc::as_ptr(&at_poll.load), self) {
-            return Err(OccupancyError::Changed);
-        }
-        let want = self.layer_ids.len() * self.experts;
-        if idle.len() != want {
-            return Err(OccupancyError::Cells { got: idle.len(), want });
-        }
-        if let Some(&bad) = idle.iter().find(|v| !(0.0..=1.0).contains(*v)) {
-            return Err(OccupancyError::BadIdle(bad));
-        }
-        // an expert idle in none of the window's steps: as good as always used (exp(-64) ~ 0)
-        // The others' share, never below none: a report can show requests we did not send, but
-        // not that ours are gone (one just sent has not reached the worker yet, one just ended
-        // has not been released here yet; both would read as negative use).
-        let base = idle.iter().zip(&at_poll.own).map(|(&f, &own)| ((f.max(1e-12).ln() * LOG_SCALE).round() as i64 - own).min(0)).collect();
-        self.set_report(at_poll.worker, Some(base));
-        Ok(())
-    }
-
-    /// Forget `worker`'s occupancy report: its cells read this router's requests alone again.
-    pub fn clear_occupancy(&self, worker: usize) -> Result<(), OccupancyError> {
-        if worker >= self.num_workers() {
-            return Err(OccupancyError::Worker { worker, workers: self.num_workers() });
-        }
-        self.set_report(worker, None);
-        Ok(())
-    }
-
-    /// Whether `worker` routes on an occupancy report now.
-    pub fn has_occupancy(&self, worker: usize) -> bool {
-        self.log_sum.get(worker).is_some_and(|m| !m.lock().unwrap_or_else(|e| e.into_inner()).report.is_empty())
-    }
-
-    /// Install a report (its images of our requests end: it counts the others' real ones), or
-    /// forget the last one (None; the images stay).
-    fn set_report(&self, worker: usize, report: Option<Vec<i64>>) {
-        let (t, k) = (exp_tables(), self.workers);
-        let mut sums = self.log_sum[worker].lock().unwrap_or_else(|e| e.into_inner());
-        match report {
-            None if sums.report.is_empty() => return,
-            None => sums.report = Vec::new(),
-            Some(r) => {
-                sums.report = r;
-                sums.mirror = Vec::new();
-                sums.epoch += 1;
-            }
-        }
-        let mut d = 0i64;
-        for c in 0..sums.own.len() {
-            let cell = &self.keep[c * k + worker];
-            let (old, new) = (cell.load(Ordering::Relaxed) as i64, mass(t, sums.effective(c)));
-            cell.store(new as u32, Ordering::Relaxed);
-            d += old - new;
-        }
-        self.distinct[worker].0.fetch_add(d, Ordering::Release);
     }
 
     /// `D_w`: expected distinct experts per layer per step of worker w's in-flight requests.

@@ -12,6 +12,7 @@ mod config;
 mod eldr;
 mod label;
 mod locality;
+mod occupancy;
 mod paged;
 mod power_of_two;
 mod random;
@@ -25,7 +26,8 @@ pub use config::{
 };
 pub use eldr::{band_size, Eldr};
 pub use label::{parse_arms, parse_label, py_repr, ArmLabel, PolicyLabel, MAX_ARMS, PAGED};
-pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, OccupancyError, OwnAtPoll, ProfileError};
+pub use locality::{ExpertGuard, ExpertLoad, ExpertProfile, Locality, ProfileError};
+pub use occupancy::{OccupancyError, OwnAtPoll};
 pub use paged::{PagedLocality, ResidentEstimate};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
