@@ -228,6 +228,8 @@ class ExpertProfile:
     @property
     def generation(self) -> int:
         """Centroid generation its layer selection came from (0: built by hand)."""
+    def to_wire_json(self) -> str:
+        """The profile as the data plane sends it with a decode request (`eldr_profile`)."""
 
 @final
 class OccupancySnapshot:

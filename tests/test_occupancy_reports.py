@@ -96,6 +96,7 @@ def test_a_worker_sums_its_running_requests_profiles_exactly():
     [1, 2], "x", {"layers": [], "experts": 3, "cells": [], "log_keep": []},
     _profile([6], [-5]), _profile([0], [5]), _profile([0, 1], [-5]), _profile([0.5], [-5]),
     _profile([0], [True]), {**_profile([0], [-5]), "experts": 0}, {**_profile([0], [-5]), "layers": ["a"]},
+    _profile([1, 1], [-5, -5]), _profile([2, 1], [-5, -5]), _profile([[0]], [[-5]]), _profile([None], [-5]),
 ])
 def test_a_bad_profile_is_ignored_and_counted(bad):
     occ = ProfileOccupancy()

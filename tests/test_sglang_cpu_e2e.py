@@ -573,7 +573,7 @@ def test_two_router_replicas_serve_the_real_cluster_together(cpu, pd, centroids)
     from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
 
     replica = cpu.start_router("router-replica", [(pd.ptap.url, pd.boot)], [t.url for t in pd.dtaps], [
-        "--disagg-router", "locality/0.05", "--eldr-centroids", str(centroids), "--no-eldr-drift",
+        "--disagg-router", "locality", "--eldr-centroids", str(centroids), "--no-eldr-drift",
         "--eldr-signature-timeout-secs", "120", "--request-timeout-secs", "600",
         "--load-monitor-interval", "3", "--health-check-interval-secs", "5"])
     try:

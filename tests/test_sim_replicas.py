@@ -206,3 +206,39 @@ def test_own_view_replicas_project_through_the_core_tracker():
     reps.acquire(0, 10)
     reps.report_load(0, 2)  # the report counts the others' real requests: the projection goes
     assert reps.reps[k].loads()[0] == 2
+
+
+def test_service_reports_show_each_replica_the_others_experts_at_the_poll():
+    """service_reports: a worker's occupancy report, summed from every replica's requests'
+    profiles as the worker sums them, reaches each replica's locality state through
+    Router.report_occupancy; with one replica it changes nothing."""
+    from eldr_sglang import _core
+
+    profiles = [_core.ExpertProfile(1, 8, np.array([0, 1]), np.array([9.0, 9.0]), 9),
+                _core.ExpertProfile(1, 8, np.array([6, 7]), np.array([9.0, 9.0]), 9)]
+
+    def make(k):
+        return make_policy("locality", 2, load_factor=None, profiles=profiles, seed=k)
+
+    one = Replicas(make, 1, 2, mode="service_reports", seed=0)
+    one.route(0)
+    one.acquire(0, 10)
+    before = one.reps[0].router.expert_distinct()
+    one.report_load(0, 1)
+    assert one.reps[0].router.occupancy_reported() == [True, False]
+    assert np.allclose(one.reps[0].router.expert_distinct(), before)
+
+    reps = Replicas(make, 2, 2, mode="service_reports", seed=0)
+    leases = []
+    for r in range(6):  # requests of profile 0 on worker 0, from either replica
+        reps.route(0)
+        leases.append(reps.acquire(0, 10))
+    k = leases[0].replica
+    assert 0 < sum(x.replica == k for x in leases) < 6  # both replicas sent some
+    other = reps.reps[1 - k].router
+    mine = reps.reps[k].router
+    d_own = mine.expert_distinct()[0]
+    reps.report_load(0, 6)
+    assert mine.occupancy_reported()[0] and other.occupancy_reported()[0]
+    assert mine.expert_distinct()[0] > d_own + 1e-6  # the other replica's requests count now
+    assert np.isclose(mine.expert_distinct()[0], other.expert_distinct()[0], atol=1e-4)  # one picture

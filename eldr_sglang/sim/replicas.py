@@ -27,7 +27,14 @@ requests:
 - `own_view_replicas`: the service with `--router-replicas R` on every replica: `own_view`,
   and each replica's Rust tracker projects R - 1 requests of the others per request it sends,
   until that worker's next report or the request's end (rust/core/src/queue.rs,
-  `set_replicas`: the mirrored projection, without worker reports).
+  `set_replicas`), and the locality state counts R - 1 mirror images of its experts
+  (policies/locality.rs), without worker reports.
+- `service_reports`: the service as built (issue 32): `own_view`'s load polls, and at each
+  poll every worker's occupancy report from its requests' profiles (all replicas', summed as
+  the worker does: sglang_ext/profile_occupancy.py), blended by each replica's core as the
+  service blends it (`Router.report_occupancy`: the report, never below the replica's own use,
+  plus its requests since).
+- `service_reports_replicas`: `service_reports` with `--router-replicas R` on every replica.
 
 The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `acquire`
 (right after `route`, for the same request), `report_load`, `loads`.
@@ -35,13 +42,18 @@ The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Callable
 
 import numpy as np
 
+from eldr_sglang.sglang_ext.profile_occupancy import ProfileOccupancy
+
 MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected",
-         "worker_reports_mirrored", "worker_reports_own_cap", "own_view_replicas")
+         "worker_reports_mirrored", "worker_reports_own_cap", "own_view_replicas",
+         "service_reports", "service_reports_replicas")
+SERVICE = ("service_reports", "service_reports_replicas")  # modes with the service's occupancy reports
 PROJECTED = ("worker_reports_projected", "worker_reports_mirrored")  # modes with load-only leases
 
 
@@ -83,9 +95,10 @@ class Replicas:
         self._last = (0, 0)
         # worker_reports_own_cap: the bounded policies' load factors, their Routers' caps off
         self.own_cap: list = [None] * replicas
-        if mode == "own_view_replicas":
+        if mode in ("own_view_replicas", "service_reports_replicas"):
             for rep in self.reps:
                 rep.router.replicas = replicas
+        self._wire: dict[int, tuple] = {}  # a request's profile as sent to its worker, parsed once
         if mode == "worker_reports_own_cap":
             for k, rep in enumerate(self.reps):
                 self.own_cap[k], rep.router.load_factor = rep.router.load_factor, None
@@ -124,9 +137,11 @@ class Replicas:
         """A poll of decode worker `worker`: its load, and in `worker_reports` its occupancy."""
         if self.mode == "no_polls":
             return
-        if self.mode in ("own_view", "own_view_replicas"):
+        if self.mode in ("own_view", "own_view_replicas", *SERVICE):
             for rep in self.reps:
                 rep.report_load(worker, running)
+            if self.mode in SERVICE:
+                self._report_occupancy(worker)
             return
         for k, rep in enumerate(self.reps):
             for old in self.pictures[k][worker] + self.projected[k][worker]:
@@ -134,6 +149,26 @@ class Replicas:
             self.projected[k][worker] = []
             self.pictures[k][worker] = [rep.acquire(worker, x.tokens, trace_r=x.trace_r)
                                         for x in self.held[worker] if x.replica != k]
+
+    def _report_occupancy(self, worker: int) -> None:
+        """Worker `worker`'s occupancy report, from every replica's requests held there."""
+        rep0 = self.reps[0]
+        layout = rep0.router.occupancy_layout()
+        if layout is None or getattr(rep0, "profiles", None) is None:
+            return
+        occ = ProfileOccupancy()
+        for x in self.held[worker]:
+            wire = self._wire.get(x.trace_r)
+            if wire is None:
+                wire = self._wire[x.trace_r] = json.loads(rep0.profiles[x.trace_r].to_wire_json())
+            occ.add(wire)
+        layers, experts = layout
+        rep = occ.report(",".join(map(str, layers)))["eldr_occupancy"]
+        idle = np.ones(len(layers) * experts) if rep["idle"] is None else np.asarray(rep["idle"], dtype=np.float64).ravel()
+        for r in self.reps:
+            snap = r.router.occupancy_snapshot(worker)
+            if snap is not None:
+                r.router.report_occupancy(snap, idle)
 
     def loads(self) -> list[int]:
         return self.reps[0].loads()
