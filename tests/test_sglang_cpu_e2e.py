@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import re
 import subprocess
 import sys
@@ -160,7 +161,8 @@ def pd(cpu, centroids):
         # the harness gives every server, a second one waited in the prealloc queue until the
         # first had generated all its tokens (90 s measured at 40 tok/s, past the test's 300 s
         # at the 13 tok/s seen on loaded cores). 5 x 4096 tokens of this model's KV is 10 MB.
-        # --enable-eldr-occupancy: the decodes report their expert occupancy in /v1/loads
+        # --enable-eldr-occupancy (source signatures, the default): the decodes count the
+        # eldr_profile of the requests they serve and report it in /v1/loads
         # (test_decode_occupancy_report_on_real_sglang); the router's own polls do not ask for it
         decode_extra=["--random-seed", "0", "--max-total-tokens", "20480", "--enable-eldr-occupancy"])
     taps, router = [], None
@@ -619,30 +621,43 @@ def _occupancy(url: str, layers: str) -> dict:
 
 def test_decode_occupancy_report_on_real_sglang(pd):
     """Issue 32 part 2, the SGLang side: decode servers started with --enable-eldr-occupancy
-    answer /v1/loads?include=...,eldr with their experts' idle moving average. Counts and
-    shapes only: the layers asked, one row of E values in [0, 1] per layer, some expert busy
-    (< 1) while a long request decodes, and an unknown layer id answered with an error line."""
+    (the default source, signatures) answer /v1/loads?...&eldr_layers=... with the product
+    over the requests they serve of 1 - p from each request's eldr_profile body field. Counts
+    only: no profile held at rest ("idle": null); while a request with a built profile (p = 0.5
+    on layer 0's experts 0 and 1) decodes, the server that holds it reports exactly those
+    cells at 0.5; after it ends, null again; an unknown layer id is answered with an error
+    line. (The steps source is covered by tests/test_sglang_patch.py.)"""
     layers = list(range(LAYERS))  # the tiny Qwen3-MoE: every layer is MoE
-    asked = ",".join(map(str, reversed(layers)))
+    asked = ",".join(map(str, layers))
     for d in pd.decodes:
         body = _occupancy(d.url, asked)
         occ = body["eldr_occupancy"]
         assert body["loads"] and body["loads"][0]["disaggregation"]["mode"] == "decode"
-        assert occ["version"] == 1 and occ["experts"] == EXPERTS and occ["window_steps"] == 32
-        assert occ["layers"] == layers[::-1] and len(occ["idle"]) == len(layers)
-        assert all(len(row) == EXPERTS and all(0.0 <= v <= 1.0 for v in row) for row in occ["idle"])
-    busy = []
+        assert occ["version"] == 1 and occ["source"] == "signatures" and occ["layers"] == layers
+        assert occ["idle"] is None, occ  # nothing served: no profile held
+    keep = round(math.log(0.5) * (1 << 24))  # -11629080: p = 0.5
+    profile = {"layers": layers, "experts": EXPERTS, "cells": [0, 1], "log_keep": [keep, keep]}
+    want = [[0.5, 0.5] + [1.0] * (EXPERTS - 2)] + [[1.0] * EXPERTS] * (LAYERS - 1)
+    seen = []
     with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(generate, pd.url, "Occupancy: tell me a long story about experts", 300)
+        fut = ex.submit(generate, pd.url, "Occupancy: tell me a long story about experts", 300, eldr_profile=profile)
         while not fut.done():  # poll every decode while the request decodes somewhere
-            for d in pd.decodes:
+            for i, d in enumerate(pd.decodes):
                 occ = _occupancy(d.url, asked)["eldr_occupancy"]
-                if occ["running"] > 0 and min(min(row) for row in occ["idle"]) < 1.0:
-                    busy.append(occ)
+                if occ["idle"] is not None:
+                    seen.append((i, occ))
             time.sleep(0.2)
         fut.result()
-    assert busy, "no decode server reported a busy expert while the request decoded"
-    assert all(0.0 <= v <= 1.0 for occ in busy for row in occ["idle"] for v in row)
+    assert seen, "no decode server reported the request's profile while it decoded"
+    assert len({i for i, _ in seen}) == 1, seen  # the one that served it
+    for _, occ in seen:
+        assert occ["experts"] == EXPERTS and [[round(v, 4) for v in row] for row in occ["idle"]] == want, occ
+    deadline = time.monotonic() + 30  # the decode's stream ends just after the answer's last event
+    after = [_occupancy(d.url, asked)["eldr_occupancy"] for d in pd.decodes]
+    while any(o["idle"] is not None for o in after) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = [_occupancy(d.url, asked)["eldr_occupancy"] for d in pd.decodes]
+    assert all(o["idle"] is None for o in after), after  # taken away when its response ended
     bad = _occupancy(pd.decodes[0].url, f"0,{LAYERS + 5}")
     assert "eldr_occupancy" not in bad and bad["loads"]
     assert bad["eldr_occupancy_error"].startswith(f"layer {LAYERS + 5} is not a MoE layer")

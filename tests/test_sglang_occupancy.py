@@ -169,3 +169,66 @@ def test_publish_writes_beside_the_snapshot_and_resets_on_empty_batch(tmp_path, 
     occ.publish(writer, types.SimpleNamespace(num_running_reqs=0))
     _, table = occ.read_report(writer.path + occ.FILE_SUFFIX)
     assert (table == 1.0).all() and (acc.host_table() == 1.0).all()
+
+
+# ---------------------------------------------------------------- source "signatures"
+def _profile(cells, p):
+    keep = [round(np.log(1 - x) * (1 << 24)) for x in p]
+    return {"layers": [1, 3], "experts": 6, "cells": cells, "log_keep": keep}
+
+
+def test_signatures_refusal_names_the_flag():
+    assert occ.signatures_refusal("decode", 1) is None and occ.signatures_refusal("null", 1) is None
+    assert occ.signatures_refusal("prefill", 1) == "--disaggregation-mode prefill: occupancy is kept by decode servers"
+    assert occ.signatures_refusal("decode", 2).startswith("--tokenizer-worker-num 2: ")
+
+
+def test_answer_signatures_layers_errors_and_running(monkeypatch):
+    from eldr_sglang.sglang_ext.profile_occupancy import ProfileOccupancy
+
+    monkeypatch.setattr(occ, "PROFILES", ProfileOccupancy())
+    loads = [types.SimpleNamespace(num_running_reqs=2), types.SimpleNamespace(num_running_reqs=1)]
+    tok = occ.profiles().add(_profile([0, 7], [0.5, 0.2]))
+    got = occ.answer_signatures(loads, None, None, [1, 3])["eldr_occupancy"]  # no layers asked: every MoE layer
+    assert got["layers"] == [1, 3] and got["running"] == 3 and got["source"] == "signatures"
+    assert [[round(v, 4) for v in row] for row in got["idle"]] == [[0.5] + [1.0] * 5, [1.0, 0.8] + [1.0] * 4]
+    assert occ.answer_signatures(loads, "3,1", None, [1, 3])["eldr_occupancy"]["idle"] is None  # another layout
+    assert occ.answer_signatures(loads, "1,3", None, None)["eldr_occupancy"]["experts"] == 6  # model unknown: as asked
+    assert occ.answer_signatures(loads, "0", None, [1, 3])["eldr_occupancy_error"].startswith("layer 0 is not a MoE layer")
+    assert "not a comma-separated list" in occ.answer_signatures(loads, "x", None, None)["eldr_occupancy_error"]
+    assert occ.answer_signatures(loads, None, None, None)["eldr_occupancy_error"].startswith("eldr_layers: ")
+    assert occ.answer_signatures(loads, "1,3", "why", [1, 3]) == {"eldr_occupancy_error": "off (why)"}
+    occ.PROFILES.remove(tok)
+    assert occ.answer_signatures(loads, "1,3", None, [1, 3])["eldr_occupancy"]["idle"] is None
+
+
+def test_a_streamed_body_holds_its_profile_until_it_ends_or_closes(monkeypatch):
+    import asyncio
+
+    from eldr_sglang.sglang_ext.profile_occupancy import ProfileOccupancy
+
+    monkeypatch.setattr(occ, "PROFILES", ProfileOccupancy())
+
+    async def body():
+        for i in range(3):
+            yield f"chunk{i}"
+
+    async def main():
+        whole = types.SimpleNamespace(body_iterator=body())
+        occ.hold_until_sent(whole, occ.profiles().add(_profile([0], [0.5])))
+        cut = types.SimpleNamespace(body_iterator=body())
+        occ.hold_until_sent(cut, occ.profiles().add(_profile([1], [0.5])))
+        plain = types.SimpleNamespace()  # a complete response: released at once
+        occ.hold_until_sent(plain, occ.profiles().add(_profile([2], [0.5])))
+        held = [occ.PROFILES.running]
+        chunks = [c async for c in whole.body_iterator]
+        held.append(occ.PROFILES.running)
+        await cut.body_iterator.__anext__()
+        held.append(occ.PROFILES.running)
+        await cut.body_iterator.aclose()  # the client went away after one chunk
+        held.append(occ.PROFILES.running)
+        return chunks, held
+
+    chunks, held = asyncio.run(main())
+    assert chunks == ["chunk0", "chunk1", "chunk2"]
+    assert held == [2, 1, 1, 0]

@@ -169,12 +169,19 @@ OCC_PROBE = textwrap.dedent(
     out["hooked"] = {m.__name__: m._eldr_occ is not None for m in (topk, mega_gate, model_runner, scheduler, v1_loads)}
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt import runtime_context
-    args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "decode", "--enable-eldr-occupancy"])
-    out["flags"] = [args.enable_eldr_occupancy, prepare_server_args(["--model-path", "dummy"]).enable_eldr_occupancy]
+    dflt = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "decode", "--enable-eldr-occupancy"])
+    out["default_source"] = [dflt.enable_eldr_occupancy, dflt.eldr_occupancy_source]
+    runtime_context.publish(dflt, role="scheduler")
+    from eldr_sglang.sglang_ext import occupancy
+    occupancy.install(types.SimpleNamespace(is_draft_worker=False))  # signatures: no device hooks
+    out["signatures_installs"] = occupancy.OCCUPANCY is not None
+    args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "decode", "--enable-eldr-occupancy",
+                                "--eldr-occupancy-source", "steps"])
+    out["flags"] = [args.enable_eldr_occupancy, args.eldr_occupancy_source,
+                    prepare_server_args(["--model-path", "dummy"]).enable_eldr_occupancy]
     runtime_context.publish(args, role="scheduler")
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.managers.load_snapshot import LoadSnapshot
-    from eldr_sglang.sglang_ext import occupancy
     hf = types.SimpleNamespace(num_hidden_layers=4, first_k_dense_replace=1, moe_layer_freq=1,
                                n_routed_experts=8, num_experts_per_tok=2)
     pool = types.SimpleNamespace(req_to_token=torch.zeros((8, 16), dtype=torch.int32))
@@ -221,7 +228,9 @@ def test_occupancy_hooks_count_decode_steps_and_loads_answers(overlay, tmp_path)
     assert p.returncode == 0 and lines, p.stderr[-3000:]
     out = json.loads(lines[-1][5:])
     assert all(out["hooked"].values()), out["hooked"]
-    assert out["flags"] == [True, False]
+    assert out["default_source"] == [True, "signatures"]
+    assert out["signatures_installs"] is False  # the signatures source keeps no per-step table
+    assert out["flags"] == [True, "steps", False]
     assert out["installed"] == [[1, 2, 3], 8, None]
     assert out["steps"] == 1  # the decode forward only
     assert out["used"] == [[1, 1, 1, 0, 0, 0, 0, 0]] * 3  # experts 0, 1, 2 at every MoE layer, once
@@ -235,6 +244,133 @@ def test_occupancy_hooks_count_decode_steps_and_loads_answers(overlay, tmp_path)
     assert out["router_query"] == out["eldr"]  # eldr_layers alone asks too (an unpatched server ignores it)
     assert out["bad"]["eldr_occupancy_error"].startswith("layer 0 is not a MoE layer")
     assert "eldr_occupancy" not in out["bad"] and out["bad"]["loads"] == out["plain"]["loads"]
+
+
+SIG_PROBE = textwrap.dedent(
+    """
+    import asyncio, json, math, types
+    out = {}
+    import sglang.srt.entrypoints.http_server as hs
+    import sglang.srt.entrypoints.v1_loads as v1_loads
+    out["hooked"] = hs._eldr_occ is not None
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt import runtime_context
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.load_snapshot import LoadSnapshot
+    from eldr_sglang.sglang_ext import occupancy
+    runtime_context.publish(prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "decode",
+                                                 "--enable-eldr-occupancy"]), role="tokenizer")
+    hf = types.SimpleNamespace(num_hidden_layers=4, first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=8)
+    S = float(1 << 24)
+
+    def profile(cells, ps):
+        return {"layers": [1, 2], "experts": 8, "cells": cells, "log_keep": [round(math.log(1 - p) * S) for p in ps]}
+
+    class Req:  # the parsed body FastAPI caches on the request
+        def __init__(self, body):
+            self.body, self.headers = body, {}
+        async def json(self):
+            return self.body
+        async def is_disconnected(self):
+            return False
+
+    async def main():
+        gate = asyncio.Event()
+        class TM:  # the tokenizer manager: every request waits for the gate, then one output
+            model_config = types.SimpleNamespace(hf_text_config=hf)
+            load_snapshot_reader = None
+            async def generate_request(self, obj, request):
+                await gate.wait()
+                yield {"text": "x", "meta_info": {"id": "r"}}
+            def create_abort_task(self, obj):
+                return None
+            async def get_loads(self, include=None, dp_rank=None):
+                return [LoadSnapshot(num_running_reqs=3)]
+        tm = TM()
+        hs.set_global_state(types.SimpleNamespace(tokenizer_manager=tm))
+        async def chat_handle(request, raw):
+            await gate.wait()
+            return {"choices": []}
+        app = types.SimpleNamespace(state=types.SimpleNamespace(
+            openai_serving_chat=types.SimpleNamespace(handle_request=chat_handle)))
+
+        async def report(layers="1,2"):
+            r = await v1_loads.get_loads(dp_rank=None, include="core", format=None, eldr_layers=layers, tokenizer_manager=tm)
+            return r.get("eldr_occupancy", r.get("eldr_occupancy_error"))
+
+        def gen(body):
+            return hs.generate_request(GenerateReqInput(text="t", stream=body.get("stream", False)), Req(body))
+
+        out["idle_at_rest"] = await report()
+        streamed = await gen({"text": "t", "stream": True, "eldr_profile": profile([0, 9], [0.5, 0.25])})
+        out["streamed_type"] = type(streamed).__name__
+        plain = asyncio.ensure_future(gen({"text": "t", "eldr_profile": profile([0, 3], [0.6, 0.1])}))
+        bad = asyncio.ensure_future(gen({"text": "t", "eldr_profile": {"layers": [1, 2], "experts": 8, "cells": [99],
+                                                                        "log_keep": [-5]}}))
+        raw = Req({"messages": [], "eldr_profile": profile([15], [0.5])})
+        raw.app = app
+        chat = asyncio.ensure_future(hs.openai_v1_chat_completions(types.SimpleNamespace(), raw))
+        await asyncio.sleep(0.05)
+        out["in_flight"] = await report()
+        out["dropped"] = occupancy.PROFILES.dropped
+        out["bad_layers"] = await report("0,9")
+        gate.set()
+        await asyncio.gather(plain, bad, chat)
+        out["handlers_done_stream_open"] = await report()  # the stream's body has not been sent yet
+        out["chunks"] = [c.decode() async for c in streamed.body_iterator]
+        out["idle_after"] = await report()
+        # a client that disconnects: the body iterator is closed after its first chunk
+        gate.clear()
+        gone = await gen({"text": "t", "stream": True, "eldr_profile": profile([1], [0.5])})
+        it = gone.body_iterator
+        gate.set()
+        await it.__anext__()
+        out["before_close"] = occupancy.PROFILES.running
+        await it.aclose()
+        out["after_close"] = [occupancy.PROFILES.running, await report()]
+        # the steps source counts no profile
+        runtime_context.publish(prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "decode",
+            "--enable-eldr-occupancy", "--eldr-occupancy-source", "steps"]), role="tokenizer")
+        added = occupancy.PROFILES.added
+        await gen({"text": "t", "eldr_profile": profile([0], [0.5])})
+        out["steps_counts"] = occupancy.PROFILES.added - added
+
+    asyncio.run(main())
+    print("PROBE" + json.dumps(out))
+    """
+)
+
+
+def test_signatures_occupancy_counts_profiles_while_requests_are_served(overlay):
+    """The default source on the patched overlay's real handlers: /generate (streamed and not)
+    and /v1/chat/completions count their eldr_profile until the response ends (a stream: its
+    body sent or closed), a malformed one is ignored and counted, and /v1/loads answers the
+    product of the running requests' 1 - p."""
+    patching.apply(overlay)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(REPO)]))
+    p = subprocess.run([sys.executable, "-c", SIG_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    out = json.loads(lines[-1][5:])
+    assert out["hooked"]
+    rest = {"version": 1, "source": "signatures", "layers": [1, 2], "running": 3, "experts": None, "idle": None}
+    assert out["idle_at_rest"] == rest
+    assert out["streamed_type"] == "StreamingResponse"
+    # layer 1: e0 0.5 x 0.4 (stream, plain), e3 0.9 (plain); layer 2: e1 0.75 (stream), e7 0.5 (chat)
+    row1, row2 = [1.0] * 8, [1.0] * 8
+    row1[0], row1[3], row2[1], row2[7] = 0.2, 0.9, 0.75, 0.5
+    got = out["in_flight"]
+    assert got["experts"] == 8 and got["running"] == 3 and got["source"] == "signatures"
+    assert [[round(v, 5) for v in row] for row in got["idle"]] == [row1, row2], got["idle"]
+    assert out["dropped"] == 1  # the malformed profile: ignored, counted, its request served
+    assert out["bad_layers"].startswith("layer 0 is not a MoE layer")
+    left = out["handlers_done_stream_open"]["idle"]
+    assert [[round(v, 5) for v in row] for row in left] == [[0.5] + [1.0] * 7, [1.0, 0.75] + [1.0] * 6]
+    assert out["chunks"] and out["chunks"][-1] == "data: [DONE]\n\n"
+    assert out["idle_after"] == rest
+    assert out["before_close"] == 1
+    assert out["after_close"] == [0, rest]
+    assert out["steps_counts"] == 0
 
 
 def test_other_sglang_versions_are_refused(tmp_path):

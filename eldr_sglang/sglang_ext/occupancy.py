@@ -1,6 +1,17 @@
 """Decode expert occupancy (`--enable-eldr-occupancy`): which experts a decode server's batch uses.
 
-For every MoE layer l and routed expert e the decode server keeps, on the device, an
+Two sources (`--eldr-occupancy-source`):
+
+- `signatures` (the default): the HTTP process sums the expert profiles the ELDR router sends
+  with each request (`eldr_profile`) while the request is served, in one process-wide
+  `ProfileOccupancy` (profile_occupancy.py). `while_served` wraps the /generate,
+  /v1/completions and /v1/chat/completions handlers: the profile is added when the request
+  enters and removed when its response ends; a StreamingResponse's when its body iterator ends
+  or is closed (a client disconnect), not when the handler returns. No work per decode step,
+  no device work, and none of the hooks below runs.
+- `steps`: measured on the device, below.
+
+Source `steps`: for every MoE layer l and routed expert e the decode server keeps, on the device, an
 exponential moving average over its decode forward steps of "no token of the step selected
 e at l":
 
@@ -22,7 +33,8 @@ Call sites (patches/sglang-0.5.23/0005-decode-occupancy.patch):
 - `begin_forward(runner, batch)`   ModelRunner.forward, before the model runs
 - `capture(layer_id, topk_ids)`    layers/moe/topk.py `capture_routed_experts_if_allowed`
 - `publish(writer, load)`          Scheduler.publish_load_snapshot, after the snapshot is written
-- `split_include` / `answer`       entrypoints/v1_loads.py
+- `split_include` / `answer_for`   entrypoints/v1_loads.py
+- `while_served(request, served)`  entrypoints/http_server.py (source `signatures`)
 """
 
 from __future__ import annotations
@@ -188,10 +200,11 @@ def occupancy_refusal(args: dict) -> str | None:
 
 
 def _asked() -> bool:
+    """The steps source is asked: the flag, and --eldr-occupancy-source steps."""
     from eldr_sglang.sglang_ext.runtime import _flag
 
     try:
-        return bool(_flag("enable_eldr_occupancy"))
+        return bool(_flag("enable_eldr_occupancy")) and _flag("eldr_occupancy_source", "signatures") == "steps"
     except Exception:  # not a server process of the patched series
         return False
 
@@ -322,14 +335,129 @@ def answer(load_results: list, eldr_layers: str | None, snapshot_path: str | Non
 
 
 def answer_for(load_results: list, eldr_layers: str | None, tokenizer_manager: Any) -> dict:
-    """`answer` with this HTTP process's flag, DP ranks and snapshot path (never raises)."""
+    """`answer` (or `answer_signatures`) with this HTTP process's flags, DP ranks and snapshot
+    path (never raises)."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
         from eldr_sglang.sglang_ext.runtime import _flag
 
+        source, why = http_source()
+        if source == "signatures":
+            return answer_signatures(load_results, eldr_layers, why, _model_moe_layers(tokenizer_manager))
         path = getattr(getattr(tokenizer_manager, "load_snapshot_reader", None), "path", None)
         return answer(load_results, eldr_layers, path, bool(_flag("enable_eldr_occupancy")),
                       int(get_parallel().num_dp_ranks or 1))
     except Exception as exc:
         return {"eldr_occupancy_error": f"occupancy report failed: {type(exc).__name__}: {exc}"}
+
+
+# --------------------------------------------------------------------------- source "signatures"
+PROFILES = None  # this HTTP process's ProfileOccupancy (source "signatures"), made at first use
+
+
+def profiles():
+    """The process-wide ProfileOccupancy."""
+    global PROFILES
+    if PROFILES is None:
+        from eldr_sglang.sglang_ext.profile_occupancy import ProfileOccupancy
+
+        PROFILES = ProfileOccupancy()
+    return PROFILES
+
+
+def signatures_refusal(mode: str, tokenizer_workers: int) -> str | None:
+    """Why an HTTP process with the signatures source does not count profiles; None when it does."""
+    if mode == "prefill":
+        return "--disaggregation-mode prefill: occupancy is kept by decode servers"
+    if int(tokenizer_workers or 1) > 1:
+        return (f"--tokenizer-worker-num {tokenizer_workers}: each HTTP worker holds only its share "
+                "of the requests: not supported yet")
+    return None
+
+
+def http_source() -> tuple[str | None, str | None]:
+    """(source, refusal) of this HTTP process: (None, why) when the flag is off; the refusal
+    is None when the source runs."""
+    from sglang.srt.runtime_context import get_disagg, get_serving
+
+    disagg = get_disagg()
+    if not getattr(disagg, "enable_eldr_occupancy", False):
+        return None, "--enable-eldr-occupancy not set"
+    source = getattr(disagg, "eldr_occupancy_source", "signatures")
+    if source != "signatures":
+        return source, None
+    return source, signatures_refusal(getattr(disagg, "disaggregation_mode", "null"),
+                                      getattr(get_serving(), "tokenizer_worker_num", 1))
+
+
+async def while_served(request: Any, served: Any) -> Any:
+    """Await a handler's response (`served`, a coroutine) with the request's `eldr_profile`
+    counted in PROFILES: removed when the response ends (`hold_until_sent`), or at once when
+    the handler raises. Another source, the flag off, or a body without a profile: just the
+    response. The body is the one the route already parsed (Starlette caches it)."""
+    try:
+        source, why = http_source()
+        body = await request.json() if source == "signatures" and why is None else None
+    except Exception:  # not JSON (the route answers that), or not a patched server process
+        body = None
+    profile = body.get("eldr_profile") if isinstance(body, dict) else None
+    token = profiles().add(profile) if profile is not None else None
+    if token is None:  # none, or malformed (counted in PROFILES.dropped)
+        return await served
+    try:
+        response = await served
+    except BaseException:
+        PROFILES.remove(token)
+        raise
+    return hold_until_sent(response, token)
+
+
+def hold_until_sent(response: Any, token: int) -> Any:
+    """Keep `token` counted until `response` is sent: a streaming body's iterator is wrapped so
+    that its end or close (client disconnect) removes it; any other response is complete."""
+    body = getattr(response, "body_iterator", None)
+    if body is None:
+        PROFILES.remove(token)
+        return response
+    response.body_iterator = _release_after(body, token)
+    return response
+
+
+async def _release_after(body: Any, token: int):
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        PROFILES.remove(token)
+        close = getattr(body, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def _model_moe_layers(tokenizer_manager: Any) -> list[int] | None:
+    """The served model's MoE layer ids from the HTTP process's model config, or None."""
+    try:
+        from eldr_sglang.sglang_ext.runtime import moe_layer_ids
+
+        return moe_layer_ids(tokenizer_manager.model_config.hf_text_config)
+    except Exception:
+        return None
+
+
+def answer_signatures(load_results: list, eldr_layers: str | None, why: str | None,
+                      known: list[int] | None) -> dict:
+    """The /v1/loads field of the signatures source: ProfileOccupancy.report for the asked
+    layers (all MoE layers when none are asked), `running` from the loads."""
+    if why is not None:
+        return {"eldr_occupancy_error": f"off ({why})"}
+    if known is None and not (eldr_layers or "").strip():
+        return {"eldr_occupancy_error": "eldr_layers: the layers to report are needed (the model's MoE layers are unknown here)"}
+    try:
+        layers = _parse_layers(eldr_layers, known) if known is not None else \
+            [int(t) for t in eldr_layers.split(",")]
+    except ValueError as exc:
+        msg = str(exc) if known is not None else f"eldr_layers {eldr_layers[:80]!r} is not a comma-separated list of layer ids"
+        return {"eldr_occupancy_error": msg}
+    running = sum(int(getattr(l, "num_running_reqs", 0)) for l in load_results)
+    return profiles().report(",".join(map(str, layers)), running)
