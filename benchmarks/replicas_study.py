@@ -8,13 +8,16 @@ R router replicas (eldr_sglang/sim/replicas.py) in front of one simulated cluste
 decode workers; each client request reaches a replica at random. Every replica is its own
 Rust Router with its own in-flight counts and expert view, reading the workers' loads every
 load-monitor interval (1 s). Modes: `own_view` (today: each replica's expert view holds
-only its own requests), `worker_reports` (the workers report their expert occupancy beside
-their load; each replica sees the others' requests as of the last poll), `no_polls` (the
+only its own requests), `worker_reports` (the service as built: the workers' occupancy
+reports from their requests' profiles, blended by each replica's core, and `--router-replicas
+R`, at the service's default interval for it: 0.25 s with R > 1), `worker_reports_no_replicas_flag`
+(the reports without `--router-replicas`, 1 s polls), `leases` (the first study's model of
+reports: each replica sees the others' requests as of the last poll), `no_polls` (the
 service with `--load-monitor-interval 0`: each replica balances its own share alone), and
-three variants of `worker_reports`: `worker_reports_projected` (each routed request also
+three variants of `leases`: `leases_projected` (each routed request also
 counts R - 1 load-only leases on its worker until that worker's next poll),
-`worker_reports_mirrored` (the same leases, also ended when the request finishes), and
-`worker_reports_own_cap` (each replica's load cap on its own requests only, as in
+`leases_mirrored` (the same leases, also ended when the request finishes), and
+`leases_own_cap` (each replica's load cap on its own requests only, as in
 `no_polls`). The balancers run behind the same replicas, so each change is against the
 best balancer of the same R and mode. `--modes` runs a subset of the modes.
 
@@ -37,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eldr_sglang.sim.replicas import MODES  # noqa: E402  (own_view, worker_reports, ... own_view_replicas)
+from eldr_sglang.sim.replicas import MODES  # noqa: E402  (own_view, leases, ... own_view_replicas)
 
 REPLICAS = (1, 2, 4, 8)
 BALANCERS = ("random", "round_robin", "shortest_queue", "power_of_two")
@@ -52,7 +55,17 @@ def herding(res, K: int) -> float:
     return float(per.max() / max(per.mean(), 1e-12))
 
 
-def run_cell(replay, em, K: int, idx, clients: int, R: int, mode: str, seed: int, poll_s: float = 1.0) -> dict:
+def poll_interval(mode: str, R: int, given: float | None) -> float:
+    """The load-monitor interval of a run: the one given, else the router's default, which
+    `--router-replicas R` (the `worker_reports` mode) makes 0.25 s for R > 1."""
+    from eldr_sglang.router.config import DEFAULT_LOAD_MONITOR_INTERVAL_S, default_load_monitor_interval
+
+    if given is not None:
+        return given
+    return default_load_monitor_interval(R) if mode in ("worker_reports", "own_view_replicas") else DEFAULT_LOAD_MONITOR_INTERVAL_S
+
+
+def run_cell(replay, em, K: int, idx, clients: int, R: int, mode: str, seed: int, poll_s: float | None = None) -> dict:
     from eldr_sglang.defaults import default_policy_label
     from eldr_sglang.sim.cluster import ClusterConfig, simulate
     from eldr_sglang.sim.metrics import compute_metrics
@@ -72,20 +85,20 @@ def run_cell(replay, em, K: int, idx, clients: int, R: int, mode: str, seed: int
             return make_policy(spec.policy, K, replay=replay, seed=seed * 100 + k, load_factor=spec.load_factor,
                                profiles=profiles if spec.policy == "locality" else None, request_cost=spec.request_cost)
         pol = Replicas(make, R, K, mode=mode, seed=seed)
-        res = simulate(replay, wl, pol, em, ClusterConfig(num_decode=K, load_report_interval_s=poll_s))
+        res = simulate(replay, wl, pol, em, ClusterConfig(num_decode=K, load_report_interval_s=poll_interval(mode, R, poll_s)))
         m = compute_metrics(res, warmup_frac=WARMUP_FRAC)
         out[spec.label] = {"tpot_p50_ms": m["tpot_ms"]["p50"], "tpot_p99_ms": m["tpot_ms"]["p99"],
                            "distinct": m["unique_experts_per_layer_step"], "herding": herding(res, K)}
     best = min(BALANCERS, key=lambda b: out[b]["tpot_p50_ms"])
     best99 = min(out[b]["tpot_p99_ms"] for b in BALANCERS)
     d = out[default]
-    return {"policies": out, "best_balancer": best,
+    return {"policies": out, "best_balancer": best, "poll_s": poll_interval(mode, R, poll_s),
             "p50_change": 100 * (d["tpot_p50_ms"] / out[best]["tpot_p50_ms"] - 1),
             "p99_change": 100 * (d["tpot_p99_ms"] / best99 - 1),
             "distinct": d["distinct"], "herding": d["herding"]}
 
 
-def run_workload(w: dict, seed: int, requests: int, log, poll_s: float = 1.0, modes=MODES) -> list[dict]:
+def run_workload(w: dict, seed: int, requests: int, log, poll_s: float | None = None, modes=MODES) -> list[dict]:
     import per_request_cost_study as prc
     from eldr_sglang.sim.protocol import eval_sequence, random_splits
     from eldr_sglang.sim.replay import TraceReplay
@@ -140,8 +153,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: the strict protocol's minimum)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--load-monitor-interval", type=float, default=1.0, metavar="S",
-                    help="seconds between the replicas' polls of the workers (default 1, the router's default)")
+    ap.add_argument("--load-monitor-interval", type=float, default=None, metavar="S",
+                    help="seconds between the replicas' polls of the workers, every mode (default: the router's "
+                    "default, 1 s, and 0.25 s where --router-replicas R > 1 is set: own_view_replicas, worker_reports)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes to run (default: all of {', '.join(MODES)})")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--md", metavar="PATH")
@@ -153,7 +167,7 @@ def main(argv=None) -> int:
     for p in (a.json, a.md):
         if p and Path(p).exists():
             ap.error(f"{p} exists; move it away first (nothing is overwritten)")
-    if not a.load_monitor_interval > 0:
+    if a.load_monitor_interval is not None and not a.load_monitor_interval > 0:
         ap.error("--load-monitor-interval must be > 0")
     import per_request_cost_study as prc
     from eldr_sglang.sim.protocol import STRICT_MIN_REQUESTS
@@ -173,7 +187,7 @@ def main(argv=None) -> int:
     from eldr_sglang import io_safe
 
     if a.json:
-        io_safe.write_json({"runs": rows, **s, "load_monitor_interval_s": a.load_monitor_interval, "seed": a.seed,
+        io_safe.write_json({"runs": rows, **s, "load_monitor_interval_s": a.load_monitor_interval or "router defaults", "seed": a.seed,
                             "requests": a.requests or STRICT_MIN_REQUESTS,
                             "runtime_s": round(time.perf_counter() - t0, 1)}, a.json, indent=1)
     if a.md:

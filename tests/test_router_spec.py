@@ -154,3 +154,15 @@ def test_router_replicas_flag_projects_in_the_core_and_silences_the_warning(capl
     for bad in ("0", "2000", "x"):
         with pytest.raises((ConfigError, SystemExit)):
             parse_config(BASE + ["--router-replicas", bad])
+
+
+def test_router_replicas_make_the_default_load_poll_faster_unless_it_is_given():
+    """With --router-replicas N > 1 the others' requests are known only from the polls: the
+    default interval drops from 1 s to 0.25 s; a given --load-monitor-interval stands."""
+    from eldr_sglang.router.config import parse_config
+
+    sq = BASE + ["--disagg-router", "shortest_queue"]
+    assert parse_config(sq).load_monitor_interval_s == 1.0
+    assert parse_config(sq + ["--router-replicas", "2"]).load_monitor_interval_s == 0.25
+    assert parse_config(sq + ["--router-replicas", "2", "--load-monitor-interval", "1"]).load_monitor_interval_s == 1.0
+    assert parse_config(sq + ["--load-monitor-interval", "0"]).load_monitor_interval_s == 0.0

@@ -42,8 +42,8 @@ def _sq(k):
     return make_policy("shortest_queue", 2, seed=k)
 
 
-def test_worker_reports_show_the_other_replicas_requests_until_the_next_poll():
-    reps = Replicas(_sq, 2, 2, mode="worker_reports", seed=0)
+def test_leases_show_the_other_replicas_requests_until_the_next_poll():
+    reps = Replicas(_sq, 2, 2, mode="leases", seed=0)
     leases = []
     for r in range(6):
         reps.route(r)
@@ -93,13 +93,13 @@ def _loc(k):
 
 
 def test_projected_replica_counts_the_others_arrivals_as_load_only_until_the_poll():
-    reps = Replicas(_loc, 3, 2, mode="worker_reports_projected", seed=0)
+    reps = Replicas(_loc, 3, 2, mode="leases_projected", seed=0)
     reps.route(0)
     lease = reps.acquire(0, 10)
     k = lease.replica
     loads = [rep.loads()[0] for rep in reps.reps]
     assert loads[k] == 3 and sum(loads) == 3  # its own request and 2 projected ones, on its own router only
-    alone = Replicas(_loc, 1, 2, mode="worker_reports", seed=0)
+    alone = Replicas(_loc, 1, 2, mode="leases", seed=0)
     alone.route(0)
     alone.acquire(0, 10)
     assert reps.reps[k].router.expert_distinct() == alone.reps[0].router.expert_distinct()  # no experts projected
@@ -112,7 +112,7 @@ def test_projected_replica_counts_the_others_arrivals_as_load_only_until_the_pol
 
 
 def test_mirrored_replica_projection_ends_with_the_request_or_the_poll():
-    reps = Replicas(_loc, 4, 2, mode="worker_reports_mirrored", seed=0)
+    reps = Replicas(_loc, 4, 2, mode="leases_mirrored", seed=0)
     reps.route(1)
     first = reps.acquire(1, 10)
     reps.route(2)
@@ -128,7 +128,7 @@ def test_mirrored_replica_projection_ends_with_the_request_or_the_poll():
     assert reps.reps[second.replica].loads()[1] == 0
 
 
-def test_replica_modes_on_worker_reports_with_one_replica_route_as_it(gptoss_trace):
+def test_replica_modes_on_leases_with_one_replica_route_as_it(gptoss_trace):
     from eldr_sglang.models import get_model
     from eldr_sglang.sim.cluster import ClusterConfig, simulate
     from eldr_sglang.sim.cost_model import ExecutionModel
@@ -147,11 +147,11 @@ def test_replica_modes_on_worker_reports_with_one_replica_route_as_it(gptoss_tra
     def run(R, mode):
         return simulate(small, wl, Replicas(make, R, 3, mode=mode), em, ClusterConfig(num_decode=3, load_report_interval_s=0.05))
 
-    base = run(1, "worker_reports")
-    for m in ("worker_reports_projected", "worker_reports_mirrored", "worker_reports_own_cap"):
+    base = run(1, "leases")
+    for m in ("leases_projected", "leases_mirrored", "leases_own_cap"):
         one = run(1, m)
         assert np.array_equal(base.worker, one.worker) and np.array_equal(base.finish, one.finish)
-    three = [run(3, m) for m in ("worker_reports", "worker_reports_projected")]
+    three = [run(3, m) for m in ("leases", "leases_projected")]
     assert all(np.all(r.completions == 1) for r in three)
     assert not np.array_equal(three[0].worker, three[1].worker)  # with 3 replicas the projection routes otherwise
 
@@ -178,7 +178,7 @@ def _own_cap_scene(mode):
 
 
 def test_own_cap_replica_bounds_its_own_share_not_the_reports():
-    plain, own = _own_cap_scene("worker_reports"), _own_cap_scene("worker_reports_own_cap")
+    plain, own = _own_cap_scene("leases"), _own_cap_scene("leases_own_cap")
     for reps in (plain, own):
         assert reps.reps[0].loads() == [2, 6]  # its own 2, and the report's 6 of replica 1
     # the cap on every request (8 in all: under 5 per worker) shuts worker 1 out ...
@@ -208,8 +208,8 @@ def test_own_view_replicas_project_through_the_core_tracker():
     assert reps.reps[k].loads()[0] == 2
 
 
-def test_service_reports_show_each_replica_the_others_experts_at_the_poll():
-    """service_reports: a worker's occupancy report, summed from every replica's requests'
+def test_worker_reports_no_replicas_flag_show_each_replica_the_others_experts_at_the_poll():
+    """worker_reports_no_replicas_flag: a worker's occupancy report, summed from every replica's requests'
     profiles as the worker sums them, reaches each replica's locality state through
     Router.report_occupancy; with one replica it changes nothing."""
     from eldr_sglang import _core
@@ -220,7 +220,7 @@ def test_service_reports_show_each_replica_the_others_experts_at_the_poll():
     def make(k):
         return make_policy("locality", 2, load_factor=None, profiles=profiles, seed=k)
 
-    one = Replicas(make, 1, 2, mode="service_reports", seed=0)
+    one = Replicas(make, 1, 2, mode="worker_reports_no_replicas_flag", seed=0)
     one.route(0)
     one.acquire(0, 10)
     before = one.reps[0].router.expert_distinct()
@@ -228,7 +228,7 @@ def test_service_reports_show_each_replica_the_others_experts_at_the_poll():
     assert one.reps[0].router.occupancy_reported() == [True, False]
     assert np.allclose(one.reps[0].router.expert_distinct(), before)
 
-    reps = Replicas(make, 2, 2, mode="service_reports", seed=0)
+    reps = Replicas(make, 2, 2, mode="worker_reports_no_replicas_flag", seed=0)
     leases = []
     for r in range(6):  # requests of profile 0 on worker 0, from either replica
         reps.route(0)

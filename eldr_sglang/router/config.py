@@ -26,6 +26,16 @@ from eldr_sglang.router.discovery.flags import DiscoverySettings, add_flags as _
 # seconds between polls of the decode workers' /v1/loads (--load-monitor-interval); the
 # simulator's cluster polls its replicas as often (sim/cluster.py)
 DEFAULT_LOAD_MONITOR_INTERVAL_S = 1.0
+# ... and with --router-replicas N > 1: the others' requests are known only from the polls
+# (loads and expert occupancy), and a 1 s old picture lets replicas herd; simulated at R = 4
+# the default's loss against one router is 2.1 points at 1 s, 0.9 at 0.25 s
+# (benchmarks/results/replicas_study.md)
+REPLICAS_LOAD_MONITOR_INTERVAL_S = 0.25
+
+
+def default_load_monitor_interval(router_replicas: int) -> float:
+    """The poll interval the router uses when --load-monitor-interval is not given."""
+    return REPLICAS_LOAD_MONITOR_INTERVAL_S if router_replicas > 1 else DEFAULT_LOAD_MONITOR_INTERVAL_S
 
 
 
@@ -347,15 +357,17 @@ def _request_flags(req: argparse._ArgumentGroup) -> None:
     req.add_argument("--health-check-interval-secs", type=float, default=10.0)
     req.add_argument("--health-failure-threshold", type=int, default=3)
     req.add_argument(
-        "--load-monitor-interval", type=float, default=DEFAULT_LOAD_MONITOR_INTERVAL_S,
-        help="seconds between polls of the decode workers' /v1/loads (0: off)",
+        "--load-monitor-interval", type=float, default=None,
+        help=f"seconds between polls of the decode workers' /v1/loads (0: off; default "
+        f"{DEFAULT_LOAD_MONITOR_INTERVAL_S:g}, {REPLICAS_LOAD_MONITOR_INTERVAL_S:g} with --router-replicas above 1)",
     )
     req.add_argument(
         "--router-replicas", type=int, default=1,
         help="router replicas in front of these workers, this one among them (default 1). With N > 1 each request "
-        "this router sends also counts N-1 projected requests of the others on its worker until that worker's next "
-        "load report, so replicas do not all pile onto the worker that looked least loaded at the last poll "
-        "(docs/operations.md, 'Several router replicas')",
+        "this router sends also counts N-1 projected requests of the others on its worker (its load, and its experts "
+        "on the locality state) until that worker's next report, so replicas do not all pile onto the worker that "
+        "looked best at the last poll; it also makes the default --load-monitor-interval "
+        f"{REPLICAS_LOAD_MONITOR_INTERVAL_S:g} s (docs/operations.md, 'Several router replicas')",
     )
     req.add_argument(
         "--eldr-occupancy-reports", choices=("on", "off"), default="on",
@@ -467,7 +479,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         worker_startup_timeout_s=a.worker_startup_timeout_secs,
         health_check_interval_s=a.health_check_interval_secs,
         health_failure_threshold=a.health_failure_threshold,
-        load_monitor_interval_s=a.load_monitor_interval,
+        load_monitor_interval_s=(a.load_monitor_interval if a.load_monitor_interval is not None
+                                 else default_load_monitor_interval(a.router_replicas)),
         router_replicas=a.router_replicas,
         occupancy_reports=a.eldr_occupancy_reports == "on",
         poll_timeout_s=a.worker_poll_timeout_secs,

@@ -8,19 +8,19 @@ requests:
 - `own_view`: today's service. Each replica reads every decode worker's /v1/loads count each
   load-monitor interval (`report_load`: the fresh count, minus this replica's share at poll
   time, plus its own requests since), but its expert view holds only its own requests.
-- `worker_reports`: the workers report their expert occupancy beside their load (issue 32's
-  proposal). At each poll every replica replaces its picture of the other replicas' requests
+- `leases`: the first study's model of worker reports (issue 32's proposal, before the
+  service had them). At each poll every replica replaces its picture of the other replicas' requests
   on that worker with the worker's current set: it holds one lease per such request, with the
   request's expert profile, until the next poll. Between polls the picture goes stale exactly
   as a report would (finished requests linger, new ones are missing).
 - `no_polls`: the service with `--load-monitor-interval 0`: no replica reads the workers'
   loads, so each bounds and balances its own share of the traffic alone.
-- `worker_reports_projected`: `worker_reports`, plus a projection of the other replicas'
+- `leases_projected`: `leases`, plus a projection of the other replicas'
   arrivals between polls. Each request a replica routes to a worker also counts R - 1
   load-only leases there (no expert profile: the others' requests' experts are unknown), as if
   every other replica sent its share where this one did; the next poll of that worker drops
-  them (its report then shows the others' real requests). With R = 1 it is `worker_reports`.
-- `worker_reports_mirrored`: as `worker_reports_projected`, but the R - 1 load-only leases also
+  them (its report then shows the others' real requests). With R = 1 it is `leases`.
+- `leases_mirrored`: as `leases_projected`, but the R - 1 load-only leases also
   end when the request that brought them finishes (before the next poll if it comes first): the
   others' requests are assumed to leave as this replica's own do, not only to arrive.
 
@@ -29,12 +29,15 @@ requests:
   until that worker's next report or the request's end (rust/core/src/queue.rs,
   `set_replicas`), and the locality state counts R - 1 mirror images of its experts
   (policies/locality.rs), without worker reports.
-- `service_reports`: the service as built (issue 32): `own_view`'s load polls, and at each
-  poll every worker's occupancy report from its requests' profiles (all replicas', summed as
-  the worker does: sglang_ext/profile_occupancy.py), blended by each replica's core as the
-  service blends it (`Router.report_occupancy`: the report, never below the replica's own use,
-  plus its requests since).
-- `service_reports_replicas`: `service_reports` with `--router-replicas R` on every replica.
+- `worker_reports_no_replicas_flag`: the service as built (issue 32), without
+  `--router-replicas`: `own_view`'s load polls, and at each poll every worker's occupancy
+  report from its requests' profiles (all replicas', summed as the worker does:
+  sglang_ext/profile_occupancy.py), blended by each replica's core as the service blends it
+  (`Router.report_occupancy`: the report, never below the replica's own use, plus its
+  requests since).
+- `worker_reports`: the service as built and documented for R replicas: the same reports, and
+  `--router-replicas R` on every replica (load projection and expert mirror images until the
+  worker's next report).
 
 The wrapper speaks the simulator's policy protocol (sim/policies.py): `route`, `acquire`
 (right after `route`, for the same request), `report_load`, `loads`.
@@ -50,11 +53,11 @@ import numpy as np
 
 from eldr_sglang.sglang_ext.profile_occupancy import ProfileOccupancy
 
-MODES = ("own_view", "worker_reports", "no_polls", "worker_reports_projected",
-         "worker_reports_mirrored", "worker_reports_own_cap", "own_view_replicas",
-         "service_reports", "service_reports_replicas")
-SERVICE = ("service_reports", "service_reports_replicas")  # modes with the service's occupancy reports
-PROJECTED = ("worker_reports_projected", "worker_reports_mirrored")  # modes with load-only leases
+MODES = ("own_view", "leases", "no_polls", "leases_projected",
+         "leases_mirrored", "leases_own_cap", "own_view_replicas",
+         "worker_reports_no_replicas_flag", "worker_reports")
+SERVICE = ("worker_reports_no_replicas_flag", "worker_reports")  # modes with the service's occupancy reports
+PROJECTED = ("leases_projected", "leases_mirrored")  # modes with load-only leases
 
 
 class _Lease:
@@ -64,7 +67,7 @@ class _Lease:
 
     def __init__(self, owner: Replicas, replica: int, worker: int, tokens: int, trace_r: int, inner):
         self.owner, self.replica, self.worker, self.tokens, self.trace_r, self.inner = owner, replica, worker, tokens, trace_r, inner
-        self.mirrors: list = []  # worker_reports_mirrored: the load-only leases that end with this one
+        self.mirrors: list = []  # leases_mirrored: the load-only leases that end with this one
 
     def release(self) -> None:
         if self.inner is not None:
@@ -93,13 +96,13 @@ class Replicas:
         self.projected: list[list[list]] = [[[] for _ in range(num_workers)] for _ in range(replicas)]
         self.own = [[0] * num_workers for _ in range(replicas)]  # each replica's own in-flight requests
         self._last = (0, 0)
-        # worker_reports_own_cap: the bounded policies' load factors, their Routers' caps off
+        # leases_own_cap: the bounded policies' load factors, their Routers' caps off
         self.own_cap: list = [None] * replicas
-        if mode in ("own_view_replicas", "service_reports_replicas"):
+        if mode in ("own_view_replicas", "worker_reports"):
             for rep in self.reps:
                 rep.router.replicas = replicas
         self._wire: dict[int, tuple] = {}  # a request's profile as sent to its worker, parsed once
-        if mode == "worker_reports_own_cap":
+        if mode == "leases_own_cap":
             for k, rep in enumerate(self.reps):
                 self.own_cap[k], rep.router.load_factor = rep.router.load_factor, None
 
@@ -129,12 +132,12 @@ class Replicas:
             router = self.reps[k].router  # a load-only lease: Router.acquire without a profile
             extra = [router.acquire(worker, tokens) for _ in range(len(self.reps) - 1)]
             self.projected[k][worker] += extra
-            if self.mode == "worker_reports_mirrored":
+            if self.mode == "leases_mirrored":
                 lease.mirrors = extra
         return lease
 
     def report_load(self, worker: int, running: int) -> None:
-        """A poll of decode worker `worker`: its load, and in `worker_reports` its occupancy."""
+        """A poll of decode worker `worker`: its load, and in `leases` its occupancy."""
         if self.mode == "no_polls":
             return
         if self.mode in ("own_view", "own_view_replicas", *SERVICE):
