@@ -5,20 +5,17 @@
   min(interval, 5 s).
 - A non-streamed request to a decode that hangs moves on after the first-byte timeout (the
   decode never took the KV) instead of waiting the whole request timeout.
-- A large client body stalls nothing: the data plane checks it on its own threads, /health
-  (the control plane's) keeps answering while big bodies are checked, and large bodies still
-  go through, or get their 4xx.
+- Large client bodies still go through, or get their 4xx. That the data plane checks them off
+  its serving threads is tested in the data plane itself, by counts (flow/body.rs).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 
 import pytest
 
-aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from eldr_sglang.testing.pd_cluster import get_json, metric, post  # noqa: E402
@@ -83,15 +80,7 @@ def test_non_streamed_request_to_a_hung_decode_fails_over(cluster, trace_files, 
         router.stop()
 
 
-BODIES = 8  # big bodies sent at once, 4 per tokio worker of the data plane
-# The worst /health call over the router's time to answer one big body alone. Measured on the
-# shared 2-core machine: 0.84-2.5 per round with the bodies checked off the serving threads (the
-# best of a run's rounds 0.84-0.97), 3.2-7.9 in every round of a build that checks them on
-# tokio's workers (LARGE_BODY_BYTES = usize::MAX); the cut lies between, near their geometric mean.
-STALL_RATIO = 1.7
-
-
-def test_large_bodies_are_parsed_off_the_event_loop(cluster, trace_files, workdir):
+def test_large_bodies_are_served_and_refused_like_small_ones(cluster, trace_files, workdir):
     router, base = eldr_router(cluster, trace_files, workdir, [])
     try:
         # large bodies still work: a valid one is served, bad ones get the same 4xx as small ones
@@ -105,52 +94,8 @@ def test_large_bodies_are_parsed_off_the_event_loop(cluster, trace_files, workdi
         status, _, out = post(base + "/generate", b'{"input_ids": [' + b"1," * 200_000 + b"]", timeout=60)
         assert status == 400 and b"not valid JSON" in out
 
-        # a body whose check takes the router a while (a long list of token ids, each looked at)
-        big = json.dumps({"input_ids": [1] * 1_000_000, "n": 2}).encode()
-
-        async def run():
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-                async def send():
-                    async with s.post(base + "/generate", data=big, headers={"Content-Type": "application/json"}) as r:
-                        await r.read()
-                        return r.status
-
-                async def poll(stop):
-                    worst = 0.0
-                    while not stop.is_set():
-                        t = time.perf_counter()
-                        async with s.get(base + "/health") as r:
-                            await r.read()
-                        worst = max(worst, time.perf_counter() - t)
-                        await asyncio.sleep(0.01)
-                    return worst
-
-                # the reference is the router's own: how long it takes to answer one such body
-                # alone (send, check, refuse), the best of three
-                alone = []
-                for _ in range(3):
-                    t = time.perf_counter()
-                    assert await send() == 400
-                    alone.append(time.perf_counter() - t)
-                stop = asyncio.Event()
-                poller = asyncio.ensure_future(poll(stop))
-                await asyncio.sleep(0.2)
-                statuses = await asyncio.gather(*(send() for _ in range(BODIES)))
-                stop.set()
-                return statuses, await poller, min(alone)
-
-        # checked on the threads that serve requests (tokio's two workers, or an event loop), eight
-        # such bodies hold /health up for several checks (several times what the router takes to
-        # answer one alone) in every round; off them they do not, but on 2 shared cores one round's
-        # worst call can still catch a scheduling stall (of the router or of this client, which
-        # sends the bodies from the same loop), so the best of up to five rounds is checked
-        rounds = []
-        for _ in range(5):
-            statuses, worst, alone_s = asyncio.run(run())
-            assert statuses == [400] * BODIES  # checked, then refused for n = 2: the workers never see them
-            rounds.append((worst, alone_s))
-            if worst < STALL_RATIO * alone_s:
-                break
-        assert min(w / a for w, a in rounds) < STALL_RATIO, rounds
+        # that the check runs off the serving threads is tested in the data plane, by counts on a
+        # one-thread runtime (flow::body::tests::large_bodies_are_checked_off_the_serving_thread):
+        # a stall ratio timed here on 2 shared cores overlapped between the two builds in CI
     finally:
         router.stop()

@@ -51,14 +51,21 @@ impl Kind {
 /// the bound on body bytes held (the raw bytes are dropped once parsed).
 pub async fn read_request(plane: &Plane, kind: Kind, body: Incoming, content_length: Option<u64>) -> Result<(Bytes, bool, Reserved), FlowError> {
     let (raw, held) = read_body(plane, body, content_length).await?;
-    let (base, client_stream) = if raw.len() > LARGE_BODY_BYTES {
-        tokio::task::spawn_blocking(move || parse_body(kind, &raw)).await.map_err(|_| BadRequest::with_status(503, "the request body could not be parsed"))??
+    let (base, client_stream) = parse_off_loop_if_large(kind, raw).await?;
+    Ok((base, client_stream, held))
+}
+
+/// [`parse_body`], on the blocking pool for a body above [`LARGE_BODY_BYTES`] so that the
+/// threads serving other requests (and `/health`) never wait on a long check.
+async fn parse_off_loop_if_large(kind: Kind, raw: Bytes) -> Result<(Bytes, bool), FlowError> {
+    if raw.len() > LARGE_BODY_BYTES {
+        let parsed = tokio::task::spawn_blocking(move || parse_body(kind, &raw)).await;
+        Ok(parsed.map_err(|_| BadRequest::with_status(503, "the request body could not be parsed"))??)
     } else {
         let parsed = parse_body(kind, &raw);
         drop(raw); // the client's bytes go now, not when the request ends
-        parsed?
-    };
-    Ok((base, client_stream, held))
+        Ok(parsed?)
+    }
 }
 
 /// Most of an over-limit body read (and dropped) so the client can finish sending and read
@@ -315,6 +322,43 @@ fn validate(kind: Kind, body: &HashMap<String, &RawValue>) -> Result<(), BadRequ
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// On a one-thread runtime, a task beside the parse runs while a large body is checked
+    /// (the check is off the serving thread), and does not while a small one is (a control:
+    /// the counter can stay at zero). Counts, not times: deterministic on shared cores.
+    #[tokio::test(flavor = "current_thread")]
+    async fn large_bodies_are_checked_off_the_serving_thread() {
+        async fn ticks_during(raw: Bytes) -> (usize, Result<(Bytes, bool), FlowError>) {
+            let ticks = Arc::new(AtomicUsize::new(0));
+            let ticker = tokio::spawn({
+                let ticks = ticks.clone();
+                async move {
+                    loop {
+                        ticks.fetch_add(1, Ordering::Relaxed);
+                        tokio::task::yield_now().await;
+                    }
+                }
+            });
+            let parsed = parse_off_loop_if_large(Kind::Generate, raw).await;
+            let seen = ticks.load(Ordering::Relaxed);
+            ticker.abort();
+            (seen, parsed)
+        }
+        let ids = |n: usize| Bytes::from(format!(r#"{{"input_ids":[{}1],"n":2}}"#, "1,".repeat(n)));
+        let large = ids(2_000_000); // ~4 MB, tens of milliseconds to check
+        assert!(large.len() > LARGE_BODY_BYTES);
+        let (seen, parsed) = ticks_during(large).await;
+        assert!(matches!(parsed, Err(FlowError::Bad(ref e)) if e.message.contains("n > 1")));
+        assert!(seen > 0, "the serving thread was held for the whole check of a large body");
+        let small = ids(1_000);
+        assert!(small.len() <= LARGE_BODY_BYTES);
+        let (seen, parsed) = ticks_during(small).await;
+        assert!(parsed.is_err());
+        assert_eq!(seen, 0, "a small body is checked in place, without yielding");
+    }
 
     #[test]
     fn client_bodies_are_validated_per_endpoint() {
