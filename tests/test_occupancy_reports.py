@@ -157,9 +157,10 @@ def _profiles(cluster) -> list[int]:
 def test_a_router_routes_on_every_decode_workers_occupancy(cluster, trace_files, workdir):
     proc, base = eldr_router(cluster, trace_files, workdir, [], "locality")
     try:
-        before = _profiles(cluster)
         assert _reported_after_traffic(base) == [True, True]
-        # every decode worker got its requests' profiles, all well formed
+        # once a worker reports, it gets its requests' profiles, all well formed
+        before = _profiles(cluster)
+        assert all(r["status"] == 200 for r in run_requests(base, 24, 4, 3, 0.0))
         assert all(a > b for a, b in zip(_profiles(cluster), before))
         assert [get_json(u + "/emulator/stats")["profiles_dropped"] for u in cluster["decode"]] == [0, 0]
         assert not _metric(base, "eldr_router_occupancy_reports_dropped_total")
@@ -177,6 +178,14 @@ def test_a_router_routes_on_every_decode_workers_occupancy(cluster, trace_files,
             st = get_json(base + "/eldr/status")
             assert st["decode_occupancy_reported"][1] is False and st["decode_reported"][1] == 0
             assert not _metric(base, "eldr_router_load_reports_dropped_total")
+            # and its requests no longer carry profiles (it shows no use of them), the other's do
+            before = _profiles(cluster)
+            routes = _metric(base, "eldr_router_decode_routes_total")
+            assert all(r["status"] == 200 for r in run_requests(base, 24, 4, 3, 0.0))
+            after = _profiles(cluster)
+            to_1 = sum(v for k, v in _metric(base, "eldr_router_decode_routes_total").items() if 'worker="1"' in k) - sum(
+                v for k, v in routes.items() if 'worker="1"' in k)
+            assert to_1 > 0 and after[1] == before[1] and after[0] > before[0], (to_1, before, after)
         finally:
             set_fault(cluster["decode"][1], "none")
     finally:

@@ -568,8 +568,8 @@ def test_two_router_replicas_serve_the_real_cluster_together(cpu, pd, centroids)
     front of the same servers; clients alternate between the two. Counts only: every request
     finishes in full, each replica routed its own half, the decode servers received every
     request once, and both replicas' in-flight counts return to zero. The default's replica
-    sends each request's expert profile with it (which SGLang's API contract ignores) and
-    routes on the decode servers' occupancy reports (--enable-eldr-occupancy), none dropped."""
+    routes on the decode servers' occupancy reports (--enable-eldr-occupancy), none dropped,
+    and sends each request's expert profile to a server once it reports."""
     from eldr_sglang.testing.sglang_cpu.cluster import wait_ready
 
     replica = cpu.start_router("router-replica", [(pd.ptap.url, pd.boot)], [t.url for t in pd.dtaps], [

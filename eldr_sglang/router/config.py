@@ -373,7 +373,8 @@ def _request_flags(req: argparse._ArgumentGroup) -> None:
         "--eldr-occupancy-reports", choices=("on", "off"), default="on",
         help="with the locality balancer, ask each decode worker's /v1/loads for the experts its whole batch uses "
         "(every replica's requests; workers patched with --enable-eldr-occupancy) and route on that plus this "
-        "router's requests since (default on; an unpatched worker ignores the question)",
+        "router's requests since; each request's expert profile goes to a decode worker only while it reports "
+        "(default on; an unpatched worker ignores the question)",
     )
     req.add_argument(
         "--worker-poll-timeout-secs", type=float, default=10.0,

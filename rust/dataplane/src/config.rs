@@ -94,7 +94,8 @@ pub struct Config {
     pub max_payload_size: usize,
     pub explain_headers: bool,
     /// Send each request's expert profile to its decode worker (`eldr_profile`), which sums
-    /// them for its occupancy report (--eldr-occupancy-reports; unpatched SGLang ignores it).
+    /// them for its occupancy report (--eldr-occupancy-reports): only to a worker whose last
+    /// load poll carried a report (an unpatched one would ignore it).
     #[serde(default)]
     pub forward_profile: bool,
     /// Tokio worker threads.

@@ -135,7 +135,7 @@ impl PyExpertProfile {
     /// The profile as the data plane sends it with a decode request (`eldr_profile`, JSON):
     /// what a worker sums for its occupancy report (eldr_sglang/sglang_ext/profile_occupancy.py).
     fn to_wire_json(&self) -> String {
-        self.inner.to_wire_json()
+        self.inner.to_wire_json().to_owned()
     }
     fn __repr__(&self) -> String {
         format!("ExpertProfile(layers={}, experts={}, nnz={}, experts_per_layer={:.2})", self.inner.layers(), self.inner.experts(), self.inner.nnz(), self.inner.experts_per_layer())

@@ -46,6 +46,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use arc_swap::ArcSwapOption;
 
+use super::occupancy::WireCache;
 use super::{load_cap, shortest_healthy, Decision, Policy, Reason, RouteContext};
 use crate::distance::Counts;
 use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex};
@@ -158,7 +159,7 @@ struct Builder {
 
 impl Builder {
     fn new(layer_ids: Arc<[u32]>, experts: usize, generation: u64, tokens: u64, capacity: usize) -> Self {
-        let prof = ExpertProfile { layer_ids, experts, generation, cells: Vec::with_capacity(capacity), p: Vec::with_capacity(capacity), log_keep: Vec::with_capacity(capacity) };
+        let prof = ExpertProfile { layer_ids, experts, generation, cells: Vec::with_capacity(capacity), p: Vec::with_capacity(capacity), log_keep: Vec::with_capacity(capacity), wire: WireCache::default() };
         Builder { prof, lk: LogKeep::new(tokens), len: 0, capacity }
     }
     #[inline]
@@ -202,6 +203,8 @@ pub struct ExpertProfile {
     pub(super) cells: Vec<u32>,
     p: Vec<f64>,
     pub(super) log_keep: Vec<i64>,
+    /// Its `eldr_profile` JSON, built once: every decode attempt of the request sends it.
+    pub(super) wire: WireCache,
 }
 
 impl ExpertProfile {

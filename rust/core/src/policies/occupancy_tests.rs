@@ -146,3 +146,15 @@ fn with_replicas_each_request_counts_as_r_alike_ones_until_a_report_shows_the_ot
     assert!((pol.expert_distinct().unwrap()[1] - one).abs() < 1e-9);
     drop(g);
 }
+
+#[test]
+fn a_profiles_wire_form_is_built_once_and_is_not_part_of_its_value() {
+    let p = prof(&[1, 9, 15], &[3.0, 1.0, 4.0], 4);
+    let fresh = ExpertProfile::from_sparse(LL, EE, &[1, 9, 15], &[3.0, 1.0, 4.0], 4).unwrap();
+    let first = p.to_wire_json();
+    assert_eq!(first, p.build_wire_json());
+    assert!(std::ptr::eq(first, p.to_wire_json()), "a re-send reuses the first build");
+    assert_eq!(*p, fresh, "a built wire form leaves the profile equal to one without");
+    let wire: serde_json::Value = serde_json::from_str(first).unwrap();
+    assert_eq!(wire["cells"], serde_json::json!([1, 9, 15]));
+}

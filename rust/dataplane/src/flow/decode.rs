@@ -306,6 +306,13 @@ async fn decode_streamed(plane: &Arc<Plane>, ctx: &Bootstrap<'_>, d: DecodeLeg<'
     Ok(r.map(|()| hand_over(plane, body, first, guards, ctx.req.deadline, timing)))
 }
 
+/// Whether decode worker `w` gets the request's expert profile (`eldr_profile`): the flag on,
+/// and `w`'s last load poll carried an occupancy report, so it runs patch 0005 and sums the
+/// profiles (an unpatched worker ignores the field, which for DeepSeek-V3 is 25 KB a request).
+fn sends_profile(plane: &Plane, w: usize) -> bool {
+    plane.cfg.forward_profile && plane.router.policy().expert_load().is_some_and(|l| l.has_occupancy(w))
+}
+
 /// Open the decode leg; a failure is charged to the worker (see [`blame`]). Streamed, its
 /// response head is bounded by `head`. Not streamed (`head` None), the answer comes whole
 /// at the end, so no first byte can bound it; the KV can: a decode at work takes the
@@ -315,8 +322,8 @@ async fn decode_streamed(plane: &Arc<Plane>, ctx: &Bootstrap<'_>, d: DecodeLeg<'
 async fn open_decode(plane: &Plane, ctx: &Bootstrap<'_>, d: &DecodeLeg<'_>, head: Option<(Duration, &'static str)>, attempt: &mut Attempt) -> Result<Response<Incoming>, FlowError> {
     let leg = Leg { role: Role::Decode, worker: d.choice.worker, counters: &plane.counters };
     let deadline = ctx.req.deadline;
-    let body = match (&d.choice.profile, plane.cfg.forward_profile) {
-        (Some(p), true) => ctx.decode_body.with_field("eldr_profile", &p.to_wire_json()),
+    let body = match &d.choice.profile {
+        Some(p) if sends_profile(plane, d.choice.worker) => ctx.decode_body.with_field("eldr_profile", p.to_wire_json()),
         _ => ctx.decode_body.clone(),
     };
     let opening = upstream::post(&plane.client, &plane.decode, leg, &d.url, body, head, deadline);

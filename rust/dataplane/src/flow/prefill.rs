@@ -247,7 +247,7 @@ mod tests {
     #[test]
     fn a_decode_body_carries_the_profile_as_one_more_field() {
         let p = eldr_core::ExpertProfile::from_sparse(2, 4, &[1, 6], &[3.0, 1.0], 3).unwrap();
-        let wire: Value = serde_json::from_str(&p.to_wire_json()).unwrap();
+        let wire: Value = serde_json::from_str(p.to_wire_json()).unwrap();
         assert_eq!(wire["layers"], serde_json::json!([0, 1]));
         assert_eq!(wire["experts"], serde_json::json!(4));
         assert_eq!(wire["cells"], serde_json::json!([1, 6]));
@@ -260,7 +260,7 @@ mod tests {
         for body in [with_fields(&base, &f), with_fields(&base, &Map::new()), with_fields(&Bytes::from_static(b"{}"), &f),
                      with_fields(&Bytes::from_static(b"{}"), &Map::new())] {
             let before: Value = serde_json::from_slice(&body.to_vec()).unwrap();
-            let out: Value = serde_json::from_slice(&body.with_field("eldr_profile", &p.to_wire_json()).to_vec()).unwrap();
+            let out: Value = serde_json::from_slice(&body.with_field("eldr_profile", p.to_wire_json()).to_vec()).unwrap();
             let mut want = before.as_object().unwrap().clone();
             want.insert("eldr_profile".into(), wire.clone());
             assert_eq!(out, Value::Object(want));
