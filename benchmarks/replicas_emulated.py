@@ -83,30 +83,19 @@ def at_equal_batch(arm: dict[int, tuple[int, float]], weights: dict[int, tuple[i
 async def _clients(bases: list[str], n: int, concurrency: int, next_request, output_len: int) -> list[dict]:
     import aiohttp
 
+    from eldr_sglang.testing.pd_cluster import stream_trace_request, tpot_of
+
     out: list[dict] = []
     sent = iter(range(n))
 
     async def client(s, c: int):
         base = bases[c % len(bases)]  # clients alternate between the replicas
         for _ in sent:
-            r = next_request()
-            body = {"text": f"request {r}", "stream": True, "sampling_params": {"max_new_tokens": output_len},
-                    "emulator": {"trace_request": r}}
-            stamps = []
-            try:
-                async with s.post(base + "/generate", json=body) as resp:
-                    if resp.status != 200:
-                        await resp.read()
-                        out.append({"status": resp.status})
-                        continue
-                    async for line in resp.content:
-                        if line.startswith(b"data:") and b"[DONE]" not in line:
-                            stamps.append(time.perf_counter())
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                out.append({"status": 0, "error": type(exc).__name__})
+            res = await stream_trace_request(s, base, next_request(), output_len)
+            if res["status"] != 200:
+                out.append({k: v for k, v in res.items() if k in ("status", "error")})
                 continue
-            tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) >= 2 else None
-            out.append({"status": 200, "tpot_s": tpot})
+            out.append({"status": 200, "tpot_s": tpot_of(res["stamps"])})
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         await asyncio.gather(*(client(s, c) for c in range(concurrency)))

@@ -44,6 +44,8 @@ async def _drive(base: str, last_block: int, concurrency: int, next_request, out
     blocks 0 .. last_block - 1 are over (their last requests end with the clients)."""
     import aiohttp
 
+    from eldr_sglang.testing.pd_cluster import stream_trace_request, tpot_of
+
     out: list[dict] = []
     done = asyncio.Event()
 
@@ -55,29 +57,14 @@ async def _drive(base: str, last_block: int, concurrency: int, next_request, out
 
     async def client(s):
         while not done.is_set():
-            r = next_request()
-            body = {"text": f"request {r}", "stream": True, "sampling_params": {"max_new_tokens": output_len},
-                    "emulator": {"trace_request": r}}
-            t0 = time.perf_counter()
-            stamps = []
-            try:
-                async with s.post(base + "/generate", json=body) as resp:
-                    h = resp.headers
-                    if resp.status != 200:
-                        await resp.read()
-                        out.append({"status": resp.status})
-                        continue
-                    async for line in resp.content:
-                        if line.startswith(b"data:") and b"[DONE]" not in line:
-                            stamps.append(time.perf_counter())
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                out.append({"status": 0, "error": type(exc).__name__})
+            res = await stream_trace_request(s, base, next_request(), output_len)
+            if res["status"] != 200:
+                out.append({k: v for k, v in res.items() if k in ("status", "error")})
                 continue
-            rec = {"status": 200, "block": int(h["x-eldr-experiment-block"]), "arm": h["x-eldr-experiment-arm"],
-                   "warmup": h["x-eldr-experiment-warmup"] == "1", "tokens": len(stamps),
-                   "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) >= 2 else None,
-                   "ttft_s": stamps[0] - t0 if stamps else None}
-            out.append(rec)
+            h, stamps = res["headers"], res["stamps"]
+            out.append({"status": 200, "block": int(h["x-eldr-experiment-block"]), "arm": h["x-eldr-experiment-arm"],
+                        "warmup": h["x-eldr-experiment-warmup"] == "1", "tokens": len(stamps),
+                        "tpot_s": tpot_of(stamps), "ttft_s": stamps[0] - res["t0"] if stamps else None})
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         await asyncio.gather(watch(), *(client(s) for _ in range(concurrency)))

@@ -46,6 +46,21 @@ def setup(cluster):
     rproc.stop()
 
 
+
+def _generate_limited(s, base: str, tag: str, sem: asyncio.Semaphore):
+    """`one(i)`: a short /generate of the emulator's trace request i through session `s`, at most
+    `sem`'s count at once; its HTTP status."""
+
+    async def one(i: int) -> int:
+        async with sem:
+            body = {"text": f"{tag}{i}", "sampling_params": {"max_new_tokens": 2},
+                    "emulator": {"trace_request": i % N_TRACE}}
+            async with s.post(base + "/generate", json=body) as r:
+                await r.read()
+                return r.status
+
+    return one
+
 def test_router_feeds_the_drift_monitor_and_answers_refit(setup):
     base = setup
     n = 40
@@ -101,15 +116,7 @@ def test_refit_under_load_in_the_router_app(cluster):
             pd = app[PD_KEY]
             assert pd.drift is not None and pd.drift.ctl.reservoir.capacity == 256
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-                sem = asyncio.Semaphore(16)
-
-                async def one(i):
-                    async with sem:
-                        body = {"text": f"q{i}", "sampling_params": {"max_new_tokens": 2},
-                                "emulator": {"trace_request": i % N_TRACE}}
-                        async with s.post(base + "/generate", json=body) as r:
-                            await r.read()
-                            return r.status
+                one = _generate_limited(s, base, "q", asyncio.Semaphore(16))
 
                 assert await asyncio.gather(*(one(i) for i in range(160))) == [200] * 160
                 gen0 = pd.router.centroid_generation
@@ -198,15 +205,7 @@ def test_membership_change_then_refit_fits_the_decode_members(cluster):
                     assert r.status == 200, await r.text()
                 assert [u for _, u in pd.members("decode")] == urls["decode"]
                 assert pd.router.centroid_set().num_workers == 3
-                sem = asyncio.Semaphore(16)
-
-                async def one(i):
-                    async with sem:
-                        body = {"text": f"m{i}", "sampling_params": {"max_new_tokens": 2},
-                                "emulator": {"trace_request": i % N_TRACE}}
-                        async with s.post(base + "/generate", json=body) as r:
-                            await r.read()
-                            return r.status
+                one = _generate_limited(s, base, "m", asyncio.Semaphore(16))
 
                 assert await asyncio.gather(*(one(i) for i in range(200))) == [200] * 200
                 gen0 = pd.router.centroid_generation

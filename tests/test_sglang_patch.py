@@ -137,13 +137,19 @@ PROBE = textwrap.dedent(
 )
 
 
-def test_patched_modules_import_hook_counts_exactly_flags_parse(overlay):
+def _run_probe(overlay, probe: str, *args: str) -> dict:
+    """Patch the overlay, run `probe` in a fresh interpreter that imports SGLang from it, and
+    return the JSON the probe printed last on a line starting with PROBE."""
     patching.apply(overlay)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(REPO)]))
-    p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE")]
     assert p.returncode == 0 and lines, p.stderr[-3000:]
-    out = json.loads(lines[-1][5:])
+    return json.loads(lines[-1][5:])
+
+
+def test_patched_modules_import_hook_counts_exactly_flags_parse(overlay):
+    out = _run_probe(overlay, PROBE)
     assert out["sglang_file"].startswith(str(overlay))
     assert all(out["hooked"].values()), out["hooked"]
     assert out["flags"] == [True, 8192, True, 1]
@@ -220,13 +226,7 @@ OCC_PROBE = textwrap.dedent(
 
 
 def test_occupancy_hooks_count_decode_steps_and_loads_answers(overlay, tmp_path):
-    patching.apply(overlay)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(REPO)]))
-    p = subprocess.run([sys.executable, "-c", OCC_PROBE, str(tmp_path / "snap.shm")], env=env, capture_output=True,
-                       text=True, timeout=600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE")]
-    assert p.returncode == 0 and lines, p.stderr[-3000:]
-    out = json.loads(lines[-1][5:])
+    out = _run_probe(overlay, OCC_PROBE, str(tmp_path / "snap.shm"))
     assert all(out["hooked"].values()), out["hooked"]
     assert out["default_source"] == [True, "signatures"]
     assert out["signatures_installs"] is False  # the signatures source keeps no per-step table
@@ -346,12 +346,7 @@ def test_signatures_occupancy_counts_profiles_while_requests_are_served(overlay)
     and /v1/chat/completions count their eldr_profile until the response ends (a stream: its
     body sent or closed), a malformed one is ignored and counted, and /v1/loads answers the
     product of the running requests' 1 - p."""
-    patching.apply(overlay)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(REPO)]))
-    p = subprocess.run([sys.executable, "-c", SIG_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE")]
-    assert p.returncode == 0 and lines, p.stderr[-3000:]
-    out = json.loads(lines[-1][5:])
+    out = _run_probe(overlay, SIG_PROBE)
     assert out["hooked"]
     rest = {"version": 1, "source": "signatures", "layers": [1, 2], "running": 3, "experts": None, "idle": None}
     assert out["idle_at_rest"] == rest

@@ -164,6 +164,36 @@ def post(url: str, body, timeout: float = 30.0, headers: dict | None = None) -> 
         return e.code, Headers(e.headers.items()), e.read()
 
 
+async def stream_trace_request(session, base: str, r: int, output_len: int) -> dict:
+    """One streamed /generate of the emulator's trace request `r` through `session` (aiohttp):
+    {"status", and for a 200 "headers", "t0" and "stamps", each data event's perf_counter};
+    a connection failure or timeout is status 0 with its "error"."""
+    import asyncio
+
+    import aiohttp
+
+    body = {"text": f"request {r}", "stream": True, "sampling_params": {"max_new_tokens": output_len},
+            "emulator": {"trace_request": r}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    try:
+        async with session.post(base + "/generate", json=body) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return {"status": resp.status}
+            async for line in resp.content:
+                if line.startswith(b"data:") and b"[DONE]" not in line:
+                    stamps.append(time.perf_counter())
+            return {"status": 200, "headers": resp.headers, "t0": t0, "stamps": stamps}
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return {"status": 0, "error": type(exc).__name__}
+
+
+def tpot_of(stamps: list[float]) -> float | None:
+    """Mean time between a stream's tokens (None for fewer than two)."""
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) >= 2 else None
+
+
 def metric(text: str, name: str, **labels) -> float:
     """Sum of a Prometheus sample's values whose labels include `labels`."""
     total = 0.0

@@ -190,6 +190,9 @@ impl Router {
             centroid_map: Arc::clone(&self.centroid_map),
         };
         r.set_load_factor(spec.load_factor)?;
+        // the replicas beside this router are the sibling's too (its balancer mirrors its
+        // requests as this one's does)
+        r.policy.set_replicas(self.tracker.replicas());
         Ok(r)
     }
     pub fn tau(&self) -> f64 {

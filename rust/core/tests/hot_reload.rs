@@ -190,3 +190,24 @@ fn a_sibling_shares_workers_centroids_and_tau_not_its_policy() {
     let paged = main.sibling(RouterSpec { load_factor: Some(0.05), ..RouterSpec::of(PolicyConfig::PagedLocality { resident: 4, request_cost: 0.4 }) }).unwrap();
     assert_eq!((paged.policy_name(), paged.paged_experts(), paged.request_cost()), ("locality", Some(4), Some(0.4)));
 }
+
+#[test]
+fn a_sibling_mirrors_as_many_replicas_as_its_main_router() {
+    // --router-replicas R: the arm of an experiment counts each request's experts R times until
+    // a report, as the main router's balancer does
+    let distinct_with = |replicas: u32| {
+        let main = Router::new(RouterSpec::of(PolicyConfig::Locality { request_cost: 0.0 }), Some(2), None, 0, 0).unwrap();
+        main.tracker().set_replicas(replicas);
+        main.policy().set_replicas(replicas);
+        let arm = main.sibling(RouterSpec::of(PolicyConfig::Locality { request_cost: 0.0 })).unwrap();
+        let p = Arc::new(eldr_core::ExpertProfile::from_sparse(1, 8, &[0, 3], &[1.0, 1.0], 2).unwrap());
+        let _g = arm.policy().track(2, 0, Arc::clone(&p)).unwrap().unwrap();
+        let _h = main.policy().track(2, 1, p).unwrap().unwrap();
+        let (a, m) = (arm.policy().expert_distinct().unwrap(), main.policy().expert_distinct().unwrap());
+        (a[0], m[1])
+    };
+    let (arm1, main1) = distinct_with(1);
+    let (arm3, main3) = distinct_with(3);
+    assert!((arm1 - main1).abs() < 1e-12 && (arm3 - main3).abs() < 1e-12, "{arm1} {main1} {arm3} {main3}");
+    assert!(arm3 > arm1, "the arm counted no images of the other replicas: {arm3} vs {arm1}");
+}

@@ -46,7 +46,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use arc_swap::ArcSwapOption;
 
-use super::occupancy::WireCache;
 use super::{load_cap, shortest_healthy, Decision, Policy, Reason, RouteContext};
 use crate::distance::Counts;
 use crate::signature::{CountValue, NoSignature, SignatureSpec, SparseIndex};
@@ -189,6 +188,23 @@ impl Builder {
 #[inline(always)]
 fn bad_bits(b: u32) -> bool {
     ((b & 0x7fff_ffff) >= 0x7f80_0000) | (b > 0x8000_0000)
+}
+
+/// A profile's wire form once built (a cache: not part of the profile's value, so profiles
+/// compare equal whether or not theirs was built).
+#[derive(Default, Clone)]
+pub(super) struct WireCache(pub(super) OnceLock<Box<str>>);
+
+impl PartialEq for WireCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for WireCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WireCache")
+    }
 }
 
 /// A request's expected expert use per decode token (see the module docs).

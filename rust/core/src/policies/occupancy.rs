@@ -9,7 +9,7 @@
 //! the images of this router's requests since the last report (`--router-replicas`).
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use thiserror::Error;
 
@@ -110,23 +110,6 @@ impl ExpertLoad {
         self.distinct[worker].0.fetch_add(d, Ordering::Release);
     }
 
-}
-
-/// A profile's wire form once built (a cache: not part of the profile's value, so profiles
-/// compare equal whether or not theirs was built).
-#[derive(Default, Clone)]
-pub(super) struct WireCache(OnceLock<Box<str>>);
-
-impl PartialEq for WireCache {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl std::fmt::Debug for WireCache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("WireCache")
-    }
 }
 
 impl ExpertProfile {

@@ -145,7 +145,10 @@ pub(crate) fn discard(plane: &Plane, mut body: Incoming) {
     });
 }
 
-const ROUTER_FIELDS: [&str; 4] = ["bootstrap_host", "bootstrap_port", "bootstrap_room", "stream"];
+/// Fields only the router writes: a client's own are dropped (`eldr_profile`, the request's
+/// expert profile a decode worker sums for its occupancy report, goes only from the router, or
+/// a client could skew what every replica reads of that worker's batch).
+const ROUTER_FIELDS: [&str; 5] = ["bootstrap_host", "bootstrap_port", "bootstrap_room", "stream", "eldr_profile"];
 
 /// Parse and validate a client body: (its JSON without the router's own fields, compact;
 /// its stream flag). Values are kept as the client wrote them (raw JSON: a number no
@@ -383,6 +386,9 @@ mod tests {
         assert!(ok(Kind::Completions, r#"{"prompt":[1,2,3]}"#).is_ok());
         assert!(err(Kind::Chat, r#"{"messages":[]}"#).contains("messages"));
         assert!(ok(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":1}"#).is_ok());
+        // the router's own fields are dropped from a client's body (the router writes them)
+        let kept = parse_body(Kind::Generate, br#"{"text":"a","eldr_profile":{"cells":[1]},"bootstrap_room":7}"#).unwrap().0;
+        assert_eq!(serde_json::from_slice::<Value>(&kept).unwrap(), serde_json::json!({"text": "a"}));
         // a number no machine type holds passes through as written
         let big = format!(r#"{{"text":"a","x":1{}}}"#, "0".repeat(400));
         assert!(String::from_utf8(parse_body(Kind::Generate, big.as_bytes()).unwrap().0.to_vec()).unwrap().contains(&"0".repeat(400)));
