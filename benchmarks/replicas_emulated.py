@@ -167,7 +167,9 @@ def markdown(runs: list[dict]) -> str:
     s = runs[0]["settings"]
     lines = ["# Router replicas on an emulated cluster\n",
              f"{runs[0]['simulated']}. K = {s['decode']} decode, {s['prefill']} prefill, {s['concurrency']} closed-loop "
-             f"streaming clients, {s['requests_per_arm']} requests per arm, time scale {s['time_scale']:g}, one trace "
+             f"streaming clients, {s['requests_per_arm']} requests per arm of {s['output_len']} output tokens, time scale "
+             f"{s['time_scale']:g} (round robin's TPOT p50 {1e3 * runs[0]['arms']['round_robin x1']['tpot_p50_s']:.1f} ms: "
+             f"a request lasts about {s['output_len'] * runs[0]['arms']['round_robin x1']['tpot_p50_s']:.2f} s), one trace "
              f"per seed, load polls every {s.get('load_monitor_interval') or 'default (1 or 0.25)'} s, occupancy reports from the workers' "
              f"{'decode steps' if s.get('occupancy_source') == 'steps' else 'requests profiles'}. Distinct experts per layer per step counted in the workers, at round robin's batch sizes.\n"]
     for res in runs:
