@@ -619,6 +619,25 @@ def _occupancy(url: str, layers: str) -> dict:
     return get_json(f"{url}/v1/loads?{query([int(x) for x in layers.split(',')])}", timeout=30)
 
 
+def _direct_generate(pd, decode: int, text: str, max_new: int, **extra) -> None:
+    """One request over the PD protocol without the router: the same body, with one bootstrap
+    room, to the prefill and to decode server `decode` at once (SGLang's own early binding)."""
+    import asyncio
+
+    import aiohttp
+
+    from eldr_sglang.testing.loadgen import direct_early
+
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True},
+            **extra}
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+            await direct_early(s, pd.prefill.url, pd.boot, pd.decodes[decode].url, body)
+
+    asyncio.run(go())
+
+
 def test_decode_occupancy_report_on_real_sglang(pd):
     """Issue 32 part 2, the SGLang side: decode servers started with --enable-eldr-occupancy
     (the default source, signatures) answer /v1/loads?...&eldr_layers=... with the product
@@ -626,7 +645,9 @@ def test_decode_occupancy_report_on_real_sglang(pd):
     only: no profile held at rest ("idle": null); while a request with a built profile (p = 0.5
     on layer 0's experts 0 and 1) decodes, the server that holds it reports exactly those
     cells at 0.5; after it ends, null again; an unknown layer id is answered with an error
-    line. (The steps source is covered by tests/test_sglang_patch.py.)"""
+    line. The request speaks the PD protocol to the servers itself (both legs, one bootstrap
+    room; decode 0): the router writes only its own profiles and drops a client's.
+    (The steps source is covered by tests/test_sglang_patch.py.)"""
     layers = list(range(LAYERS))  # the tiny Qwen3-MoE: every layer is MoE
     asked = ",".join(map(str, layers))
     for d in pd.decodes:
@@ -640,7 +661,8 @@ def test_decode_occupancy_report_on_real_sglang(pd):
     want = [[0.5, 0.5] + [1.0] * (EXPERTS - 2)] + [[1.0] * EXPERTS] * (LAYERS - 1)
     seen = []
     with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(generate, pd.url, "Occupancy: tell me a long story about experts", 300, eldr_profile=profile)
+        fut = ex.submit(_direct_generate, pd, 0, "Occupancy: tell me a long story about experts", 300,
+                        eldr_profile=profile)
         while not fut.done():  # poll every decode while the request decodes somewhere
             for i, d in enumerate(pd.decodes):
                 occ = _occupancy(d.url, asked)["eldr_occupancy"]
@@ -649,7 +671,7 @@ def test_decode_occupancy_report_on_real_sglang(pd):
             time.sleep(0.2)
         fut.result()
     assert seen, "no decode server reported the request's profile while it decoded"
-    assert len({i for i, _ in seen}) == 1, seen  # the one that served it
+    assert {i for i, _ in seen} == {0}, seen  # the one that served it
     for _, occ in seen:
         assert occ["experts"] == EXPERTS and [[round(v, 4) for v in row] for row in occ["idle"]] == want, occ
     deadline = time.monotonic() + 30  # the decode's stream ends just after the answer's last event
